@@ -1,0 +1,1 @@
+"""jspec: dynamic speculative decoding for JAX/Flax."""

@@ -1,0 +1,204 @@
+"""`jspec bench`: run methods over tasks on one model, write JSON rows, plots and BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+from typing import Any
+
+from jspec.bench.harness import RunContext, batches_of, benchmark_group
+from jspec.bench.methods import HFGenerateMethod, JspecMethod, canonical_dtype, load_hf_model
+from jspec.bench.protocol import MethodSpec, parse_method_specs
+from jspec.tasks import Question, load_questions_file, load_task
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def _str_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", required=True, help="preset name or checkpoint path (jspec.presets.resolve_model)")
+    parser.add_argument("--tasks", default="mt_bench", help="comma list of mt_bench, humaneval, chitchat ('' for none)")
+    parser.add_argument("--questions", help="extra Spec-Bench questions .jsonl; its task name is the file stem")
+    parser.add_argument("--n-prompts", type=int, default=None, help="first N questions of each task (default all)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch", default="1", help="comma list of batch sizes, e.g. 1,16")
+    parser.add_argument("--dtype", default=None, help="comma list; default bfloat16 on accelerators, float32 on CPU")
+    parser.add_argument("--methods", default="ar,hf", help="comma list: ar, hf, hf_pld, spec:<drafter>:<policy>[:tree]")
+    parser.add_argument("--k-max", type=int, default=None, help="passed to jspec generate for spec methods")
+    parser.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="hf_pld draft length")
+    parser.add_argument("--hf-checkpoint", help="checkpoint dir or .gguf file for the HF peer (default: from --model)")
+    parser.add_argument("--no-chat-template", action="store_true", help="feed raw text even to chat models")
+    parser.add_argument("--out", default="bench", help="results go to models/<preset>/bench/<out>.json")
+    parser.add_argument("--models-dir", default="models")
+    parser.add_argument("--benchmarks-md", default="BENCHMARKS.md")
+    parser.add_argument("--no-plots", action="store_true")
+    return parser
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+
+
+def preset_name(model: str) -> str:
+    """Directory name under models/ for results: the preset, or a checkpoint path's name."""
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name if path.exists() else model
+
+
+def load_questions(args: argparse.Namespace) -> dict[str, list[Question]]:
+    questions = {name: load_task(name, args.n_prompts) for name in _str_list(args.tasks)}
+    if args.questions:
+        qs = load_questions_file(args.questions)
+        questions[Path(args.questions).stem] = qs if args.n_prompts is None else qs[: args.n_prompts]
+    if not questions:
+        raise SystemExit("no prompts: give --tasks and/or --questions")
+    return questions
+
+
+def default_dtype_name() -> str:
+    import jax
+
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def resolve_model(name_or_path: str):
+    from jspec.presets import resolve_model as resolve  # lazy: written alongside this harness
+
+    return resolve(name_or_path)
+
+
+def hf_checkpoint(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(directory, gguf file name or None) for transformers' from_pretrained."""
+    source = args.hf_checkpoint or args.model
+    path = Path(source)
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.parent), path.name
+    if path.is_dir():
+        return str(path), None
+    import jspec.presets as presets
+
+    lookup = getattr(presets, "hf_checkpoint", None)
+    if lookup is None:
+        raise SystemExit(f"cannot tell where preset {source!r} lives on disk for the HF peer: pass --hf-checkpoint")
+    return lookup(source)
+
+
+def reproduce_command(args: argparse.Namespace, dtypes: list[str]) -> str:
+    parts = ["python", "scripts/bench.py", "--model", args.model, "--tasks", args.tasks]
+    if args.questions:
+        parts += ["--questions", args.questions]
+    if args.n_prompts is not None:
+        parts += ["--n-prompts", str(args.n_prompts)]
+    parts += ["--max-new-tokens", str(args.max_new_tokens), "--batch", args.batch, "--dtype", ",".join(dtypes),
+              "--methods", args.methods, "--out", args.out]
+    if args.k_max is not None:
+        parts += ["--k-max", str(args.k_max)]
+    if args.no_chat_template:
+        parts.append("--no-chat-template")
+    return shlex.join(parts)
+
+
+# ---- methods -----------------------------------------------------------------------------------
+
+
+class MethodFactory:
+    """Builds each method at one batch size and dtype, casting params / loading the HF model once
+    per dtype."""
+
+    def __init__(self, args: argparse.Namespace, cfg: Any, params: Any, tokenizer: Any):
+        self.args, self.cfg, self.params, self.tokenizer = args, cfg, params, tokenizer
+        self._cast: dict[str, Any] = {}
+        self._hf: dict[str, Any] = {}
+
+    def jax_params(self, dtype: str) -> Any:
+        if dtype not in self._cast:
+            import jax.numpy as jnp
+
+            from jspec.model import cast_params
+
+            self._cast = {dtype: cast_params(self.params, jnp.dtype(dtype))}  # keep one copy on device
+        return self._cast[dtype]
+
+    def hf_model(self, dtype: str) -> Any:
+        if dtype not in self._hf:
+            directory, gguf_file = hf_checkpoint(self.args)
+            self._hf = {dtype: load_hf_model(directory, dtype=dtype, gguf_file=gguf_file)}
+        return self._hf[dtype]
+
+    def supports(self, spec: MethodSpec, batch: int) -> bool:
+        return not (spec.method == "hf" and spec.drafter == "prompt_lookup" and batch != 1)
+
+    def build(self, spec: MethodSpec, dtype: str, batch: int):
+        a = self.args
+        if spec.method == "hf":
+            pad = getattr(self.tokenizer, "pad_token_id", None)
+            return HFGenerateMethod(
+                self.hf_model(dtype), eos_token_ids=self.cfg.eos_token_ids,
+                pad_token_id=self.cfg.pad_token_id if pad is None else pad, dtype=dtype, batch=batch,
+                max_new_tokens=a.max_new_tokens,
+                prompt_lookup_num_tokens=a.prompt_lookup_num_tokens if spec.drafter == "prompt_lookup" else None,
+            )
+        extra = {"k_max": a.k_max} if spec.method == "spec" and a.k_max is not None else {}
+        return JspecMethod(self.jax_params(dtype), self.cfg, spec, dtype=dtype, batch=batch,
+                           max_new_tokens=a.max_new_tokens, generate_kwargs=extra)
+
+
+# ---- run ---------------------------------------------------------------------------------------
+
+
+def _total_batches(prompts: dict[str, list], specs, batches, dtypes, factory) -> int:
+    return sum(
+        len(batches_of(p, b)) * sum(factory.supports(s, b) for s in specs)
+        for p in prompts.values() for b in batches for _ in dtypes
+    )
+
+
+def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    from jspec.bench.prompts import encode_questions
+    from jspec.bench.report import bench_dir, write_benchmarks_md, write_rows
+
+    specs = parse_method_specs(args.methods)
+    batches = _int_list(args.batch)
+    dtypes = [canonical_dtype(d) for d in _str_list(args.dtype or default_dtype_name())]
+    questions = load_questions(args)
+    cfg, params, tokenizer = resolve_model(args.model)
+    chat = False if args.no_chat_template else None
+    prompts = {task: encode_questions(tokenizer, qs, chat=chat) for task, qs in questions.items()}
+    factory = MethodFactory(args, cfg, params, tokenizer)
+    ctx = RunContext(target=preset_name(args.model), max_new_tokens=args.max_new_tokens,
+                     reproduce=reproduce_command(args, dtypes))
+    print(f"bench {ctx.target} on {ctx.card} (JAX {ctx.jax_version}): {len(specs)} methods, tasks {list(prompts)}")
+
+    rows: list[dict[str, Any]] = []
+    with tqdm(total=_total_batches(prompts, specs, batches, dtypes, factory), unit="batch") as progress:
+        for dtype in dtypes:  # outermost: one param copy / HF model per dtype at a time
+            for task, task_prompts in prompts.items():
+                for batch in batches:
+                    skipped = [s.name for s in specs if not factory.supports(s, batch)]
+                    if skipped:
+                        progress.write(f"skipping {', '.join(skipped)} at batch {batch}: transformers runs it at batch 1 only")
+                    methods = [factory.build(s, dtype, batch) for s in specs if factory.supports(s, batch)]
+                    rows += benchmark_group(ctx, methods, task_prompts, task=task, progress=progress)
+
+    out_dir = bench_dir(args.models_dir, ctx.target)
+    print(f"rows: {write_rows(out_dir / f'{args.out}.json', rows)}")
+    if not args.no_plots:
+        from jspec.bench.plots import plot_all
+
+        for path in plot_all(rows, out_dir / "plots"):
+            print(f"plot: {path}")
+    print(f"table: {write_benchmarks_md(args.models_dir, args.benchmarks_md)}")
+    return rows
+
+
+def main(argv: list[str] | None = None, **defaults: Any) -> list[dict[str, Any]]:
+    parser = add_bench_args(argparse.ArgumentParser(description=__doc__))
+    parser.set_defaults(**defaults)
+    return run_bench(parser.parse_args(argv))

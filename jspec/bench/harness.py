@@ -1,0 +1,167 @@
+"""Runs methods over prompts, times every ``run`` call, and turns the timings into JSON rows.
+
+All methods of a group share one batch size and dtype and run back to back in this process, AR
+first, so every ratio (speedup, greedy identity) compares runs on the same card in the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+from typing import Any, Sequence
+
+import jax
+
+from jspec.bench import metrics
+from jspec.bench.device import card_name, jax_peak_memory_bytes
+from jspec.bench.metrics import TimedBatch
+from jspec.bench.protocol import Method, RowResult
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What every row of one run shares."""
+
+    target: str
+    max_new_tokens: int
+    reproduce: str = ""
+    card: str = dataclasses.field(default_factory=card_name)
+    jax_version: str = jax.__version__
+    timestamp: str = dataclasses.field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    )
+
+
+@dataclasses.dataclass
+class MethodRun:
+    method: Method
+    batches: list[TimedBatch]
+    compile_s: float
+    peak_mem_bytes: int | None
+
+    @property
+    def outputs(self) -> list[list[int]]:
+        return [list(r.new_tokens) for b in self.batches for r in b.rows]
+
+
+def batches_of(prompts: Sequence[Sequence[int]], batch: int) -> list[tuple[list[list[int]], int]]:
+    """Consecutive groups of ``batch`` prompts as (prompts, number of real prompts). The last group
+    is filled up by repeating its own prompts (or the first ones) so every call has the compiled
+    shape; the results of those fillers are thrown away."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    groups = []
+    for start in range(0, len(prompts), batch):
+        real = [list(p) for p in prompts[start : start + batch]]
+        fillers = [real[i % len(real)] for i in range(batch - len(real))]
+        groups.append((real + fillers, len(real)))
+    return groups
+
+
+def _now() -> float:
+    """Wall clock for timing (its own function so tests can drive it)."""
+    return time.perf_counter()
+
+
+def _peak_memory(method: Method) -> int | None:
+    own = getattr(method, "peak_memory_bytes", None)  # e.g. torch's allocator for HF peers
+    return own() if own is not None else jax_peak_memory_bytes()
+
+
+def run_method(method: Method, prompts: Sequence[Sequence[int]], progress=None) -> MethodRun:
+    """Prepare (untimed), then time each batch with perf_counter around ``method.run``."""
+    groups = batches_of(prompts, method.batch)
+    if progress is not None:
+        progress.set_description(f"{method.name} b{method.batch} {method.dtype}")
+    reset = getattr(method, "reset_peak_memory", None)
+    if reset is not None:
+        reset()
+    # Every timed batch is offered for warm-up: a method that compiles per shape (jspec buckets
+    # prompt lengths) can warm each shape; others just use the first batch.
+    compile_s = float(method.prepare([p for batch_prompts, _ in groups for p in batch_prompts]))
+    timed = []
+    for batch_prompts, n_real in groups:
+        start = _now()
+        rows = method.run(batch_prompts)
+        seconds = _now() - start
+        if len(rows) != len(batch_prompts):
+            raise RuntimeError(f"{method.name}: run returned {len(rows)} rows for {len(batch_prompts)} prompts")
+        timed.append(TimedBatch(seconds, list(rows[:n_real])))
+        if progress is not None:
+            progress.update(1)
+    return MethodRun(method, timed, compile_s, _peak_memory(method))
+
+
+def first_trace(run: MethodRun) -> dict[str, list[int]] | None:
+    """Per-round traces of the first prompt's generation, kept in the row for plots."""
+    row: RowResult = run.batches[0].rows[0]
+    trace = {k: list(v) for k, v in (("draft_lengths", row.draft_lengths), ("step_tokens", row.step_tokens)) if v is not None}
+    return trace or None
+
+
+def make_row(
+    ctx: RunContext,
+    run: MethodRun,
+    *,
+    task: str,
+    ar_run: MethodRun | None,
+    hf_run: MethodRun | None,
+) -> dict[str, Any]:
+    m = run.method
+    tps = metrics.tokens_per_s(run.batches)
+    return {
+        "card": ctx.card,
+        "jax_version": ctx.jax_version,
+        "target": ctx.target,
+        "method": m.method,
+        "name": m.name,
+        "drafter": m.drafter,
+        "policy": m.policy,
+        "tree": bool(m.tree),
+        "dtype": m.dtype,
+        "batch": m.batch,
+        "task": task,
+        "n_prompts": len(run.outputs),
+        "max_new_tokens": ctx.max_new_tokens,
+        "tokens_per_s": tps,
+        "speedup_vs_ar": metrics.speedup(tps, metrics.tokens_per_s(ar_run.batches)) if ar_run else None,
+        "speedup_vs_hf": metrics.speedup(tps, metrics.tokens_per_s(hf_run.batches)) if hf_run else None,
+        "mean_accepted_tokens": metrics.mean_accepted_tokens(run.batches),
+        "acceptance_rate": metrics.acceptance_rate(run.batches),
+        "draft_tokens_per_round": metrics.draft_tokens_per_round(run.batches),
+        "greedy_identical_to_ar": (
+            metrics.greedy_identical_fraction(run.outputs, ar_run.outputs) if ar_run else None
+        ),
+        "mean_new_tokens": sum(map(len, run.outputs)) / len(run.outputs),
+        "peak_mem_bytes": run.peak_mem_bytes,
+        "compile_s": run.compile_s,
+        "accepted_length_hist": metrics.accepted_length_histogram(run.batches),
+        "trace": first_trace(run),
+        "reproduce": ctx.reproduce,
+        "timestamp": ctx.timestamp,
+    }
+
+
+def _is_plain_hf(m: Method) -> bool:
+    return m.method == "hf" and not m.drafter
+
+
+def benchmark_group(
+    ctx: RunContext,
+    methods: Sequence[Method],
+    prompts: Sequence[Sequence[int]],
+    *,
+    task: str,
+    progress=None,
+) -> list[dict[str, Any]]:
+    """Rows for methods sharing one batch size and dtype. The AR method (if any) runs first so the
+    others can be compared against it; plain HF generate is the second reference."""
+    shapes = {(m.batch, m.dtype) for m in methods}
+    if len(shapes) > 1:
+        raise ValueError(f"one group must share batch and dtype, got {sorted(shapes)}")
+    ordered = sorted(methods, key=lambda m: (m.method != "ar", not _is_plain_hf(m)))
+    runs = [run_method(m, prompts, progress) for m in ordered]
+    ar_run = next((r for r in runs if r.method.method == "ar"), None)
+    hf_run = next((r for r in runs if _is_plain_hf(r.method)), None)
+    return [make_row(ctx, r, task=task, ar_run=ar_run, hf_run=hf_run) for r in runs]

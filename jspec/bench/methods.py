@@ -1,0 +1,258 @@
+"""Method adapters: jspec's own generate (AR and speculative) and transformers' generate as a peer.
+
+Both block until the generated ids are numpy / Python lists on the host, so the harness's
+perf_counter brackets the full generation.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from jspec.bench.protocol import MethodSpec, RowResult
+
+TORCH_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+                "float16": "float16", "fp16": "float16"}
+
+
+def canonical_dtype(name: str) -> str:
+    try:
+        return TORCH_DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use float32, bfloat16 or float16") from None
+
+
+def _row_trace(result: Any, field: str, b: int) -> list[int] | None:
+    """Optional per-round trace [B, rounds] on a GenerationResult, cut to the row's rounds."""
+    trace = getattr(result, field, None)
+    if trace is None:
+        return None
+    n = int(np.asarray(result.rounds)[b]) if hasattr(result, "rounds") else np.asarray(trace).shape[1]
+    return np.asarray(trace)[b, :n].astype(int).tolist()
+
+
+def rows_from_generation(result: Any) -> list[RowResult]:
+    """RowResults from a jspec.generate.GenerationResult (numpy fields, -1 after each row's end)."""
+    rows = []
+    for b in range(len(result.lengths)):
+        n = int(result.lengths[b])
+        rows.append(
+            RowResult(
+                new_tokens=np.asarray(result.tokens)[b, :n].astype(int).tolist(),
+                target_calls=int(result.target_calls[b]),
+                drafted=int(result.drafted[b]),
+                accepted=int(result.accepted[b]),
+                draft_lengths=_row_trace(result, "draft_lengths", b),
+                step_tokens=_row_trace(result, "step_tokens", b),
+            )
+        )
+    return rows
+
+
+class JspecMethod:
+    """``jspec.generate.generate`` at one batch size and dtype; ``params`` are already cast."""
+
+    def __init__(
+        self,
+        params: Any,
+        cfg: Any,
+        spec: MethodSpec,
+        *,
+        dtype: str,
+        batch: int,
+        max_new_tokens: int,
+        generate_kwargs: dict[str, Any] | None = None,
+        generate_fn: Callable[..., Any] | None = None,
+    ):
+        if spec.method not in ("ar", "spec"):
+            raise ValueError(f"JspecMethod runs 'ar' or 'spec', not {spec.method!r}")
+        self.params, self.cfg, self.spec = params, cfg, spec
+        self.name, self.method = spec.name, spec.method
+        self.drafter, self.policy, self.tree = spec.drafter, spec.policy, spec.tree
+        self.dtype, self.batch, self.max_new_tokens = dtype, batch, max_new_tokens
+        self._generate_fn = generate_fn
+        self._kwargs = self._generate_kwargs(generate_kwargs or {})
+
+    def _generate(self) -> Callable[..., Any]:
+        if self._generate_fn is None:
+            from jspec.generate import generate  # lazy: the bench CLI must import without a model stack
+
+            self._generate_fn = generate
+        return self._generate_fn
+
+    def _generate_kwargs(self, extra: dict[str, Any]) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, **extra}
+        if self.method == "spec":
+            kwargs.update(drafter=self.drafter, policy=self.policy)
+            if self.tree:
+                kwargs["tree"] = True
+        return kwargs
+
+    def _check_tree_supported(self) -> None:
+        if self.tree and "tree" not in inspect.signature(self._generate()).parameters:
+            raise NotImplementedError(f"{self.name}: jspec.generate.generate takes no 'tree' argument yet")
+
+    def _warmup_batches(self, example_prompts: Sequence[Sequence[int]]) -> list[list[list[int]]]:
+        """One batch per prompt-length bucket among the examples: generate compiles once per bucket,
+        so warming each keeps every compile out of the timed region."""
+        from jspec.generate import bucket
+
+        by_bucket: dict[int, list[list[int]]] = {}
+        for i in range(0, len(example_prompts), self.batch):
+            group = [list(p) for p in example_prompts[i : i + self.batch]]
+            by_bucket.setdefault(bucket(max(map(len, group))), group)
+        return list(by_bucket.values())
+
+    def prepare(self, example_prompts: Sequence[Sequence[int]]) -> float:
+        self._check_tree_supported()
+        start = time.perf_counter()
+        for prompts in self._warmup_batches(example_prompts):
+            self._generate()(self.params, self.cfg, prompts, **self._kwargs)
+        return time.perf_counter() - start
+
+    def run(self, prompts: Sequence[Sequence[int]]) -> list[RowResult]:
+        result = self._generate()(self.params, self.cfg, [list(p) for p in prompts], **self._kwargs)
+        return rows_from_generation(result)  # numpy fields: already on the host
+
+
+def torch_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_hf_model(checkpoint: str, *, dtype: str, gguf_file: str | None = None, device: str | None = None):
+    """The same checkpoint through transformers (a GGUF file is dequantised by transformers)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, canonical_dtype(dtype))}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, **kwargs)
+    return model.to(device or torch_device()).eval()
+
+
+class _ForwardCounter:
+    """Counts the model's forward calls and the tokens fed to them (a forward pre-hook)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        self.fed_tokens = 0
+        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        self.calls += 1
+        self.fed_tokens += int(ids.shape[1]) if ids is not None else 0
+
+    def remove(self):
+        self._handle.remove()
+
+
+def cut_at_eos(tokens: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
+    """Tokens up to and including the first EOS (jspec counts the EOS as a new token too)."""
+    out = []
+    for t in tokens:
+        out.append(int(t))
+        if t in eos_ids:
+            break
+    return out
+
+
+class HFGenerateMethod:
+    """transformers ``generate`` on the same model: greedy, left-padded batches, optionally
+    prompt-lookup decoding (which transformers supports at batch 1 only)."""
+
+    method = "hf"
+    tree = False
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int,
+        dtype: str,
+        batch: int,
+        max_new_tokens: int,
+        prompt_lookup_num_tokens: int | None = None,
+    ):
+        if prompt_lookup_num_tokens and batch != 1:
+            raise ValueError("transformers' prompt-lookup decoding only runs at batch 1")
+        self.model, self.dtype, self.batch, self.max_new_tokens = model, dtype, batch, max_new_tokens
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self.pad_token_id = int(pad_token_id)
+        self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
+        self.drafter = "prompt_lookup" if prompt_lookup_num_tokens else None
+        self.policy = f"static:{prompt_lookup_num_tokens}" if prompt_lookup_num_tokens else None
+        self.name = MethodSpec("hf", drafter=self.drafter).name
+
+    def _left_padded(self, prompts: Sequence[Sequence[int]]):
+        import torch
+
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        device = self.model.device
+        return ids.to(device), mask.to(device)
+
+    def _generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        import torch
+
+        ids, mask = self._left_padded(prompts)
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, top_p=None, top_k=None,
+            temperature=None, eos_token_id=self.eos_token_ids or None, pad_token_id=self.pad_token_id,
+        )
+        if self.prompt_lookup_num_tokens:
+            kwargs["prompt_lookup_num_tokens"] = self.prompt_lookup_num_tokens
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        new = out[:, ids.shape[1]:].tolist()  # .tolist() waits for the device
+        return [cut_at_eos(row, self.eos_token_ids) for row in new]
+
+    def prepare(self, example_prompts: Sequence[Sequence[int]]) -> float:
+        """A short untimed generation: CUDA context, kernels and allocator warm-up."""
+        start = time.perf_counter()
+        self._generate(list(example_prompts[: self.batch]), min(8, self.max_new_tokens))
+        return time.perf_counter() - start
+
+    def run(self, prompts: Sequence[Sequence[int]]) -> list[RowResult]:
+        counter = _ForwardCounter(self.model)
+        try:
+            outputs = self._generate(prompts, self.max_new_tokens)
+        finally:
+            counter.remove()
+        if not self.prompt_lookup_num_tokens:
+            # plain greedy: the prefill yields the first token, each later forward one more
+            return [RowResult(new_tokens=o, target_calls=len(o)) for o in outputs]
+        return [self._prompt_lookup_row(outputs[0], len(prompts[0]), counter)]
+
+    @staticmethod
+    def _prompt_lookup_row(new_tokens: list[int], prompt_len: int, counter: _ForwardCounter) -> RowResult:
+        """Batch-1 assisted decoding: each verification forward is fed the not-yet-cached token
+        plus the candidates (the first forward: the prompt plus candidates), and emits the accepted
+        candidates plus one target token."""
+        drafted = max(counter.fed_tokens - prompt_len - (counter.calls - 1), 0)
+        accepted = min(max(len(new_tokens) - counter.calls, 0), drafted)
+        return RowResult(new_tokens=new_tokens, target_calls=counter.calls, drafted=drafted, accepted=accepted)
+
+    def reset_peak_memory(self) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_memory_bytes(self) -> int | None:
+        import torch
+
+        return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None

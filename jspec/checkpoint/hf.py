@@ -1,0 +1,416 @@
+"""Hugging Face checkpoints (config.json + safetensors, single or sharded) to and from jspec.
+
+Tensors are read with safetensors' numpy API (bfloat16 arrives as an ml_dtypes array and is
+widened exactly to float32). Gemma3 stores norm weights as `w` and applies `1 + w`; jspec keeps
+the applied multiplier, so `1` is added on load and subtracted on export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError, config_from_hf
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MissingTensorError,
+    UnknownArchitectureError,
+)
+from .layout import build_params, check_shape, split_params
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# model_type values config_from_hf understands (gemma3 = the multimodal wrapper with text_config).
+_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
+
+# Prefixes under which Gemma3 multimodal checkpoints keep the text decoder, mapped to the plain
+# causal-LM names. Order matters: the longest, most specific prefix first.
+_NAME_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+
+_LLAMA_LAYER_NAMES = {
+    "q_proj": "self_attn.q_proj.weight",
+    "k_proj": "self_attn.k_proj.weight",
+    "v_proj": "self_attn.v_proj.weight",
+    "o_proj": "self_attn.o_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "gate_proj": "mlp.gate_proj.weight",
+    "up_proj": "mlp.up_proj.weight",
+    "down_proj": "mlp.down_proj.weight",
+    "attn_norm": "input_layernorm.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+}
+
+# Gemma's sandwich norms: HF's post_attention_layernorm is the norm *after* attention, and the
+# pre-MLP norm has its own name.
+_GEMMA_LAYER_NAMES = {
+    **_LLAMA_LAYER_NAMES,
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "post_mlp_norm": "post_feedforward_layernorm.weight",
+}
+
+_GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+
+_HF_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+}
+
+
+def hf_tensor_name(cfg: ModelConfig, name: str, layer: int | None) -> str:
+    """Hugging Face state-dict name of a logical tensor (see layout.py)."""
+    if layer is None:
+        return _GLOBAL_NAMES[name]
+    table = _GEMMA_LAYER_NAMES if cfg.arch == "gemma3" else _LLAMA_LAYER_NAMES
+    return f"model.layers.{layer}.{table[name]}"
+
+
+def _is_gemma_norm(cfg: ModelConfig, name: str) -> bool:
+    return cfg.arch == "gemma3" and name.endswith("norm")
+
+
+def normalize_name(name: str) -> str:
+    for prefix, replacement in _NAME_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"{path}: file not found")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{path}: not valid JSON ({e})") from e
+
+
+def _model_type_of(hf: dict) -> str:
+    return str(hf.get("model_type", ""))
+
+
+def _with_transformers_defaults(model_dir: Path, hf: dict) -> dict:
+    """The config as transformers sees it: class defaults filled in for keys the file omits.
+
+    Older config.json files leave out values equal to the defaults of the transformers version
+    that wrote them (Mistral's sliding window, Gemma's layer pattern); reading them through
+    transformers keeps jspec's interpretation identical to the reference implementation.
+    """
+    try:
+        from transformers import AutoConfig
+    except ImportError:  # transformers is optional at run time: fall back to the file as written
+        return hf
+    try:
+        return AutoConfig.from_pretrained(str(model_dir)).to_dict()
+    except Exception as e:  # noqa: BLE001 - any parser failure is a corrupt config for us
+        raise CorruptCheckpointError(f"{model_dir / CONFIG_FILE}: transformers cannot parse it ({e})") from e
+
+
+def _check_unsupported_features(hf: dict, source: str) -> None:
+    """Reject config options jspec's forward would silently ignore."""
+    text = hf.get("text_config", hf) if _model_type_of(hf) == "gemma3" else hf
+    mt = _model_type_of(hf)
+    if mt in ("gemma3", "gemma3_text"):
+        act = text.get("hidden_activation") or text.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise UnknownArchitectureError(f"{source}: Gemma3 activation {act!r} is not supported (gelu_pytorch_tanh)")
+    else:
+        act = text.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnknownArchitectureError(f"{source}: activation {act!r} is not supported (silu)")
+    if mt == "qwen3" and text.get("use_sliding_window"):
+        raise UnknownArchitectureError(f"{source}: qwen3 use_sliding_window=True is not supported")
+
+
+def config_from_hf_file(model_dir: Path) -> ModelConfig:
+    """ModelConfig from <dir>/config.json, with eos ids merged from generation_config.json."""
+    path = model_dir / CONFIG_FILE
+    raw = read_json(path)
+    mt = _model_type_of(raw)
+    if mt not in _HF_MODEL_TYPES:
+        raise UnknownArchitectureError(
+            f"{path}: unknown model_type {mt!r}; supported: {', '.join(_HF_MODEL_TYPES)}"
+        )
+    hf = _with_transformers_defaults(model_dir, raw)
+    _check_unsupported_features(hf, str(path))
+    try:
+        cfg = config_from_hf(hf)
+    except UnsupportedModelError as e:
+        raise UnknownArchitectureError(f"{path}: {e}") from e
+    except (KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"{path}: missing or malformed config entry ({e})") from e
+    return cfg.replace(eos_token_ids=_merged_eos_ids(model_dir, cfg.eos_token_ids))
+
+
+def _merged_eos_ids(model_dir: Path, eos: tuple[int, ...]) -> tuple[int, ...]:
+    """Chat models often list extra stop tokens (end of turn) only in generation_config.json."""
+    gen_path = model_dir / GENERATION_CONFIG_FILE
+    if not gen_path.is_file():
+        return eos
+    gen_eos = read_json(gen_path).get("eos_token_id")
+    extra = gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
+    return tuple(dict.fromkeys([*eos, *(int(t) for t in extra)]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+# ---------------------------------------------------------------------------------------------
+
+
+class SafetensorsDir:
+    """Name -> tensor access over one or several safetensors files of a directory."""
+
+    def __init__(self, model_dir: Path):
+        self.dir = model_dir
+        self.files: dict[str, Path] = {}  # normalized tensor name -> shard file
+        self.original: dict[str, str] = {}  # normalized -> name as stored
+        self._handles: dict[Path, Any] = {}
+        index = model_dir / INDEX_FILE
+        single = model_dir / SINGLE_FILE
+        if index.is_file():
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CorruptCheckpointError(f"{index}: no 'weight_map' object")
+            for name, shard in weight_map.items():
+                self._add(name, model_dir / shard)
+        elif single.is_file():
+            for name in self._open(single).keys():
+                self._add(name, single)
+        else:
+            raise CheckpointNotFoundError(
+                f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)"
+            )
+
+    def _add(self, name: str, file: Path) -> None:
+        key = normalize_name(name)
+        self.files[key] = file
+        self.original[key] = name
+
+    def _open(self, file: Path):
+        if file not in self._handles:
+            if not file.is_file():
+                raise CheckpointNotFoundError(f"{file}: shard listed in {INDEX_FILE} is missing")
+            from safetensors import safe_open
+
+            try:
+                self._handles[file] = safe_open(str(file), framework="numpy")
+            except Exception as e:  # noqa: BLE001 - SafetensorError is not importable portably
+                raise CorruptCheckpointError(f"{file}: cannot read safetensors header ({e}); truncated or not safetensors?") from e
+        return self._handles[file]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def get(self, name: str) -> np.ndarray:
+        file = self.files.get(name)
+        if file is None:
+            raise MissingTensorError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
+        try:
+            array = self._open(file).get_tensor(self.original[name])
+        except Exception as e:  # noqa: BLE001
+            raise CorruptCheckpointError(f"{file}: cannot read tensor {self.original[name]!r} ({e}); file truncated?") from e
+        return np.asarray(array).astype(np.float32)
+
+
+class StateDict:
+    """The same access over an in-memory {name: array} dict (numpy or torch tensors)."""
+
+    def __init__(self, sd: dict[str, Any], source: str = "state_dict"):
+        self.dir = source
+        self.tensors = {normalize_name(k): v for k, v in sd.items()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.tensors:
+            raise MissingTensorError(f"{self.dir}: tensor {name!r} is missing from the state dict")
+        value = self.tensors[name]
+        if hasattr(value, "detach"):  # torch tensor (possibly bfloat16, which numpy lacks)
+            value = value.detach().float().cpu().numpy()
+        return np.asarray(value).astype(np.float32)
+
+
+def _reject_output_bias(cfg: ModelConfig, tensors) -> None:
+    """Llama/Qwen3/Gemma `attention_bias` also adds an o_proj bias, which jspec does not model."""
+    for layer in range(cfg.num_layers):
+        name = f"model.layers.{layer}.self_attn.o_proj.bias"
+        if name in tensors and np.any(tensors.get(name) != 0):
+            raise UnknownArchitectureError(f"{tensors.dir}: non-zero {name} (output-projection bias) is not supported")
+
+
+def _fetch_from(cfg: ModelConfig, tensors) -> Callable:
+    def fetch(name: str, layer: int | None, shape: tuple) -> np.ndarray:
+        hf_name = hf_tensor_name(cfg, name, layer)
+        array = check_shape(tensors.get(hf_name), shape, hf_name, str(tensors.dir))
+        if _is_gemma_norm(cfg, name):
+            array = array + 1.0
+        return array
+
+    return fetch
+
+
+def params_from_hf_state_dict(cfg: ModelConfig, sd: dict[str, Any], dtype=jnp.float32, source: str = "state_dict") -> dict:
+    """jspec params from a Hugging Face state dict ({name: numpy array or torch tensor})."""
+    tensors = StateDict(sd, source)
+    _reject_output_bias(cfg, tensors)
+    return build_params(cfg, _fetch_from(cfg, tensors), dtype)
+
+
+def load_hf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
+    """(config, params) from a Hugging Face model directory."""
+    model_dir = Path(path)
+    if not model_dir.is_dir():
+        raise CheckpointNotFoundError(f"{model_dir}: Hugging Face model directory not found")
+    cfg = config_from_hf_file(model_dir)
+    tensors = SafetensorsDir(model_dir)
+    _reject_output_bias(cfg, tensors)
+    return cfg, build_params(cfg, _fetch_from(cfg, tensors), dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+# ---------------------------------------------------------------------------------------------
+
+
+def _rope_parameters(cfg: ModelConfig, theta: float, scaling: tuple | None) -> dict:
+    rp: dict[str, Any] = {"rope_type": "default", "rope_theta": float(theta)}
+    if scaling is None:
+        return rp
+    if scaling[0] == "linear":
+        return {**rp, "rope_type": "linear", "factor": float(scaling[1])}
+    if scaling[0] == "llama3":
+        _, factor, low, high, orig = scaling
+        return {
+            **rp,
+            "rope_type": "llama3",
+            "factor": float(factor),
+            "low_freq_factor": float(low),
+            "high_freq_factor": float(high),
+            "original_max_position_embeddings": int(orig),
+        }
+    raise UnsupportedModelError(f"cannot export rope scaling {scaling[0]!r}")
+
+
+def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+    """A transformers config.json for cfg's family (transformers >= 5 `rope_parameters` form)."""
+    model_type, architecture = _HF_ARCHITECTURES[cfg.arch]
+    eos = list(cfg.eos_token_ids)
+    d: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "pad_token_id": cfg.pad_token_id,
+        "dtype": torch_dtype,
+    }
+    if cfg.arch == "gemma3":
+        local_theta = cfg.rope_local_theta or 10000.0
+        d.update(
+            hidden_activation="gelu_pytorch_tanh",
+            attention_bias=cfg.attention_bias,
+            query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+            sliding_window=cfg.sliding_window,
+            layer_types=["sliding_attention" if s else "full_attention" for s in cfg.sliding_layers],
+            final_logit_softcapping=cfg.final_logit_softcap,
+            attn_logit_softcapping=cfg.attn_logit_softcap,
+            rope_parameters={
+                "full_attention": _rope_parameters(cfg, cfg.rope_theta, cfg.rope_scaling),
+                "sliding_attention": _rope_parameters(cfg, local_theta, None),
+            },
+        )
+        return d
+    d.update(hidden_act="silu", rope_parameters=_rope_parameters(cfg, cfg.rope_theta, cfg.rope_scaling))
+    if cfg.arch in ("llama", "qwen3"):
+        d["attention_bias"] = cfg.attention_bias
+    if cfg.arch == "mistral":
+        d["sliding_window"] = cfg.sliding_window if cfg.has_sliding else None
+    elif cfg.has_sliding:
+        raise UnsupportedModelError(f"cannot export sliding-window attention for arch {cfg.arch!r}")
+    if cfg.arch == "qwen2":
+        d["use_sliding_window"] = False
+    return d
+
+
+def hf_state_dict(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+    """{HF name: numpy array} in the params' dtype (float32 or bfloat16)."""
+    sd = {}
+    for name, layer, array in split_params(cfg, params):
+        if _is_gemma_norm(cfg, name):
+            array = (array.astype(np.float32) - 1.0).astype(array.dtype)
+        sd[hf_tensor_name(cfg, name, layer)] = array
+    if cfg.attention_bias and cfg.arch != "qwen2":
+        # These families' attention_bias flag also creates an o_proj bias; jspec has none, so
+        # write zeros rather than let transformers initialise it randomly.
+        dtype = sd[hf_tensor_name(cfg, "embed", None)].dtype
+        for layer in range(cfg.num_layers):
+            sd[f"model.layers.{layer}.self_attn.o_proj.bias"] = np.zeros((cfg.hidden_size,), dtype)
+    return sd
+
+
+def export_hf(params: dict, cfg: ModelConfig, out_dir: str | os.PathLike) -> Path:
+    """Write config.json + model.safetensors that transformers' AutoModelForCausalLM loads."""
+    from safetensors.numpy import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = hf_state_dict(cfg, params)
+    dtype_name = "bfloat16" if str(next(iter(sd.values())).dtype) == "bfloat16" else "float32"
+    (out / CONFIG_FILE).write_text(json.dumps(hf_config_dict(cfg, dtype_name), indent=2) + "\n")
+    generation = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids) or None}
+    (out / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
+    save_file(sd, str(out / SINGLE_FILE), metadata={"format": "pt"})
+    return out
+
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "config_from_hf_file",
+    "export_hf",
+    "hf_config_dict",
+    "hf_state_dict",
+    "hf_tensor_name",
+    "load_hf",
+    "params_from_hf_state_dict",
+]

@@ -1,0 +1,299 @@
+"""Jitted generation: prefill padded to buckets, then one `lax.while_loop` with no host round trip.
+
+`generate` is the one entry point: plain autoregressive decoding when `drafter` is None,
+speculative decoding (jspec.spec.engine) otherwise. Both share the prompt handling, the output
+buffer and the stopping rules, so their greedy outputs can be compared token for token.
+
+Rows of a batch may have different prompt lengths: each row keeps its own cache cursor, its own
+output count and its own done flag (EOS or max_new_tokens). Finished rows ride along in the batch
+(static shapes) until every row is done or the step budget runs out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from . import model as M
+from .config import ModelConfig
+from .sampling import GREEDY, Sampling, sample
+
+PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class PromptError(ValueError):
+    """A prompt cannot be run as given (empty, too long for the cache, ids outside the vocab)."""
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: np.ndarray  # [B, max_new] int32, -1 after each row's end
+    lengths: np.ndarray  # [B] new tokens per row (EOS included when emitted)
+    target_calls: np.ndarray  # [B] target forward passes that produced this row's tokens
+    drafted: np.ndarray  # [B] draft tokens proposed (0 for AR)
+    accepted: np.ndarray  # [B] draft tokens accepted (bonus tokens not counted)
+    rounds: np.ndarray  # [B] speculative rounds (== target_calls)
+
+    def row(self, b: int) -> list[int]:
+        return self.tokens[b, : self.lengths[b]].tolist()
+
+    @property
+    def mean_accepted_tokens(self) -> np.ndarray:
+        """Tokens added per target call, bonus included (1.0 for AR), per row."""
+        return self.lengths / np.maximum(self.target_calls, 1)
+
+
+def default_dtype() -> Any:
+    """float32 on CPU (XLA's CPU bf16 is several times slower), bfloat16 on accelerators."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def bucket(n: int) -> int:
+    for b in PROMPT_BUCKETS:
+        if n <= b:
+            return b
+    return -(-n // 1024) * 1024
+
+
+def plan_cache_len(prompt_bucket: int, max_new_tokens: int, extra: int = 0) -> int:
+    """Cache slots: prompt bucket + generated tokens + a speculative block, rounded to 128."""
+    need = prompt_bucket + max_new_tokens + extra + 1
+    return -(-need // 128) * 128
+
+
+def pack_prompts(cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int, extra: int = 0, cache_len: int | None = None):
+    """Validate prompts and right-pad them into a [B, bucket] array. Raises PromptError."""
+    if not prompts:
+        raise PromptError("no prompts given")
+    if max_new_tokens < 1:
+        raise PromptError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    lens = np.array([len(p) for p in prompts], np.int32)
+    if (lens == 0).any():
+        raise PromptError(f"prompt {int(np.argmin(lens))} is empty")
+    for i, p in enumerate(prompts):
+        arr = np.asarray(p)
+        if arr.size and (arr.min() < 0 or arr.max() >= cfg.vocab_size):
+            bad = int(arr[(arr < 0) | (arr >= cfg.vocab_size)][0])
+            raise PromptError(f"prompt {i} has token id {bad} outside the vocabulary [0, {cfg.vocab_size})")
+    pb = bucket(int(lens.max()))
+    need = int(lens.max()) + max_new_tokens + extra + 1
+    if cache_len is None:
+        cache_len = plan_cache_len(pb, max_new_tokens, extra)
+    if need > cache_len:
+        raise PromptError(
+            f"prompt of {int(lens.max())} tokens + max_new_tokens {max_new_tokens} (+{extra + 1} speculative slots) "
+            f"needs {need} cache slots but the cache holds {cache_len}"
+        )
+    if int(lens.max()) + max_new_tokens > cfg.max_position_embeddings:
+        raise PromptError(
+            f"prompt of {int(lens.max())} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
+            f"context of {cfg.max_position_embeddings} positions"
+        )
+    pb = min(pb, cache_len)
+    tokens = np.full((len(prompts), pb), cfg.pad_token_id, np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    return tokens, lens, cache_len
+
+
+# ---------------------------------------------------------------------------------------------
+# Autoregressive decoding
+# ---------------------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class DecodeState:
+    cache: M.KVCache
+    out: jax.Array  # [B, max_new] emitted tokens
+    n_out: jax.Array  # [B] tokens emitted so far
+    last: jax.Array  # [B] last emitted token (not yet in the cache)
+    done: jax.Array  # [B]
+    steps: jax.Array  # [B] target calls that produced tokens for the row
+    key: jax.Array
+
+
+def is_eos(cfg: ModelConfig, tok: jax.Array) -> jax.Array:
+    if not cfg.eos_token_ids:
+        return jnp.zeros(tok.shape, bool)
+    return jnp.isin(tok, jnp.asarray(cfg.eos_token_ids, jnp.int32))
+
+
+def prefill(params, cfg: ModelConfig, tokens, lens, cache: M.KVCache, *, capture=(), unroll=1):
+    """Run padded prompts; return the last real position's logits, the cache and the forward output."""
+    out = M.forward(params, cfg, tokens, cache, capture=capture, unroll=unroll)
+    cache = out.cache.replace(lengths=lens.astype(jnp.int32))
+    last_h = jnp.take_along_axis(out.hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
+    return M.lm_head(params, cfg, last_h), cache, out
+
+
+def emit(cfg: ModelConfig, out, n_out, done, new_tokens, n_new, max_new):
+    """Append n_new[b] tokens of new_tokens [B, T] to each unfinished row; stop rows at EOS/max_new.
+
+    Returns (out, n_out, done). Tokens after a row's first EOS are dropped.
+    """
+    B, T = new_tokens.shape
+    t = jnp.arange(T)[None]
+    in_round = t < n_new[:, None]
+    eos = is_eos(cfg, new_tokens) & in_round
+    # keep tokens up to and including the first EOS
+    first_eos = jnp.where(eos.any(axis=1), jnp.argmax(eos, axis=1), T)
+    keep = in_round & (t <= first_eos[:, None]) & ~done[:, None]
+    dst = jnp.where(keep, n_out[:, None] + t, out.shape[1])  # out of range -> dropped
+    out = out.at[jnp.arange(B)[:, None], dst].set(new_tokens, mode="drop")
+    n_kept = jnp.sum(keep, axis=1).astype(jnp.int32)
+    n_out = jnp.minimum(n_out + n_kept, max_new)
+    done = done | eos.any(axis=1) | (n_out >= max_new)
+    return out, n_out, done
+
+
+def decode_step(params, cfg: ModelConfig, sampling: Sampling, max_new: int, state: DecodeState, unroll=1) -> DecodeState:
+    """One target call: feed each row's last token, sample the next."""
+    fwd = M.forward(params, cfg, state.last[:, None], state.cache, unroll=unroll)
+    logits = M.lm_head(params, cfg, fwd.hidden[:, 0])
+    key, sub = jax.random.split(state.key)
+    tok = sample(sub, logits, sampling)
+    active = ~state.done
+    out, n_out, done = emit(cfg, state.out, state.n_out, state.done, tok[:, None], jnp.ones_like(state.n_out), max_new)
+    return DecodeState(
+        cache=M.advance(fwd.cache, active.astype(jnp.int32)),
+        out=out,
+        n_out=n_out,
+        last=jnp.where(active, tok, state.last),
+        done=done,
+        steps=state.steps + active.astype(jnp.int32),
+        key=key,
+    )
+
+
+def start_decode(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling, unroll=1) -> DecodeState:
+    B = tokens.shape[0]
+    cache = M.init_cache(cfg, B, cache_len, params["embed"].dtype)
+    logits, cache, _ = prefill(params, cfg, tokens, lens, cache, unroll=unroll)
+    key, sub = jax.random.split(key)
+    first = sample(sub, logits, sampling)
+    out = jnp.full((B, max_new), -1, jnp.int32)
+    zeros = jnp.zeros((B,), jnp.int32)
+    out, n_out, done = emit(cfg, out, zeros, jnp.zeros((B,), bool), first[:, None], jnp.ones_like(zeros), max_new)
+    return DecodeState(cache=cache, out=out, n_out=n_out, last=first, done=done, steps=jnp.ones_like(zeros), key=key)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll"))
+def generate_ar_jit(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling, unroll=1):
+    """Whole AR generation under one jit: prefill + a while_loop of decode steps."""
+    state = start_decode(params, cfg, tokens, lens, key, max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll)
+
+    def cond(s):
+        return ~jnp.all(s.done)
+
+    def body(s):
+        return decode_step(params, cfg, sampling, max_new, s, unroll=unroll)
+
+    state = jax.lax.while_loop(cond, body, state)
+    return state.out, state.n_out, state.steps
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll"))
+def _start_decode_jit(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling, unroll=1):
+    return start_decode(params, cfg, tokens, lens, key, max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "max_new", "sampling", "n_steps", "unroll"), donate_argnames=("state",)
+)
+def _decode_chunk_jit(params, cfg, state, *, max_new, sampling, n_steps, unroll=1):
+    """n_steps decode steps (fewer if every row finishes); the state (and its cache) is donated."""
+
+    def cond(c):
+        i, s = c
+        return (i < n_steps) & ~jnp.all(s.done)
+
+    def body(c):
+        i, s = c
+        return i + 1, decode_step(params, cfg, sampling, max_new, s, unroll=unroll)
+
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+def generate(
+    params: dict,
+    cfg: ModelConfig,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int = 128,
+    sampling: Sampling | None = None,
+    drafter=None,
+    drafter_params=None,
+    policy=None,
+    policy_params=None,
+    k_max: int = 8,
+    verify: str = "lossless",
+    seed: int = 0,
+    cache_len: int | None = None,
+    unroll: int | bool = 1,
+) -> GenerationResult:
+    """Generate up to max_new_tokens per prompt (token-id lists), batched.
+
+    drafter=None: autoregressive decoding. Otherwise speculative decoding with the given drafter
+    (jspec.spec.drafters) and draft-length policy (jspec.spec.policies, default static K=k_max);
+    `verify` is "lossless" (greedy identity / lossless sampling) or "consultant" (lossy, opt-in).
+    """
+    sampling = sampling or GREEDY
+    extra = k_max + 1 if drafter is not None else 0
+    tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new_tokens, extra, cache_len)
+    key = jax.random.PRNGKey(seed)
+    if drafter is None:
+        out, n_out, steps = generate_ar_jit(
+            params, cfg, jnp.asarray(tokens), jnp.asarray(lens), key,
+            max_new=max_new_tokens, cache_len=cache_len, sampling=sampling, unroll=unroll,
+        )
+        out, n_out, steps = jax.device_get((out, n_out, steps))
+        zeros = np.zeros_like(n_out)
+        return GenerationResult(out, n_out, steps, zeros, zeros, steps)
+    from .spec.engine import speculative_generate
+
+    return speculative_generate(
+        params, cfg, tokens, lens, key,
+        drafter=drafter, drafter_params=drafter_params, policy=policy, policy_params=policy_params,
+        k_max=k_max, max_new=max_new_tokens, cache_len=cache_len, sampling=sampling, verify=verify, unroll=unroll,
+    )
+
+
+def generate_stream(
+    params: dict,
+    cfg: ModelConfig,
+    prompt: list[int],
+    *,
+    max_new_tokens: int = 128,
+    sampling: Sampling | None = None,
+    seed: int = 0,
+    chunk: int = 8,
+    unroll: int | bool = 1,
+) -> Iterator[list[int]]:
+    """Yield new tokens as they come, `chunk` jitted decode steps at a time (one host sync per chunk)."""
+    sampling = sampling or GREEDY
+    tokens, lens, cache_len = pack_prompts(cfg, [prompt], max_new_tokens)
+    state = _start_decode_jit(
+        params, cfg, jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(seed),
+        max_new=max_new_tokens, cache_len=cache_len, sampling=sampling, unroll=unroll,
+    )
+    sent = 0
+    while True:
+        n_out, done = jax.device_get((state.n_out, state.done))
+        n = int(n_out[0])
+        if n > sent:
+            yield np.asarray(jax.device_get(state.out[0, sent:n])).tolist()
+            sent = n
+        if bool(done[0]):
+            return
+        state = _decode_chunk_jit(params, cfg, state, max_new=max_new_tokens, sampling=sampling, n_steps=chunk, unroll=unroll)

@@ -1,0 +1,432 @@
+"""EAGLE-1 and EAGLE-3 draft heads: one decoder layer on top of the frozen target's features.
+
+Both heads read, at position t, a feature f_t of the target and the embedding of the token
+x_{t+1} that follows it (callers pass tokens already shifted by one), and produce a hidden state
+h_out from which the distribution of x_{t+2} is read. Later draft steps feed h_out back as the
+feature. The embedding table (and, for EAGLE-1, the LM head) is the target's, frozen.
+
+EAGLE-1 (ALGORITHMS.md §1.1):  f = the target's final-normed hidden (what its LM head reads)
+    x = W_fc [e; f] + b  ->  Llama layer with NO input norm  ->  h_out  ->  target lm_head(h_out)
+    h_out is the predicted feature f̂_{t+1}; there is no final norm because f is already normed.
+EAGLE-3 (§1.3):  f = W_fc [captured layer inputs low; mid; high]  (3D -> D, no bias)
+    a = [RMSNorm(e); RMSNorm(f)] (2D) -> attention (q, k, v read 2D) ; residual carries f
+    -> MLP -> h_out (pre-final-norm hidden, fed back at later steps)
+    -> final RMSNorm -> own lm_head over a reduced draft vocabulary -> scattered to target ids.
+
+Parameter layout (plain dict; linear weights are [in, out]):
+
+    fc            [n*D, D]     n = 2 (EAGLE-1: [embedding; feature]) or 3 (EAGLE-3: fused layers)
+    fc_bias       [D]          EAGLE-1 only (EAGLE-1's fc has a bias)
+    layer/
+      embed_norm  [D]          EAGLE-3: RMSNorm of the token embedding (EAGLE's input_layernorm)
+      hidden_norm [D]          EAGLE-3: RMSNorm of the incoming feature
+      wqkv        [A, q+2kv]   A = D (EAGLE-1) or 2D (EAGLE-3); q | k | v fused like the target
+      wo          [q, D]
+      mlp_norm    [D]          EAGLE's post_attention_layernorm
+      w_gate_up   [D, 2F]
+      w_down      [F, D]
+    final_norm    [D]          EAGLE-3
+    lm_head       [D, Vd]      EAGLE-3 (Vd = draft vocab, or the target vocab when not reduced)
+    d2t           [Vd] int32   EAGLE-3 with a reduced vocab: the ABSOLUTE target id of each draft
+                               id (the EAGLE file format stores offsets; eagle_format converts)
+    t2d           [V]  bool    EAGLE-3 with a reduced vocab: which target ids are in the draft vocab
+
+`d2t` and `t2d` are integer/bool leaves: training optimises only the floating leaves
+(`split_trainable`).
+
+The head layer is Llama-style whatever the target family (SwiGLU, plain rope with the target's
+global theta and scaling, head_dim**-0.5 scaling, no q/k norms, no sliding window), matching what
+SGLang and vLLM run for EAGLE heads. The embedding includes the target's embed_scale (Gemma), i.e.
+it is exactly what the target's first layer reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ModelConfig, rope_inv_freq
+from .model import (
+    NEG_INF,
+    ForwardOut,
+    KVCache,
+    apply_rope,
+    attention_mask,
+    init_cache,
+    lm_head,
+    rms_norm,
+    rope_tables,
+)
+
+HEAD_KINDS = ("eagle1", "eagle3")
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """Static description of a draft head (hashable: a static jit argument)."""
+
+    kind: str  # "eagle1" | "eagle3"
+    target: ModelConfig  # the target's config (hidden size, heads, rope, vocab)
+    capture_layers: tuple[int, ...] = ()  # eagle3: target layer INPUT indices fused
+    draft_vocab_size: int = 0  # eagle3: reduced vocab (0 = full target vocab)
+    intermediate_size: int | None = None  # MLP width of the head layer (None = target's)
+
+    def __post_init__(self):
+        if self.kind not in HEAD_KINDS:
+            raise ValueError(f"unknown head kind {self.kind!r}; supported: {', '.join(HEAD_KINDS)}")
+        if self.kind == "eagle1" and self.draft_vocab_size:
+            raise ValueError("eagle1 heads read the target's LM head: draft_vocab_size must be 0")
+        if self.kind == "eagle3" and len(self.capture_layers) != 3:
+            raise ValueError("eagle3 fuses exactly three captured layers (low, mid, high)")
+        L = self.target.num_layers
+        if any(not 0 <= i < L for i in self.capture_layers):
+            raise ValueError(f"capture_layers {self.capture_layers} outside [0, {L})")
+        if self.draft_vocab_size > self.target.vocab_size:
+            raise ValueError("draft_vocab_size exceeds the target vocab")
+
+    # ---- derived -------------------------------------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return self.target.hidden_size
+
+    @property
+    def mlp_size(self) -> int:
+        return self.intermediate_size or self.target.intermediate_size
+
+    @property
+    def fc_inputs(self) -> int:
+        """How many D-wide vectors the fc reads."""
+        return 2 if self.kind == "eagle1" else 3
+
+    @property
+    def attn_input_size(self) -> int:
+        return self.hidden_size if self.kind == "eagle1" else 2 * self.hidden_size
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.kind == "eagle3" and 0 < self.draft_vocab_size < self.target.vocab_size
+
+    @property
+    def draft_vocab(self) -> int:
+        """Width of the head's own logits (the target vocab for eagle1 / unreduced eagle3)."""
+        return self.draft_vocab_size if self.reduced_vocab else self.target.vocab_size
+
+    def replace(self, **kw) -> "HeadConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def default_capture_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's (2, L//2, L-3), clamped into range so tiny test models work too."""
+    clamp = lambda i: min(max(i, 0), num_layers - 1)  # noqa: E731
+    return (clamp(2), clamp(num_layers // 2), clamp(num_layers - 3))
+
+
+def default_head_config(kind: str, target_cfg: ModelConfig, draft_vocab_size: int = 0) -> HeadConfig:
+    if kind == "eagle3":
+        return HeadConfig(
+            kind, target_cfg, default_capture_layers(target_cfg.num_layers), draft_vocab_size
+        )
+    return HeadConfig(kind, target_cfg)
+
+
+def head_layer_config(hcfg: HeadConfig) -> ModelConfig:
+    """The target's config reduced to the head's one Llama-style layer (attention geometry, rope)."""
+    t = hcfg.target
+    return ModelConfig(
+        arch="llama",
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=hcfg.mlp_size,
+        num_layers=1,
+        num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads,
+        head_dim=t.head_dim,
+        rms_norm_eps=t.rms_norm_eps,
+        rope_theta=t.rope_theta,
+        rope_scaling=t.rope_scaling,
+        max_position_embeddings=t.max_position_embeddings,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters and cache
+# ---------------------------------------------------------------------------------------------
+
+
+def init_head(hcfg: HeadConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> dict:
+    """Random head parameters. A reduced EAGLE-3 vocab starts as target ids [0, Vd) until
+    `with_draft_vocab` installs a frequency-chosen one."""
+    lc = head_layer_config(hcfg)
+    D, F, A = hcfg.hidden_size, hcfg.mlp_size, hcfg.attn_input_size
+    qkv = lc.q_size + 2 * lc.kv_size
+    ks = iter(jax.random.split(key, 8))
+
+    def rnd(shape, std=scale):
+        return (std * jax.random.normal(next(ks), shape, jnp.float32)).astype(dtype)
+
+    n_in = hcfg.fc_inputs * D
+    layer = {
+        "wqkv": rnd((A, qkv)),
+        "wo": rnd((lc.q_size, D)),
+        "mlp_norm": jnp.ones((D,), dtype),
+        "w_gate_up": rnd((D, 2 * F)),
+        "w_down": rnd((F, D)),
+    }
+    # fc maps n unit-scale vectors to one: fan-in scaling keeps the fused feature O(1).
+    params = {"fc": rnd((n_in, D), n_in**-0.5), "layer": layer}
+    if hcfg.kind == "eagle1":
+        params["fc_bias"] = jnp.zeros((D,), dtype)
+        return params
+    layer["embed_norm"] = jnp.ones((D,), dtype)
+    layer["hidden_norm"] = jnp.ones((D,), dtype)
+    params["final_norm"] = jnp.ones((D,), dtype)
+    params["lm_head"] = rnd((D, hcfg.draft_vocab))
+    if hcfg.reduced_vocab:
+        params["d2t"], params["t2d"] = draft_vocab_maps(
+            np.arange(hcfg.draft_vocab_size), hcfg.target.vocab_size
+        )
+    return params
+
+
+def draft_vocab_maps(draft_ids, target_vocab: int) -> tuple[jax.Array, jax.Array]:
+    """(d2t [Vd] absolute target ids, sorted; t2d [V] bool membership) for a set of target ids."""
+    ids = np.sort(np.asarray(draft_ids, dtype=np.int64))
+    t2d = np.zeros((target_vocab,), bool)
+    t2d[ids] = True
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(t2d)
+
+
+def draft_vocab_from_counts(counts, draft_vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """The `draft_vocab_size` most frequent target tokens (ties -> lower id), as (d2t, t2d)."""
+    counts = np.asarray(counts)
+    order = np.lexsort((np.arange(len(counts)), -counts))  # by count desc, then id asc
+    return draft_vocab_maps(order[:draft_vocab_size], len(counts))
+
+
+def with_draft_vocab(hcfg: HeadConfig, head_params: dict, counts) -> dict:
+    """Install a frequency-chosen draft vocabulary (no-op unless the head has a reduced vocab)."""
+    if not hcfg.reduced_vocab:
+        return head_params
+    d2t, t2d = draft_vocab_from_counts(counts, hcfg.draft_vocab_size)
+    return {**head_params, "d2t": d2t, "t2d": t2d}
+
+
+def split_trainable(head_params: dict) -> tuple[dict, dict]:
+    """(floating leaves to optimise, fixed integer/bool leaves such as d2t / t2d)."""
+    fixed = {k: head_params[k] for k in ("d2t", "t2d") if k in head_params}
+    return {k: v for k, v in head_params.items() if k not in fixed}, fixed
+
+
+def init_head_cache(hcfg: HeadConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    """A one-layer KV cache in model.KVCache's layout ([1, B, S, Hkv, hd])."""
+    return init_cache(head_layer_config(hcfg), batch, max_len, dtype, num_layers=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks (shared by inference and training-time test)
+# ---------------------------------------------------------------------------------------------
+
+
+def embed_tokens(target_params: dict, target_cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """The target's (frozen) input embedding, embed_scale included."""
+    x = target_params["embed"][tokens]
+    if target_cfg.embed_scale != 1.0:
+        x = x * jnp.asarray(target_cfg.embed_scale, x.dtype)
+    return x
+
+
+def head_features(hcfg: HeadConfig, head_params: dict, target_out: ForwardOut) -> jax.Array:
+    """[B, T, D] features the head reads at its first draft step, from one target forward
+    (run with capture=hcfg.capture_layers for EAGLE-3)."""
+    if hcfg.kind == "eagle1":
+        return target_out.hidden
+    if len(target_out.captured) != 3:
+        raise ValueError("eagle3 needs the target forward run with capture=hcfg.capture_layers")
+    return fuse_captured(head_params, target_out.captured)
+
+
+def fuse_captured(head_params: dict, captured) -> jax.Array:
+    """EAGLE-3's fc over the concatenated (low, mid, high) layer inputs: 3D -> D."""
+    w = head_params["fc"]
+    return jnp.concatenate([c.astype(w.dtype) for c in captured], axis=-1) @ w
+
+
+def _attention_input(hcfg: HeadConfig, head_params: dict, embeds, feats):
+    """(attention input [.., A], residual stream [.., D]) of the head layer."""
+    p = head_params["layer"]
+    eps = hcfg.target.rms_norm_eps
+    feats = feats.astype(embeds.dtype)
+    if hcfg.kind == "eagle1":
+        x = jnp.concatenate([embeds, feats], axis=-1) @ head_params["fc"] + head_params["fc_bias"]
+        return x, x  # EAGLE-1 skips the input norm of its (only) layer
+    a = jnp.concatenate([rms_norm(embeds, p["embed_norm"], eps), rms_norm(feats, p["hidden_norm"], eps)], -1)
+    return a, feats
+
+
+def _project_qkv(lcfg: ModelConfig, p: dict, attn_in, positions):
+    """Roped q [B,T,Hq,hd], k and v [B,T,Hkv,hd] for tokens at `positions` [B, T]."""
+    B, T = positions.shape
+    hd = lcfg.head_dim
+    qkv = attn_in @ p["wqkv"]
+    q = qkv[..., : lcfg.q_size].reshape(B, T, lcfg.num_heads, hd)
+    k = qkv[..., lcfg.q_size : lcfg.q_size + lcfg.kv_size].reshape(B, T, lcfg.num_kv_heads, hd)
+    v = qkv[..., lcfg.q_size + lcfg.kv_size :].reshape(B, T, lcfg.num_kv_heads, hd)
+    cos, sin = rope_tables(jnp.asarray(rope_inv_freq(lcfg, lcfg.rope_theta)), positions)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _attend(lcfg: ModelConfig, q, blocks):
+    """Softmax attention over several key blocks jointly; returns [B, T, Hq*hd].
+
+    Each block is (keys, values, visible, diagonal). A full block has keys [B, S, Hkv, hd] seen
+    by every query under `visible` (broadcastable to [B, Hkv, G, T, S]); a diagonal block has
+    keys [B, T, J, Hkv, hd] of which query t sees only its own position's J entries (EAGLE-3's
+    training-time-test cache).
+    """
+    B, T = q.shape[:2]
+    G = lcfg.num_heads // lcfg.num_kv_heads
+    qg = q.reshape(B, T, lcfg.num_kv_heads, G, lcfg.head_dim)
+    scores = []
+    for k, _, visible, diagonal in blocks:
+        spec = "bthgd,btjhd->bhgtj" if diagonal else "bthgd,bshd->bhgts"
+        s = jnp.einsum(spec, qg, k, preferred_element_type=jnp.float32) * lcfg.attn_scale
+        scores.append(jnp.where(visible, s, NEG_INF))
+    w = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(q.dtype)
+    out, start = 0.0, 0
+    for s, (_, v, _, diagonal) in zip(scores, blocks):
+        wi = w[..., start : start + s.shape[-1]]
+        start += s.shape[-1]
+        spec = "bhgtj,btjhd->bthgd" if diagonal else "bhgts,bshd->bthgd"
+        out = out + jnp.einsum(spec, wi, v)
+    return out.reshape(B, T, lcfg.q_size)
+
+
+def _finish_layer(hcfg: HeadConfig, p: dict, attn_out, residual):
+    h = residual + attn_out @ p["wo"]
+    m = rms_norm(h, p["mlp_norm"], hcfg.target.rms_norm_eps)
+    gu = m @ p["w_gate_up"]
+    F = gu.shape[-1] // 2
+    return h + (jax.nn.silu(gu[..., :F]) * gu[..., F:]) @ p["w_down"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Logits
+# ---------------------------------------------------------------------------------------------
+
+
+def draft_logits(hcfg: HeadConfig, head_params: dict, target_params: dict, h_out) -> jax.Array:
+    """float32 logits over the head's own vocabulary [.., draft_vocab] (the target's for eagle1)."""
+    if hcfg.kind == "eagle1":
+        return lm_head(target_params, hcfg.target, h_out)
+    x = rms_norm(h_out, head_params["final_norm"], hcfg.target.rms_norm_eps)
+    return jnp.dot(x, head_params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def to_target_vocab(hcfg: HeadConfig, head_params: dict, logits) -> jax.Array:
+    """Scatter draft-vocab logits to target ids; ids outside the draft vocab get NEG_INF (finite)."""
+    if not hcfg.reduced_vocab:
+        return logits
+    full = jnp.full(logits.shape[:-1] + (hcfg.target.vocab_size,), NEG_INF, logits.dtype)
+    return full.at[..., head_params["d2t"]].set(logits)
+
+
+def head_logits(hcfg: HeadConfig, head_params: dict, target_params: dict, h_out) -> jax.Array:
+    """float32 logits over the TARGET vocabulary [.., V]."""
+    return to_target_vocab(hcfg, head_params, draft_logits(hcfg, head_params, target_params, h_out))
+
+
+# ---------------------------------------------------------------------------------------------
+# Inference forward
+# ---------------------------------------------------------------------------------------------
+
+
+def head_forward(
+    hcfg: HeadConfig,
+    head_params: dict,
+    target_params: dict,
+    tokens: jax.Array,
+    feats: jax.Array,
+    cache: KVCache,
+    *,
+    positions: jax.Array | None = None,
+    new_mask: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """Run T new (feature, next-token) pairs per row against the head's cache.
+
+    tokens [B, T]: x_{t+1} for each feature f_t (already shifted by one); feats [B, T, D].
+    positions default to cache.lengths[b] + t; new_mask [B, T, T] as in model.forward (causal by
+    default, an ancestor mask for trees). K/V are written at slots lengths[b] + t; the cursor does
+    not move. Returns (h_out [B, T, D], logits [B, T, V_target] float32, cache), where h_out is
+    the tensor to feed back as `feats` at the next draft step: EAGLE-1's predicted feature,
+    EAGLE-3's pre-final-norm hidden.
+    """
+    lcfg = head_layer_config(hcfg)
+    B, T = tokens.shape
+    if positions is None:
+        positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    p = head_params["layer"]
+    embeds = embed_tokens(target_params, hcfg.target, tokens).astype(head_params["fc"].dtype)
+    attn_in, residual = _attention_input(hcfg, head_params, embeds, feats)
+    q, k, v = _project_qkv(lcfg, p, attn_in, positions)
+
+    visible, _ = attention_mask(cache, positions, new_mask)
+    slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    b_idx = jnp.arange(B)[:, None]
+    k_all = cache.k.at[0, b_idx, slots].set(k.astype(cache.k.dtype), mode="drop")
+    v_all = cache.v.at[0, b_idx, slots].set(v.astype(cache.v.dtype), mode="drop")
+    block = (k_all[0].astype(q.dtype), v_all[0].astype(q.dtype), visible[:, None, None], False)
+    o = _attend(lcfg, q, [block])
+    h_out = _finish_layer(hcfg, p, o, residual)
+    logits = head_logits(hcfg, head_params, target_params, h_out)
+    return h_out, logits, cache.replace(k=k_all, v=v_all)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training-time test (EAGLE-3 §1.3): one unrolled draft step over a whole sequence
+# ---------------------------------------------------------------------------------------------
+
+
+def ttt_step(
+    hcfg: HeadConfig,
+    head_params: dict,
+    embeds: jax.Array,
+    feats: jax.Array,
+    step: int,
+    first_kv: tuple | None,
+    later_kv: tuple | None,
+) -> tuple[jax.Array, tuple, tuple]:
+    """Draft step `step` for every position of a sequence at once.
+
+    At step j the row at position t holds the j-th drafted continuation of prefix x_0..x_t: its
+    input is (previous step's h_out at t, embedding of x_{t+j+1}) and its rope position is t + j,
+    as at inference. It attends to step-0 keys at positions <= t (causal) and to the keys of
+    steps 1..j at the same position t only (EAGLE-3's diagonal cache) — exactly what a chain
+    drafted from position t sees at inference.
+
+    embeds, feats [B, T, D]; first_kv = (k, v) of step 0 [B, T, Hkv, hd] (None at step 0);
+    later_kv = (k, v) of steps 1..j-1 stacked [B, T, j-1, Hkv, hd] (None when empty).
+    Returns (h_out [B, T, D], first_kv, later_kv) with this step's K/V added.
+    """
+    lcfg = head_layer_config(hcfg)
+    B, T = embeds.shape[:2]
+    p = head_params["layer"]
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None] + step, (B, T))
+    attn_in, residual = _attention_input(hcfg, head_params, embeds, feats)
+    q, k, v = _project_qkv(lcfg, p, attn_in, positions)
+    if first_kv is None:
+        first_kv = (k, v)
+    else:
+        k, v = k[:, :, None], v[:, :, None]
+        later_kv = (k, v) if later_kv is None else tuple(
+            jnp.concatenate([a, b], axis=2) for a, b in zip(later_kv, (k, v))
+        )
+    causal = jnp.tril(jnp.ones((T, T), bool))[None, None, None]
+    blocks = [(*first_kv, causal, False)]
+    if later_kv is not None:
+        blocks.append((*later_kv, jnp.ones((), bool), True))
+    o = _attend(lcfg, q, blocks)
+    return _finish_layer(hcfg, p, o, residual), first_kv, later_kv

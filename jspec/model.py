@@ -1,0 +1,310 @@
+"""The target decoder: pure functions over a parameter pytree, layers stacked and run under `scan`.
+
+Parameter layout (a plain dict; every per-layer array has a leading layer axis L):
+
+    embed        [V, D]
+    lm_head      [D, V]          absent when cfg.tie_word_embeddings (embed.T is used)
+    final_norm   [D]
+    layers/
+      attn_norm      [L, D]
+      wqkv           [L, D, Hq*hd + 2*Hkv*hd]   q, k, v projections fused (q | k | v)
+      bqkv           [L, Hq*hd + 2*Hkv*hd]      only when cfg.attention_bias (Qwen2)
+      q_norm, k_norm [L, hd]                    only when cfg.qk_norm (Qwen3, Gemma3)
+      wo             [L, Hq*hd, D]
+      post_attn_norm [L, D]                     only when cfg.sandwich_norm (Gemma3)
+      mlp_norm       [L, D]
+      w_gate_up      [L, D, 2F]                 gate | up fused
+      w_down         [L, F, D]
+      post_mlp_norm  [L, D]                     only when cfg.sandwich_norm (Gemma3)
+
+Every norm weight is stored as the multiplier actually applied (Gemma's `1 + w` is folded in when
+loading), so one RMSNorm serves all families. Q/K rows are in Hugging Face order (rotate-half rope).
+
+Fusing q/k/v and gate/up halves the number of matmul launches per layer; at batch 1 a 135M model
+is launch-bound, not bandwidth-bound, so kernel count is what decode speed is made of.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from .config import ModelConfig, rope_inv_freq
+
+NEG_INF = -1e30  # finite, so fully-masked rows never produce NaN
+
+
+@struct.dataclass
+class KVCache:
+    """Static, preallocated KV cache with a per-row cursor.
+
+    Slots [0, lengths[b]) of row b hold committed tokens whose position equals their slot index.
+    A forward pass writes its T new tokens at slots lengths[b] + t without moving the cursor;
+    `commit` (or `advance`) decides what becomes part of the prefix.
+    """
+
+    k: jax.Array  # [L, B, S, Hkv, hd]
+    v: jax.Array  # [L, B, S, Hkv, hd]
+    lengths: jax.Array  # [B] int32
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, num_layers=None) -> KVCache:
+    n = cfg.num_layers if num_layers is None else num_layers
+    shape = (n, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32)
+    )
+
+
+def advance(cache: KVCache, n: jax.Array) -> KVCache:
+    """Accept the first n[b] freshly written slots of each row (a chain: no K/V moves)."""
+    return cache.replace(lengths=cache.lengths + n.astype(jnp.int32))
+
+
+def commit(cache: KVCache, accepted: jax.Array, n: jax.Array) -> KVCache:
+    """Keep a subset of the slots written by the last forward, contiguously.
+
+    accepted: [B, A] indices (relative to each row's cursor) of the slots to keep, in order;
+    n: [B] how many of them are valid. Slot lengths[b] + accepted[b, i] moves to lengths[b] + i,
+    then the cursor advances by n. Static shapes: rows keep their A entries whatever n is; entries
+    past n land beyond the new cursor and are ignored.
+    """
+    B, A = accepted.shape
+    src = cache.lengths[:, None] + accepted  # [B, A]
+    dst = cache.lengths[:, None] + jnp.arange(A, dtype=jnp.int32)[None]
+    b = jnp.arange(B)[:, None]
+
+    def move(x):  # x [L, B, S, H, D]
+        vals = x[:, b, src]  # [L, B, A, H, D]
+        return x.at[:, b, dst].set(vals, mode="drop")
+
+    return KVCache(k=move(cache.k), v=move(cache.v), lengths=cache.lengths + n.astype(jnp.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_tables(inv_freq: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape [B, T, hd] (rotate-half layout) for integer positions [B, T]."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, H, hd]; cos/sin [B, T, hd]."""
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos[:, :, None] + rot * sin[:, :, None]).astype(x.dtype)
+
+
+def _activation(cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    if cfg.mlp_activation == "gelu_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu(x)
+
+
+def attention_mask(
+    cache: KVCache, positions: jax.Array, new_mask: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """Visibility [B, T, S] of every cache slot for each new token, and each slot's position [B, S].
+
+    Committed slots (< cursor) are visible to every new token; slot cursor + t' is visible to new
+    token t iff new_mask[b, t, t'] (causal by default, an ancestor mask for trees).
+    """
+    B, T = positions.shape
+    S = cache.max_len
+    j = jnp.arange(S, dtype=jnp.int32)[None, :]  # [1, S]
+    rel = j - cache.lengths[:, None]  # [B, S]: index into the new block
+    in_new = (rel >= 0) & (rel < T)
+    rel_c = jnp.clip(rel, 0, T - 1)
+    if new_mask is None:
+        new_vis = rel_c[:, None, :] <= jnp.arange(T)[None, :, None]  # causal [B, T, S]
+    else:
+        new_vis = jnp.take_along_axis(new_mask, jnp.broadcast_to(rel_c[:, None, :], (B, T, S)), axis=2)
+    committed = rel < 0
+    visible = committed[:, None, :] | (in_new[:, None, :] & new_vis)
+    key_pos = jnp.where(committed, j, jnp.take_along_axis(positions, rel_c, axis=1))
+    return visible, key_pos
+
+
+class ForwardOut(NamedTuple):
+    hidden: jax.Array  # [B, T, D] after the final norm: what the LM head reads (EAGLE-1 feature)
+    captured: tuple  # inputs of the requested layers, each [B, T, D] (EAGLE-3 features)
+    cache: KVCache
+
+
+def forward(
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    cache: KVCache,
+    *,
+    positions: jax.Array | None = None,
+    new_mask: jax.Array | None = None,
+    capture: tuple[int, ...] = (),
+    layer_range: tuple[int, int] | None = None,
+    unroll: int | bool = 1,
+) -> ForwardOut:
+    """Run T new tokens per row against the cache.
+
+    tokens [B, T] int; positions [B, T] (default lengths[b] + t); new_mask [B, T, T] bool says
+    which of the new tokens each new token attends to (default: causal). K/V of the new tokens
+    are written at slots lengths[b] + t; the cursor does not move. `capture` lists layer indices
+    whose *input* hidden state is returned (EAGLE-3 fuses layers 2, L//2, L-3). `layer_range`
+    runs only layers [a, b) (early-exit drafting shares the target's cache for those layers).
+    """
+    B, T = tokens.shape
+    dtype = params["embed"].dtype
+    if positions is None:
+        positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    lo, hi = layer_range if layer_range is not None else (0, cfg.num_layers)
+
+    x = params["embed"][tokens]
+    if cfg.embed_scale != 1.0:
+        x = x * jnp.asarray(cfg.embed_scale, dtype)
+
+    visible, key_pos = attention_mask(cache, positions, new_mask)
+    cos_g, sin_g = rope_tables(jnp.asarray(rope_inv_freq(cfg, cfg.rope_theta)), positions)
+    if cfg.has_sliding:
+        local_theta = cfg.rope_local_theta or cfg.rope_theta
+        # Gemma applies the configured rope scaling to global layers only.
+        cos_l, sin_l = rope_tables(
+            jnp.asarray(rope_inv_freq(cfg, local_theta, scaled=cfg.arch != "gemma3")), positions
+        )
+        in_window = (positions[:, :, None] - key_pos[:, None, :]) < cfg.sliding_window
+        sliding = jnp.asarray(np.array(cfg.sliding_layers[lo:hi], dtype=bool))
+    else:
+        sliding = jnp.zeros((hi - lo,), bool)
+
+    b_idx = jnp.arange(B)[:, None]
+    slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
+    G = cfg.num_heads // cfg.num_kv_heads
+    hd = cfg.head_dim
+    layer_params = jax.tree.map(lambda a: a[lo:hi], params["layers"]) if (lo, hi) != (0, cfg.num_layers) else params["layers"]
+
+    def layer(h, xs):
+        p, kc_l, vc_l, is_sliding = xs
+        h_in = h
+        a = rms_norm(h, p["attn_norm"], cfg.rms_norm_eps)
+        qkv = a @ p["wqkv"]
+        if cfg.attention_bias:
+            qkv = qkv + p["bqkv"]
+        q = qkv[..., : cfg.q_size].reshape(B, T, cfg.num_heads, hd)
+        k = qkv[..., cfg.q_size : cfg.q_size + cfg.kv_size].reshape(B, T, cfg.num_kv_heads, hd)
+        v = qkv[..., cfg.q_size + cfg.kv_size :].reshape(B, T, cfg.num_kv_heads, hd)
+        if cfg.qk_norm:
+            q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+        if cfg.has_sliding:
+            cos = jnp.where(is_sliding, cos_l, cos_g)
+            sin = jnp.where(is_sliding, sin_l, sin_g)
+            mask = visible & (in_window | ~is_sliding)
+        else:
+            cos, sin, mask = cos_g, sin_g, visible
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        # One scatter per layer for the whole batch: rows write at their own cursors.
+        kc_l = kc_l.at[b_idx, slots].set(k.astype(kc_l.dtype), mode="drop")
+        vc_l = vc_l.at[b_idx, slots].set(v.astype(vc_l.dtype), mode="drop")
+        kc = kc_l.astype(dtype)  # [B, S, Hkv, hd]
+        vc = vc_l.astype(dtype)
+        qg = q.reshape(B, T, cfg.num_kv_heads, G, hd)
+        s = jnp.einsum("bthgd,bshd->bhgts", qg, kc, preferred_element_type=jnp.float32)
+        s = s * cfg.attn_scale
+        if cfg.attn_logit_softcap:
+            s = jnp.tanh(s / cfg.attn_logit_softcap) * cfg.attn_logit_softcap
+        s = jnp.where(mask[:, None, None], s, NEG_INF)
+        w = jax.nn.softmax(s, axis=-1).astype(dtype)
+        o = jnp.einsum("bhgts,bshd->bthgd", w, vc).reshape(B, T, cfg.q_size)
+        o = o @ p["wo"]
+        if cfg.sandwich_norm:
+            o = rms_norm(o, p["post_attn_norm"], cfg.rms_norm_eps)
+        h = h + o
+        m = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
+        gu = m @ p["w_gate_up"]
+        F = gu.shape[-1] // 2
+        m = (_activation(cfg, gu[..., :F]) * gu[..., F:]) @ p["w_down"]
+        if cfg.sandwich_norm:
+            m = rms_norm(m, p["post_mlp_norm"], cfg.rms_norm_eps)
+        h = h + m
+        return h, (kc_l, vc_l, h_in if capture else None)
+
+    if (lo, hi) == (0, cfg.num_layers):
+        k_in, v_in = cache.k, cache.v
+    else:
+        k_in, v_in = cache.k[lo:hi], cache.v[lo:hi]
+    x, (k_new, v_new, h_ins) = jax.lax.scan(layer, x, (layer_params, k_in, v_in, sliding), unroll=unroll)
+    if (lo, hi) == (0, cfg.num_layers):
+        k_all, v_all = k_new, v_new
+    else:
+        k_all = jax.lax.dynamic_update_slice_in_dim(cache.k, k_new, lo, axis=0)
+        v_all = jax.lax.dynamic_update_slice_in_dim(cache.v, v_new, lo, axis=0)
+    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    captured = tuple(h_ins[i - lo] for i in capture) if capture else ()
+    return ForwardOut(hidden, captured, cache.replace(k=k_all, v=v_all))
+
+
+def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Logits in float32 from final-normed hidden states [..., D]."""
+    w = params["embed"].T if cfg.tie_word_embeddings or "lm_head" not in params else params["lm_head"]
+    logits = jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+    if cfg.final_logit_softcap:
+        logits = jnp.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+    return logits
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> dict:
+    """Random parameters in jspec's layout (tests and freshly initialised draft models)."""
+    L, D, F, V, hd = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    ks = iter(jax.random.split(key, 8))
+
+    def rnd(shape):
+        return (scale * jax.random.normal(next(ks), shape, jnp.float32)).astype(dtype)
+
+    layers = {
+        "attn_norm": jnp.ones((L, D), dtype),
+        "wqkv": rnd((L, D, qkv)),
+        "wo": rnd((L, cfg.q_size, D)),
+        "mlp_norm": jnp.ones((L, D), dtype),
+        "w_gate_up": rnd((L, D, 2 * F)),
+        "w_down": rnd((L, F, D)),
+    }
+    if cfg.attention_bias:
+        layers["bqkv"] = jnp.zeros((L, qkv), dtype)
+    if cfg.qk_norm:
+        layers["q_norm"] = jnp.ones((L, hd), dtype)
+        layers["k_norm"] = jnp.ones((L, hd), dtype)
+    if cfg.sandwich_norm:
+        layers["post_attn_norm"] = jnp.ones((L, D), dtype)
+        layers["post_mlp_norm"] = jnp.ones((L, D), dtype)
+    params = {"embed": rnd((V, D)), "final_norm": jnp.ones((D,), dtype), "layers": layers}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = rnd((D, V))
+    return params
+
+
+def cast_params(params: dict, dtype) -> dict:
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)

@@ -1,0 +1,208 @@
+"""Speculative generation, jitted end to end: one `lax.while_loop` over rounds.
+
+A round, per row of the batch:
+  1. the policy sets this round's draft budget (`start_round`);
+  2. the drafter proposes up to K = k_max tokens (a bounded while_loop for autoregressive
+     drafters that exits as soon as every row's policy has stopped);
+  3. the target runs once over the padded block [last_token, d_1 .. d_K] (static [B, K+1]);
+  4. the verification rule keeps n <= (valid drafts) tokens and emits one more (correction or
+     bonus); the target cache advances by n + 1 (a chain needs no K/V moves);
+  5. drafter and policy state are updated from what was accepted.
+
+Everything a round needs lives in `SpecState`, so the same `spec_round` serves the fully jitted
+`speculative_generate` and chunked host loops.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from .. import model as M
+from ..config import ModelConfig
+from ..generate import GenerationResult, emit, prefill
+from ..sampling import Sampling, probs, sample
+from .drafters import DrafterError, _take_row
+from .verify import verify_consultant, verify_greedy, verify_sampling
+
+VERIFY_RULES = ("lossless", "consultant")
+
+
+@struct.dataclass
+class SpecState:
+    cache: M.KVCache
+    dstate: Any
+    pstate: Any
+    out: jax.Array  # [B, max_new]
+    n_out: jax.Array  # [B]
+    last: jax.Array  # [B] last emitted token, not yet in the target cache
+    feature: jax.Array  # [B, D] target feature at the last committed position (LDLP input)
+    done: jax.Array  # [B]
+    key: jax.Array
+    target_calls: jax.Array  # [B] (prefill counts as one)
+    drafted: jax.Array  # [B]
+    accepted: jax.Array  # [B]
+
+
+@struct.dataclass
+class Draft:
+    tokens: jax.Array  # [B, K]
+    valid: jax.Array  # [B, K]
+    probs: jax.Array | None  # [B, K, V] processed draft distributions, or None (point mass)
+
+
+def _features(state: SpecState, tparams) -> dict:
+    return {"target_feature": state.feature, "token_embedding": tparams["embed"][state.last]}
+
+
+def draft_autoregressive(drafter, dparams, tparams, tcfg, state, pstate, policy, limit, k_max, sampling, key, keep_probs):
+    """Run an autoregressive drafter for up to k_max steps; per-row stop by limit or policy."""
+    B = state.last.shape[0]
+    V = tcfg.vocab_size
+    logits, carry = drafter.begin(dparams, tparams, tcfg, state.dstate, state.cache, state.last)
+
+    def choose(i, logits, pstate):
+        tok = sample(jax.random.fold_in(key, i), logits, sampling)
+        q = probs(logits, sampling) if keep_probs else None
+        pstate, stop = policy.observe(pstate, i, logits, tok)
+        return tok, q, pstate, stop
+
+    tok, q, pstate, stop = choose(0, logits, pstate)
+    tokens = jnp.zeros((B, k_max), jnp.int32).at[:, 0].set(tok)
+    valid = jnp.zeros((B, k_max), bool).at[:, 0].set(True)
+    qbuf = jnp.zeros((B, k_max, V), jnp.float32).at[:, 0].set(q) if keep_probs else None
+    active = (limit > 1) & ~stop
+
+    def cond(c):
+        i, active = c[0], c[5]
+        return (i < k_max) & jnp.any(active)
+
+    def body(c):
+        i, carry, tokens, valid, qbuf, active, prev, pstate = c
+        logits, carry = drafter.step(dparams, tparams, tcfg, carry, prev)
+        tok, q, pstate, stop = choose(i, logits, pstate)
+        tokens = tokens.at[:, i].set(jnp.where(active, tok, 0))
+        valid = valid.at[:, i].set(active)
+        if keep_probs:
+            qbuf = qbuf.at[:, i].set(q)
+        active = active & (i + 1 < limit) & ~stop
+        return i + 1, carry, tokens, valid, qbuf, active, tok, pstate
+
+    init = (jnp.int32(1), carry, tokens, valid, qbuf, active, tok, pstate)
+    _, carry, tokens, valid, qbuf, _, _, pstate = jax.lax.while_loop(cond, body, init)
+    dstate, tcache = drafter.finish(carry)
+    return Draft(tokens, valid, qbuf), dstate, tcache, pstate
+
+
+def spec_round(tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling, verify, unroll, state: SpecState) -> SpecState:
+    key, k_draft, k_verify = jax.random.split(state.key, 3)
+    pstate, limit = policy.start_round(state.pstate, k_max, _features(state, tparams))
+    limit = jnp.clip(limit, 1, k_max)
+    keep_probs = not sampling.greedy and not drafter.deterministic and verify == "lossless"
+    if drafter.parallel:
+        tokens, valid = drafter.propose(state.dstate, state.last, k_max)
+        valid = valid & (jnp.arange(k_max)[None] < limit[:, None])
+        draft, dstate, cache = Draft(tokens, valid, None), state.dstate, state.cache
+    else:
+        draft, dstate, cache, pstate = draft_autoregressive(
+            drafter, dparams, tparams, tcfg, state.replace(pstate=pstate), pstate, policy, limit, k_max,
+            sampling, k_draft, keep_probs,
+        )
+
+    block = jnp.concatenate([state.last[:, None], draft.tokens], axis=1)  # [B, K+1]
+    vout = M.forward(tparams, tcfg, block, cache, capture=drafter.capture_layers, unroll=unroll)
+    logits = M.lm_head(tparams, tcfg, vout.hidden)  # [B, K+1, V]
+    if sampling.greedy and verify == "lossless":
+        n, nxt = verify_greedy(logits, draft.tokens, draft.valid)
+    elif verify == "lossless":
+        n, nxt = verify_sampling(k_verify, logits, draft.tokens, draft.valid, sampling, draft.probs)
+    else:
+        n, nxt = verify_consultant(k_verify, logits, draft.tokens, draft.valid, sampling)
+
+    active = ~state.done
+    emitted = jnp.concatenate([draft.tokens, nxt[:, None]], axis=1)
+    emitted = jnp.where(jnp.arange(k_max + 1)[None] == n[:, None], nxt[:, None], emitted)
+    out, n_out, done = emit(tcfg, state.out, state.n_out, state.done, emitted, n + 1, max_new)
+    n_drafted = jnp.sum(draft.valid, axis=1).astype(jnp.int32)
+    dstate = drafter.commit(dparams, tparams, tcfg, dstate, block, n, nxt, vout)
+    pstate = policy.update(pstate, n_drafted, n, active)
+    step = active.astype(jnp.int32)
+    return SpecState(
+        cache=M.advance(vout.cache, (n + 1) * step),
+        dstate=dstate,
+        pstate=pstate,
+        out=out,
+        n_out=n_out,
+        last=jnp.where(active, nxt, state.last),
+        feature=jnp.where(active[:, None], _take_row(vout.hidden, n), state.feature),
+        done=done,
+        key=key,
+        target_calls=state.target_calls + step,
+        drafted=state.drafted + n_drafted * step,
+        accepted=state.accepted + n * step,
+    )
+
+
+def start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, max_new, cache_len, sampling, unroll, tokens, lens, key) -> SpecState:
+    B = tokens.shape[0]
+    cache = M.init_cache(tcfg, B, cache_len, tparams["embed"].dtype)
+    logits, cache, pout = prefill(tparams, tcfg, tokens, lens, cache, capture=drafter.capture_layers, unroll=unroll)
+    key, k_first, k_policy = jax.random.split(key, 3)
+    first = sample(k_first, logits, sampling)
+    dstate = drafter.init(dparams, tparams, tcfg, tokens, lens, first, pout, cache_len)
+    pstate = policy.init(B, k_policy) if policy_params is None else policy.init(B, k_policy, policy_params)
+    out = jnp.full((B, max_new), -1, jnp.int32)
+    zeros = jnp.zeros((B,), jnp.int32)
+    out, n_out, done = emit(tcfg, out, zeros, jnp.zeros((B,), bool), first[:, None], jnp.ones_like(zeros), max_new)
+    return SpecState(
+        cache=cache, dstate=dstate, pstate=pstate, out=out, n_out=n_out, last=first,
+        feature=_take_row(pout.hidden, lens - 1), done=done, key=key,
+        target_calls=jnp.ones_like(zeros), drafted=zeros, accepted=zeros,
+    )
+
+
+_STATIC = ("tcfg", "drafter", "policy", "k_max", "max_new", "cache_len", "sampling", "verify", "unroll")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def speculative_generate_jit(tparams, dparams, policy_params, tokens, lens, key, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll):
+    state = start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, max_new, cache_len, sampling, unroll, tokens, lens, key)
+    body = functools.partial(spec_round, tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling, verify, unroll)
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    return state.out, state.n_out, state.target_calls, state.drafted, state.accepted
+
+
+def check_compatible(drafter, policy, tcfg: ModelConfig, k_max: int, verify: str):
+    if verify not in VERIFY_RULES:
+        raise ValueError(f"unknown verification rule {verify!r}; choose from {', '.join(VERIFY_RULES)}")
+    if k_max < 1:
+        raise ValueError(f"k_max must be >= 1, got {k_max}")
+    if hasattr(drafter, "check"):
+        drafter.check(tcfg)
+    if drafter.parallel and getattr(policy, "needs_draft_logits", False):
+        raise DrafterError(
+            f"policy {policy.name!r} reads draft distributions, which the {drafter.name!r} drafter does not have; "
+            "use static, heuristic or adl"
+        )
+
+
+def speculative_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, k_max, max_new, cache_len, sampling: Sampling, verify, unroll) -> GenerationResult:
+    from .policies import make_policy
+
+    if policy is None:
+        policy = make_policy("static", k_max=k_max)
+    elif isinstance(policy, str):
+        policy = make_policy(policy, k_max=k_max)
+    check_compatible(drafter, policy, tcfg, k_max, verify)
+    out, n_out, calls, drafted, accepted = speculative_generate_jit(
+        tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key,
+        tcfg=tcfg, drafter=drafter, policy=policy, k_max=k_max, max_new=max_new, cache_len=cache_len,
+        sampling=sampling, verify=verify, unroll=unroll,
+    )
+    out, n_out, calls, drafted, accepted = jax.device_get((out, n_out, calls, drafted, accepted))
+    return GenerationResult(np.asarray(out), np.asarray(n_out), np.asarray(calls), np.asarray(drafted), np.asarray(accepted), np.asarray(calls))

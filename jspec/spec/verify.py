@@ -1,0 +1,98 @@
+"""Chain verification: pure functions over a padded [B, K+1] block.
+
+All rules return (n_accepted [B], next_token [B]): the number of draft tokens kept and the token
+the target emits after them (correction on rejection, bonus when every valid draft is accepted).
+Rows emit n_accepted + 1 tokens per target call.
+
+* `verify_greedy`: accept while the draft equals the target's argmax. Output is identical to
+  autoregressive greedy decoding.
+* `verify_sampling`: lossless speculative sampling (Leviathan et al. / Chen et al.): accept draft
+  x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection emit a sample of
+  norm(max(0, p - q)); if all valid drafts pass, emit a bonus sample of p. Drafters that pick
+  tokens deterministically (n-grams, argmax drafters) pass `draft_probs=None`: q is then a point
+  mass on the drafted token (q = 1), the convention EAGLE-2 uses, and the residual is p with the
+  rejected token removed. Both are exactly lossless.
+* `verify_consultant`: Consultant Decoding's rule, LOSSY: accept while the target's NLL of the
+  draft token is <= eps (default 2.0, OPEN-POINTS §4), correct from the target's own distribution.
+  It does not preserve the target distribution; it is offered only as an explicit opt-in.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..sampling import Sampling, logprobs
+
+
+def accepted_prefix(ok: jax.Array) -> jax.Array:
+    """Length of the all-True prefix of ok [B, K]."""
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
+
+
+def verify_greedy(target_logits: jax.Array, draft_tokens: jax.Array, valid: jax.Array):
+    """target_logits [B, K+1, V], draft_tokens [B, K], valid [B, K]."""
+    target_tokens = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+    n = accepted_prefix((draft_tokens == target_tokens[:, :-1]) & valid)
+    next_token = jnp.take_along_axis(target_tokens, n[:, None], axis=1)[:, 0]
+    return n, next_token
+
+
+def verify_sampling(
+    key: jax.Array,
+    target_logits: jax.Array,
+    draft_tokens: jax.Array,
+    valid: jax.Array,
+    sampling: Sampling,
+    draft_probs: jax.Array | None = None,
+):
+    """Lossless speculative sampling. draft_probs [B, K, V] (processed like p) or None (q = 1)."""
+    B, K = draft_tokens.shape
+    p = jnp.exp(logprobs(target_logits, sampling))  # [B, K+1, V]
+    p_draft = jnp.take_along_axis(p[:, :K], draft_tokens[..., None], axis=-1)[..., 0]
+    if draft_probs is None:
+        q_draft = jnp.ones_like(p_draft)
+    else:
+        q_draft = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+    k_accept, k_resample = jax.random.split(key)
+    u = jax.random.uniform(k_accept, (B, K))
+    # u < p/q written without division; q_draft > 0 for any token the drafter could produce.
+    ok = (u * q_draft < p_draft) & valid
+    n = accepted_prefix(ok)
+    n_valid = jnp.sum(valid, axis=-1).astype(jnp.int32)
+    rejected = n < n_valid  # else: bonus token from p at position n
+
+    p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B, V]
+    tok_n = jnp.take_along_axis(draft_tokens, jnp.minimum(n, K - 1)[:, None], axis=1)[:, 0]
+    if draft_probs is None:
+        q_n = jax.nn.one_hot(tok_n, p.shape[-1], dtype=p.dtype)
+    else:
+        q_n = jnp.take_along_axis(draft_probs, jnp.minimum(n, K - 1)[:, None, None], axis=1)[:, 0]
+    residual = jnp.maximum(p_n - q_n, 0.0)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    # A rejection implies p(x) < q(x) somewhere, so mass > 0 except for float round-off.
+    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
+    dist = jnp.where(rejected[:, None], residual, p_n)
+    next_token = jax.random.categorical(k_resample, jnp.log(dist), axis=-1).astype(jnp.int32)
+    return n, next_token
+
+
+def verify_consultant(
+    key: jax.Array,
+    target_logits: jax.Array,
+    draft_tokens: jax.Array,
+    valid: jax.Array,
+    sampling: Sampling,
+    eps: float = 2.0,
+):
+    """LOSSY Consultant Decoding: accept while -log p(x) <= eps under the (processed) target."""
+    K = draft_tokens.shape[1]
+    lp = logprobs(target_logits, sampling)
+    nll = -jnp.take_along_axis(lp[:, :K], draft_tokens[..., None], axis=-1)[..., 0]
+    n = accepted_prefix((nll <= eps) & valid)
+    lp_n = jnp.take_along_axis(lp, n[:, None, None], axis=1)[:, 0]
+    if sampling.greedy:
+        next_token = jnp.argmax(lp_n, axis=-1).astype(jnp.int32)
+    else:
+        next_token = jax.random.categorical(key, lp_n, axis=-1).astype(jnp.int32)
+    return n, next_token

@@ -1,0 +1,127 @@
+"""Training settings and recipe files.
+
+`TrainConfig` holds everything that changes the math of a train step; it is frozen and hashable
+because the jitted step takes it as a static argument. `DataConfig` (self-distillation) and
+`RunConfig` (checkpoints, logging, mesh) never enter the step. A recipe is a JSON file under
+`training/` with one object per section:
+
+    {"description": "...",
+     "head":  {"kind": "eagle3", "draft_vocab_size": 32000, "capture_layers": null, "intermediate_size": null},
+     "data":  {DataConfig fields},
+     "train": {TrainConfig fields except kind / draft vocab, which come from "head"},
+     "run":   {RunConfig fields}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    kind: str = "eagle3"
+    # training-time test: draft steps unrolled per sequence, step j weighted decay**j
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+    # EAGLE-1 loss: regression_weight * SmoothL1(features) + ce_weight * soft CE (§1.1)
+    regression_weight: float = 1.0
+    ce_weight: float = 0.1
+    # uniform noise (U(0,1) - 0.5) * std * 512 / row_length on the first step's input features
+    feature_noise_std: float = 0.0
+    # optimisation
+    batch_size: int = 32  # global, over all hosts and devices
+    seq_len: int = 1024
+    steps: int = 2000
+    lr: float = 6e-4
+    warmup_steps: int = 100
+    final_lr_fraction: float = 0.1  # cosine decays to lr * this
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0  # global norm
+    compute_dtype: str = "bfloat16"  # params are kept in float32 (master weights)
+    remat: bool = True  # recompute each TTT step in the backward pass (logits dominate memory)
+    logits_chunk: int = 256  # positions per chunk of the target's full-vocab argmax
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.ttt_steps < 1:
+            raise ValueError("ttt_steps must be >= 1")
+        if self.seq_len <= self.ttt_steps + 1:
+            raise ValueError("seq_len must exceed ttt_steps + 1")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    num_prompts: int = 4000  # chitchat prompts (jspec.tasks.training_prompts)
+    self_prompts: int = 0  # extra prompts the target writes itself
+    max_new_tokens: int = 512  # response length cap when the target answers
+    gen_batch_size: int = 64
+    rows_per_shard: int = 1024
+    prompt_seed: int = 0
+    chat_template: bool = True  # wrap prompts in the tokenizer's chat template when it has one
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    ckpt_every: int = 250
+    keep_checkpoints: int = 3
+    log_every: int = 10
+    fsdp: int = 1  # devices per fsdp group; the rest of the devices form the data axis
+    export_dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    kind: str = "eagle3"
+    draft_vocab_size: int = 0
+    capture_layers: tuple[int, ...] | None = None  # None = EAGLE-3 default (2, L//2, L-3)
+    intermediate_size: int | None = None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    head: HeadSpec = field(default_factory=HeadSpec)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    description: str = ""
+
+
+def _build(cls, d: dict):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields in recipe: {sorted(unknown)}")
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+def recipe_from_dict(d: dict) -> Recipe:
+    head = _build(HeadSpec, d.get("head", {}))
+    train = _build(TrainConfig, {"kind": head.kind, **d.get("train", {})})
+    if train.kind != head.kind:
+        raise ValueError(f"train.kind {train.kind!r} disagrees with head.kind {head.kind!r}")
+    return Recipe(
+        head=head,
+        data=_build(DataConfig, d.get("data", {})),
+        train=train,
+        run=_build(RunConfig, d.get("run", {})),
+        description=d.get("description", ""),
+    )
+
+
+def load_recipe(path: str) -> Recipe:
+    with open(path) as fh:
+        return recipe_from_dict(json.load(fh))
+
+
+def recipe_to_dict(r: Recipe) -> dict:
+    return {
+        "description": r.description,
+        "head": dataclasses.asdict(r.head),
+        "data": dataclasses.asdict(r.data),
+        "train": dataclasses.asdict(r.train),
+        "run": dataclasses.asdict(r.run),
+    }

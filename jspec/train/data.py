@@ -1,0 +1,297 @@
+"""Self-distillation data: the target answers prompts, the head learns the target's own outputs.
+
+On-disk format (one directory):
+
+    meta.json          {"format": "jspec-distill-v1", "seq_len": T, "pad_id": int, "vocab_size": V,
+                        "shards": [{"file": "shard-00000.npz", "rows": n}, ...], ...provenance}
+    shard-00000.npz    tokens    [n, T] int32  prompt + response, right-padded with pad_id
+                       loss_mask [n, T] bool   True on response tokens (the target's own output,
+                                               EOS included), False on prompt and padding
+                       lengths   [n]    int32  valid (non-pad) tokens per row
+
+Only token ids are stored: target features and logits are recomputed online by the frozen target
+inside the train step, so the data stays small and independent of the feature layout.
+
+Loading is per host and deterministic in (seed, step): for epoch e the shards are permuted with
+seed (seed, e) and dealt round-robin to the processes (each host opens only its own shards); a
+host shuffles its rows with seed (seed, e, host) and cuts them into local batches. Batch `step`
+is therefore a pure function of the step number, which is all a checkpoint needs to resume the
+data stream exactly. With fewer shards than processes every host reads every shard and keeps
+every P-th row instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+FORMAT = "jspec-distill-v1"
+META_FILE = "meta.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+
+
+def pack_example(prompt: Sequence[int], response: Sequence[int], seq_len: int, pad_id: int):
+    """(tokens [T], loss_mask [T], length) for prompt + response, truncated to seq_len."""
+    ids = (list(prompt) + list(response))[:seq_len]
+    tokens = np.full((seq_len,), pad_id, np.int32)
+    mask = np.zeros((seq_len,), bool)
+    tokens[: len(ids)] = ids
+    mask[len(prompt) : len(ids)] = True
+    return tokens, mask, len(ids)
+
+
+class ShardWriter:
+    """Accumulates packed rows and writes them as fixed-size shards plus meta.json on close."""
+
+    def __init__(self, out_dir: str, seq_len: int, pad_id: int, vocab_size: int, rows_per_shard: int = 1024):
+        os.makedirs(out_dir, exist_ok=True)
+        self.out_dir, self.seq_len, self.pad_id = out_dir, seq_len, pad_id
+        self.vocab_size, self.rows_per_shard = vocab_size, rows_per_shard
+        self._rows: list[tuple[np.ndarray, np.ndarray, int]] = []
+        self.shards: list[dict] = []
+
+    def add(self, prompt: Sequence[int], response: Sequence[int]) -> None:
+        self._rows.append(pack_example(prompt, response, self.seq_len, self.pad_id))
+        if len(self._rows) == self.rows_per_shard:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._rows:
+            return
+        name = f"shard-{len(self.shards):05d}.npz"
+        tokens, mask, lengths = zip(*self._rows)
+        np.savez(
+            os.path.join(self.out_dir, name),
+            tokens=np.stack(tokens), loss_mask=np.stack(mask), lengths=np.asarray(lengths, np.int32),
+        )
+        self.shards.append({"file": name, "rows": len(self._rows)})
+        self._rows = []
+
+    def close(self, **provenance) -> dict:
+        self._flush()
+        meta = {
+            "format": FORMAT, "seq_len": self.seq_len, "pad_id": self.pad_id,
+            "vocab_size": self.vocab_size, "shards": self.shards, **provenance,
+        }
+        with open(os.path.join(self.out_dir, META_FILE), "w") as fh:
+            json.dump(meta, fh, indent=1)
+        return meta
+
+
+def write_dataset(out_dir: str, examples: Iterable[tuple[Sequence[int], Sequence[int]]], *, seq_len: int,
+                  pad_id: int, vocab_size: int, rows_per_shard: int = 1024, **provenance) -> dict:
+    """Write (prompt ids, response ids) pairs; returns meta."""
+    w = ShardWriter(out_dir, seq_len, pad_id, vocab_size, rows_per_shard)
+    for prompt, response in examples:
+        w.add(prompt, response)
+    return w.close(**provenance)
+
+
+def read_meta(data_dir: str) -> dict:
+    with open(os.path.join(data_dir, META_FILE)) as fh:
+        meta = json.load(fh)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{data_dir}: not a {FORMAT} dataset")
+    return meta
+
+
+def load_shard(data_dir: str, name: str) -> dict[str, np.ndarray]:
+    with np.load(os.path.join(data_dir, name)) as z:
+        return {k: z[k] for k in ("tokens", "loss_mask", "lengths")}
+
+
+def token_counts(data_dir: str, vocab_size: int) -> np.ndarray:
+    """How often each target token occurs as a response token: picks EAGLE-3's draft vocab."""
+    counts = np.zeros((vocab_size,), np.int64)
+    for shard in read_meta(data_dir)["shards"]:
+        s = load_shard(data_dir, shard["file"])
+        counts += np.bincount(s["tokens"][s["loss_mask"]], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic per-host loading
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ShardedLoader:
+    """Local batches of a global batch, a pure function of (seed, step)."""
+
+    data_dir: str
+    global_batch: int
+    seed: int = 0
+    process_index: int = 0
+    process_count: int = 1
+
+    def __post_init__(self):
+        if self.global_batch % self.process_count:
+            raise ValueError("global batch must divide evenly over processes")
+        self.meta = read_meta(self.data_dir)
+        self.local_batch = self.global_batch // self.process_count
+        self._rows_per_shard = [s["rows"] for s in self.meta["shards"]]
+        self._by_shard = len(self._rows_per_shard) >= self.process_count
+        self._cache: dict[str, dict[str, np.ndarray]] = {}
+        self._epoch_rows: dict[int, np.ndarray] = {}
+        if self.steps_in_epoch(0) == 0:
+            raise ValueError(f"{self.data_dir}: too few rows for a local batch of {self.local_batch}")
+
+    @property
+    def seq_len(self) -> int:
+        return self.meta["seq_len"]
+
+    def _assignment(self, epoch: int, host: int) -> list[tuple[int, int]]:
+        """(shard, row) pairs owned by `host` in `epoch`, before shuffling."""
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self._rows_per_shard))
+        if self._by_shard:
+            return [(s, r) for s in order[host :: self.process_count] for r in range(self._rows_per_shard[s])]
+        every = [(s, r) for s in order for r in range(self._rows_per_shard[s])]
+        return every[host :: self.process_count]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        """Equal on every host: the host with the fewest rows bounds the epoch."""
+        if self._by_shard:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self._rows_per_shard))
+            rows = [sum(self._rows_per_shard[s] for s in order[h :: self.process_count]) for h in range(self.process_count)]
+        else:
+            total = sum(self._rows_per_shard)
+            rows = [len(range(h, total, self.process_count)) for h in range(self.process_count)]
+        return min(rows) // self.local_batch
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(epoch, batch index within the epoch) of a global step."""
+        epoch = 0
+        while step >= (n := self.steps_in_epoch(epoch)):
+            step -= n
+            epoch += 1
+        return epoch, step
+
+    def _rows(self, epoch: int) -> np.ndarray:
+        if epoch not in self._epoch_rows:
+            pairs = np.asarray(self._assignment(epoch, self.process_index), np.int64).reshape(-1, 2)
+            perm = np.random.default_rng([self.seed, epoch, self.process_index]).permutation(len(pairs))
+            self._epoch_rows = {epoch: pairs[perm]}  # keep one epoch's order in memory
+        return self._epoch_rows[epoch]
+
+    def _shard(self, index: int) -> dict[str, np.ndarray]:
+        name = self.meta["shards"][index]["file"]
+        if name not in self._cache:
+            if len(self._cache) >= 64:  # bounded: a host streams through its shards
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[name] = load_shard(self.data_dir, name)
+        return self._cache[name]
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        """This host's rows of global batch `step`: tokens [b, T] int32, loss_mask [b, T] bool,
+        lengths [b] int32."""
+        epoch, i = self.locate(step)
+        pairs = self._rows(epoch)[i * self.local_batch : (i + 1) * self.local_batch]
+        rows = [{k: v[r] for k, v in self._shard(s).items()} for s, r in pairs]
+        return {k: np.stack([row[k] for row in rows]) for k in ("tokens", "loss_mask", "lengths")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Self-distillation (the target answers prompts)
+# ---------------------------------------------------------------------------------------------
+
+# Topics and styles for prompts the target writes itself: greedy decoding of distinct
+# instructions gives distinct questions without depending on a sampler.
+_TOPICS = (
+    "cooking", "travel", "personal finance", "history", "physics", "biology", "chemistry",
+    "astronomy", "programming in Python", "web development", "databases", "mathematics",
+    "statistics", "music", "movies", "books", "sports", "fitness", "nutrition", "sleep",
+    "gardening", "pets", "parenting", "careers", "job interviews", "writing", "poetry",
+    "philosophy", "psychology", "economics", "climate", "geography", "languages", "art",
+    "photography", "video games", "cars", "home repair", "electronics", "law", "medicine",
+    "productivity", "relationships", "friendship", "holidays", "fashion", "architecture",
+    "machine learning", "the internet", "space exploration",
+)
+_STYLES = (
+    "a short factual question", "a request for advice", "a request to explain a concept simply",
+    "a request for a list of ideas", "a how-to question",
+)
+
+
+def self_prompt_instructions(n: int, seed: int = 0) -> list[str]:
+    """n distinct instructions asking the target to write one user prompt each."""
+    combos = [(t, s) for t in _TOPICS for s in _STYLES]
+    order = np.random.default_rng(seed).permutation(len(combos))
+    if n > len(combos):
+        raise ValueError(f"at most {len(combos)} self-written prompts are available")
+    return [
+        f"Write {combos[i][1]} that a user might ask an AI assistant about {combos[i][0]}. "
+        "Reply with the user's message only."
+        for i in order[:n]
+    ]
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> list[int]:
+    """Token ids of a user turn, through the tokenizer's chat template when it has one."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer.encode(text)]
+
+
+def clean_written_prompt(text: str) -> str:
+    """First non-empty line of the target's answer, without quotes or a 'User:' label."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    line = lines[0] if lines else ""
+    for label in ("User:", "user:", "Question:", "Prompt:"):
+        line = line.removeprefix(label).strip()
+    return line.strip('"').strip()
+
+
+def answer_prompts(generate_fn: Callable, prompts: list[list[int]], *, max_new_tokens: int,
+                   batch_size: int, progress: bool = True) -> list[list[int]]:
+    """The target's responses (EOS included) to token-id prompts, batched by similar length."""
+    from tqdm import tqdm
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    responses: list[list[int]] = [[] for _ in prompts]
+    for start in tqdm(range(0, len(order), batch_size), desc="distill", disable=not progress):
+        idx = order[start : start + batch_size]
+        res = generate_fn([prompts[i] for i in idx], max_new_tokens=max_new_tokens)
+        for row, i in enumerate(idx):
+            responses[i] = [int(t) for t in res.tokens[row, : res.lengths[row]]]
+    return responses
+
+
+def distill_dataset(target_params, target_cfg, tokenizer, out_dir: str, *, data_cfg, seq_len: int,
+                    progress: bool = True) -> dict:
+    """Build a self-distillation dataset: prompts (chitchat + optional self-written) answered by
+    the target with greedy decoding, packed into shards. Returns meta."""
+    from .. import tasks
+    from ..generate import generate
+
+    def gen(prompts, max_new_tokens):
+        return generate(target_params, target_cfg, prompts, max_new_tokens=max_new_tokens)
+
+    texts = list(tasks.training_prompts(data_cfg.num_prompts, data_cfg.prompt_seed))
+    if data_cfg.self_prompts:
+        instructions = self_prompt_instructions(data_cfg.self_prompts, data_cfg.prompt_seed)
+        ids = [encode_prompt(tokenizer, t, data_cfg.chat_template) for t in instructions]
+        written = answer_prompts(gen, ids, max_new_tokens=64, batch_size=data_cfg.gen_batch_size, progress=progress)
+        texts += [p for p in (clean_written_prompt(tokenizer.decode(r, skip_special_tokens=True)) for r in written) if p]
+    max_prompt = seq_len - 16  # leave room for a response worth learning from
+    prompts = [p for p in (encode_prompt(tokenizer, t, data_cfg.chat_template) for t in texts) if len(p) <= max_prompt]
+    max_new = min(data_cfg.max_new_tokens, seq_len)
+    responses = answer_prompts(gen, prompts, max_new_tokens=max_new, batch_size=data_cfg.gen_batch_size, progress=progress)
+    return write_dataset(
+        out_dir, zip(prompts, responses), seq_len=seq_len, pad_id=target_cfg.pad_token_id,
+        vocab_size=target_cfg.vocab_size, rows_per_shard=data_cfg.rows_per_shard,
+        num_prompts=len(prompts), self_prompts=data_cfg.self_prompts, max_new_tokens=max_new,
+        prompt_seed=data_cfg.prompt_seed,
+    )

@@ -1,0 +1,154 @@
+"""The jitted train step, the optimizer, and how state and batches are laid out on a device mesh.
+
+Mesh axes ("data", "fsdp"): a batch is split over both axes (every device sees different rows);
+head and target parameter matrices are split over "fsdp" along their last evenly divisible axis
+(vectors and indivisible arrays are replicated), and so are the optimizer moments. XLA inserts
+the all-gathers and reduce-scatters; on one device every sharding is trivial and the same code
+runs unchanged.
+
+Precision: the optimizer holds float32 master weights; the step casts them to the compute dtype
+(bf16 by default) inside the loss, so gradients flow back to float32 through the cast.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .. import heads as H
+from ..model import cast_params
+from . import losses
+from .config import TrainConfig
+
+BATCH_AXES = ("data", "fsdp")
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-host and mesh
+# ---------------------------------------------------------------------------------------------
+
+
+def maybe_initialize_distributed() -> None:
+    """jax.distributed.initialize() when launched as several processes (env-driven):
+    JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID, or a cluster JAX detects itself
+    (SLURM, Open MPI, TPU pods) when JSPEC_DISTRIBUTED=1. A single process skips it."""
+    if os.environ.get("JAX_COORDINATOR_ADDRESS") and int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1:
+        jax.distributed.initialize(
+            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+            num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+            process_id=int(os.environ["JAX_PROCESS_ID"]),
+        )
+    elif os.environ.get("JSPEC_DISTRIBUTED") == "1":
+        jax.distributed.initialize()
+
+
+def make_mesh(fsdp: int = 1, devices=None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) % fsdp:
+        raise ValueError(f"fsdp={fsdp} does not divide {len(devices)} devices")
+    return Mesh(np.asarray(devices).reshape(len(devices) // fsdp, fsdp), BATCH_AXES)
+
+
+def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> P:
+    """Shard the last axis divisible by the fsdp size (matrices only); otherwise replicate."""
+    if fsdp > 1 and len(shape) >= 2:
+        for axis in reversed(range(len(shape))):
+            if shape[axis] % fsdp == 0:
+                spec = [None] * len(shape)
+                spec[axis] = "fsdp"
+                return P(*spec)
+    return P()
+
+
+def tree_shardings(mesh: Mesh, tree):
+    """NamedSharding per leaf of a (possibly abstract) pytree, by fsdp_spec."""
+    fsdp = mesh.shape["fsdp"]
+    return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(tuple(x.shape), fsdp)), tree)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def global_batch(mesh: Mesh, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """Assemble each host's rows into global arrays sharded over (data, fsdp)."""
+    sharding = batch_sharding(mesh)
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer and state
+# ---------------------------------------------------------------------------------------------
+
+
+def lr_schedule(tc: TrainConfig) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=tc.lr, warmup_steps=max(tc.warmup_steps, 1),
+        decay_steps=max(tc.steps, tc.warmup_steps + 1), end_value=tc.lr * tc.final_lr_fraction,
+    )
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """AdamW (decay on matrices only) after global-norm clipping, warmup + cosine schedule."""
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    return optax.chain(
+        optax.clip_by_global_norm(tc.grad_clip),
+        optax.adamw(lr_schedule(tc), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay, mask=decay_mask),
+    )
+
+
+def init_state(tc: TrainConfig, trainable: dict) -> dict:
+    """{step, params (float32 master), opt_state, rng}: everything a checkpoint must restore."""
+    params = jax.tree.map(lambda p: p.astype(jnp.float32), trainable)
+    return {
+        "step": jnp.zeros((), jnp.int32),
+        "params": params,
+        "opt_state": make_optimizer(tc).init(params),
+        "rng": jax.random.PRNGKey(tc.seed),
+    }
+
+
+def place(mesh: Mesh, tree):
+    return jax.device_put(tree, tree_shardings(mesh, tree))
+
+
+# ---------------------------------------------------------------------------------------------
+# The step
+# ---------------------------------------------------------------------------------------------
+
+
+def _train_step(hcfg: H.HeadConfig, tc: TrainConfig, mesh: Mesh, state: dict, fixed: dict,
+                target_params: dict, batch: dict):
+    dtype = jnp.dtype(tc.compute_dtype)
+    target = losses.target_outputs(hcfg, tc, target_params, batch["tokens"])
+    key = jax.random.fold_in(state["rng"], state["step"])  # per-step randomness, resumable
+
+    def loss_fn(params):
+        head_params = {**cast_params(params, dtype), **fixed}
+        return losses.ttt_loss(hcfg, tc, head_params, target_params, batch, target, key)
+
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    updates, opt_state = make_optimizer(tc).update(grads, state["opt_state"], state["params"])
+    new_state = {
+        "step": state["step"] + 1,
+        "params": optax.apply_updates(state["params"], updates),
+        "opt_state": opt_state,
+        "rng": state["rng"],
+    }
+    new_state = jax.lax.with_sharding_constraint(new_state, tree_shardings(mesh, new_state))
+    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["lr"] = lr_schedule(tc)(state["step"])
+    metrics["tokens"] = jnp.sum(batch["lengths"])
+    return new_state, metrics
+
+
+train_step = jax.jit(_train_step, static_argnums=(0, 1, 2), donate_argnums=(3,))
+train_step.__doc__ = """train_step(hcfg, tc, mesh, state, fixed, target_params, batch) -> (state, metrics).
+
+state: init_state(...) placed with `place`; fixed: the head's integer leaves (d2t, t2d);
+target_params: frozen, already in the compute dtype; batch: global_batch(...) arrays."""

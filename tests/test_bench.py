@@ -1,0 +1,247 @@
+"""Bench harness: exact metric arithmetic on fake methods, JSON rows, BENCHMARKS.md and plots."""
+
+import argparse
+import json
+import types
+
+import numpy as np
+import pytest
+
+from jspec.bench import harness
+from jspec.bench.harness import RunContext, batches_of, benchmark_group
+from jspec.bench.methods import JspecMethod, cut_at_eos, rows_from_generation
+from jspec.bench.protocol import MethodSpec, RowResult, parse_method_spec, parse_method_specs
+from jspec.bench.report import GENERATED_MARKER, ROW_FIELDS, read_all_rows, write_benchmarks_md, write_rows
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+class FakeMethod:
+    """Answers from a table: prompt (first token) -> (RowResult, seconds for a batch it starts)."""
+
+    def __init__(self, clock, spec, table, *, batch=1, dtype="float32"):
+        self.clock, self.table = clock, table
+        self.name, self.method, self.drafter, self.policy, self.tree = spec.name, spec.method, spec.drafter, spec.policy, spec.tree
+        self.batch, self.dtype = batch, dtype
+        self.calls = []
+
+    def prepare(self, example_prompts):
+        return 1.5
+
+    def run(self, prompts):
+        self.calls.append([p[0] for p in prompts])
+        self.clock.t += self.table[prompts[0][0]][1]  # the batch's wall time
+        return [self.table[p[0]][0] for p in prompts]
+
+
+PROMPTS = [[0, 7], [1, 7]]
+
+
+def ar_table():
+    return {0: (RowResult([5, 6, 7, 8], 4), 2.0), 1: (RowResult([9, 9], 2), 1.0)}
+
+
+def spec_table():
+    # prompt 0: same output as AR in 2 target calls; prompt 1 differs from AR, 1 call.
+    return {
+        0: (RowResult([5, 6, 7, 8], 2, drafted=4, accepted=2, draft_lengths=[2, 2], step_tokens=[2, 2]), 1.0),
+        1: (RowResult([9, 1], 1, drafted=2, accepted=1, draft_lengths=[2], step_tokens=[2]), 0.5),
+    }
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = FakeClock()
+    monkeypatch.setattr(harness, "_now", c)
+    return c
+
+
+def ctx():
+    return RunContext(target="tiny", max_new_tokens=4, reproduce="python scripts/bench.py --model tiny",
+                      card="cpu", jax_version="0.0.test", timestamp="2025-01-01T00:00:00+00:00")
+
+
+def test_spec_bench_metrics_by_hand(clock):
+    spec = parse_method_spec("spec:ngram:static")
+    methods = [FakeMethod(clock, spec, spec_table()), FakeMethod(clock, MethodSpec("ar"), ar_table())]
+    rows = {r["method"]: r for r in benchmark_group(ctx(), methods, PROMPTS, task="t")}
+    ar, sp = rows["ar"], rows["spec"]
+    assert ar["tokens_per_s"] == pytest.approx((4 / 2 + 2 / 1) / 2)  # mean over prompts
+    assert ar["mean_accepted_tokens"] == 1.0 and ar["speedup_vs_ar"] == 1.0
+    assert ar["greedy_identical_to_ar"] == 1.0 and ar["acceptance_rate"] is None
+    assert sp["tokens_per_s"] == pytest.approx((4 / 1 + 2 / 0.5) / 2)
+    assert sp["speedup_vs_ar"] == pytest.approx(2.0)
+    assert sp["mean_accepted_tokens"] == pytest.approx(6 / 3)  # bonus tokens included
+    assert sp["acceptance_rate"] == pytest.approx(3 / 6)
+    assert sp["draft_tokens_per_round"] == pytest.approx(6 / 3)
+    assert sp["greedy_identical_to_ar"] == 0.5
+    assert sp["accepted_length_hist"] == {2: 3}
+    assert sp["trace"] == {"draft_lengths": [2, 2], "step_tokens": [2, 2]}
+    assert sp["compile_s"] == 1.5 and sp["n_prompts"] == 2 and sp["speedup_vs_hf"] is None
+
+
+def test_batches_pad_the_last_group_and_drop_the_fillers(clock):
+    assert batches_of([[1], [2], [3]], 2) == [([[1], [2]], 2), ([[3], [3]], 1)]
+    prompts = [[0], [1], [2]]
+    table = {0: (RowResult([1, 2, 3, 4], 4), 2.0), 1: (RowResult([1, 2], 2), 0.0), 2: (RowResult([1, 2, 3], 3), 1.0)}
+    method = FakeMethod(clock, MethodSpec("ar"), table, batch=2)
+    (row,) = benchmark_group(ctx(), [method], prompts, task="t")
+    assert method.calls == [[0, 1], [2, 2]]
+    assert row["tokens_per_s"] == pytest.approx(((4 + 2) / 2.0 + 3 / 1.0) / 2)  # per-batch, then mean
+    assert row["n_prompts"] == 3 and row["mean_new_tokens"] == 3.0
+
+
+def test_group_must_share_batch_and_dtype(clock):
+    a = FakeMethod(clock, MethodSpec("ar"), ar_table(), batch=1)
+    b = FakeMethod(clock, MethodSpec("hf"), ar_table(), batch=2)
+    with pytest.raises(ValueError, match="share batch"):
+        benchmark_group(ctx(), [a, b], PROMPTS, task="t")
+
+
+def test_method_spec_parsing():
+    assert parse_method_spec("spec:eagle:entropy:tree") == MethodSpec("spec", "eagle", "entropy", True)
+    assert parse_method_spec("hf_pld") == MethodSpec("hf", drafter="prompt_lookup")
+    assert [s.name for s in parse_method_specs("ar,hf,hf_pld,spec:ngram:static")] == [
+        "ar", "hf", "hf_pld", "spec:ngram:static"]
+    for bad in ("spec:ngram", "beam", "spec:a:b:c"):
+        with pytest.raises(ValueError):
+            parse_method_spec(bad)
+
+
+def test_jspec_adapter_reads_generation_result():
+    result = types.SimpleNamespace(
+        tokens=np.array([[4, 5, 2, -1], [6, -1, -1, -1]], np.int32), lengths=np.array([3, 1]),
+        target_calls=np.array([2, 1]), drafted=np.array([3, 0]), accepted=np.array([1, 0]), rounds=np.array([2, 1]),
+        draft_lengths=np.array([[2, 1], [0, 0]]),
+    )
+    seen = {}
+
+    def fake_generate(params, cfg, prompts, **kwargs):
+        seen.update(kwargs, prompts=prompts)
+        return result
+
+    m = JspecMethod({}, None, parse_method_spec("spec:ngram:static"), dtype="float32", batch=2,
+                    max_new_tokens=4, generate_kwargs={"k_max": 3}, generate_fn=fake_generate)
+    rows = m.run([[1, 2], [3]])
+    assert seen == {"max_new_tokens": 4, "k_max": 3, "drafter": "ngram", "policy": "static", "prompts": [[1, 2], [3]]}
+    assert rows[0] == RowResult([4, 5, 2], 2, 3, 1, draft_lengths=[2, 1], step_tokens=None)
+    assert rows[1].new_tokens == [6] and rows[1].draft_lengths == [0]
+    assert rows_from_generation(result)[1].target_calls == 1
+    seen_prompts = []
+    m.run = None  # prepare must not go through run
+    m._generate_fn = lambda params, cfg, prompts, **kw: seen_prompts.append(prompts)
+    m.prepare([[1] * 3, [1] * 5, [1] * 40, [1] * 9])  # buckets 32 and 64 -> one warm-up each
+    assert [len(p[1]) for p in seen_prompts] == [5, 9]
+
+
+def test_cut_at_eos_keeps_the_eos():
+    assert cut_at_eos([5, 3, 0, 0], [3]) == [5, 3]
+    assert cut_at_eos([5, 6], [3]) == [5, 6]
+
+
+def sample_rows(clock):
+    specs = [MethodSpec("ar"), parse_method_spec("spec:ngram:static"), parse_method_spec("spec:ngram:entropy")]
+    tables = [ar_table(), spec_table(), spec_table()]
+    return benchmark_group(ctx(), [FakeMethod(clock, s, t) for s, t in zip(specs, tables)], PROMPTS, task="mt_bench")
+
+
+def test_rows_round_trip_with_every_field(clock, tmp_path):
+    rows = sample_rows(clock)
+    path = write_rows(tmp_path / "models" / "tiny" / "bench" / "run.json", rows)
+    loaded = json.loads(path.read_text())
+    assert len(loaded) == 3 and all(set(ROW_FIELDS) <= set(r) for r in loaded)
+    assert read_all_rows(tmp_path / "models") == loaded
+    with pytest.raises(ValueError, match="card"):
+        write_rows(tmp_path / "x.json", [{"method": "ar"}])
+
+
+def test_benchmarks_md_keeps_prose_and_regenerates_tables(clock, tmp_path):
+    models = tmp_path / "models"
+    write_rows(models / "tiny" / "bench" / "run.json", sample_rows(clock))
+    md = tmp_path / "BENCHMARKS.md"
+    write_benchmarks_md(models, md)  # absent: created with the default intro
+    first = md.read_text()
+    assert first.startswith("# Benchmarks") and GENERATED_MARKER in first
+    md.write_text("# My notes\n\nhand-written\n" + GENERATED_MARKER + "\n\n| stale | table |\n")
+    write_benchmarks_md(models, md)
+    text = md.read_text()
+    assert text.startswith("# My notes\n\nhand-written\n") and "stale" not in text
+    assert "## tiny — cpu, JAX 0.0.test" in text
+    assert "| mt_bench | `spec:ngram:static` | 1 | float32 | 2 | 4 | 4.0 | 2.00× | 2.00 | 0.50 | 2.00 | 0.50 |" in text
+    assert "python scripts/bench.py --model tiny" in text
+
+
+def test_plots_render(clock, tmp_path):
+    from jspec.bench.plots import plot_all
+
+    paths = plot_all(sample_rows(clock), tmp_path / "plots")
+    names = sorted(p.name for p in paths)
+    assert names == ["accepted_hist_mt_bench_b1_float32.png", "draft_traces_mt_bench_b1_float32.png",
+                     "speedup_b1_float32.png"]
+    assert all(p.stat().st_size > 1000 for p in paths)
+
+
+class CharTokenizer:
+    """Byte-level stand-in for a base-model tokenizer (no chat template)."""
+
+    chat_template = None
+    pad_token_id = 0
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [1] + [2 + (b % 60) for b in text.encode()][:20]}
+
+
+def test_cli_end_to_end_with_jspec_ar(tmp_path, monkeypatch):
+    import jax
+
+    from jspec.bench import cli
+    from jspec.config import ModelConfig
+    from jspec.model import init_params
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128, eos_token_ids=(3,))
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    monkeypatch.setattr(cli, "resolve_model", lambda name: (cfg, params, CharTokenizer()))
+    args = cli.add_bench_args(argparse.ArgumentParser()).parse_args(
+        ["--model", "tiny", "--tasks", "mt_bench", "--n-prompts", "3", "--max-new-tokens", "4", "--batch", "1,2",
+         "--methods", "ar", "--models-dir", str(tmp_path / "models"), "--benchmarks-md", str(tmp_path / "B.md")])
+    rows = cli.run_bench(args)
+    assert [(r["batch"], r["n_prompts"], r["mean_accepted_tokens"]) for r in rows] == [(1, 3, 1.0), (2, 3, 1.0)]
+    assert rows[0]["dtype"] == "float32" and rows[0]["card"] == "cpu" and rows[0]["tokens_per_s"] > 0
+    assert json.loads((tmp_path / "models/tiny/bench/bench.json").read_text()) == rows
+    assert "--batch 1,2" in (tmp_path / "B.md").read_text()
+
+
+def test_hf_peer_batches_and_prompt_lookup_accounting(tmp_path):
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from jspec.bench.methods import HFGenerateMethod, load_hf_model
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         bos_token_id=1, eos_token_id=3, pad_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    model = load_hf_model(str(tmp_path / "tiny"), dtype="float32")
+    common = dict(eos_token_ids=[3], pad_token_id=0, dtype="float32", max_new_tokens=12)
+    prompts = [[1, 5, 6, 7, 5, 6, 7, 5, 6], [1, 9, 10]]
+    one = HFGenerateMethod(model, batch=1, **common)
+    two = HFGenerateMethod(model, batch=2, **common)
+    pld = HFGenerateMethod(model, batch=1, prompt_lookup_num_tokens=4, **common)
+    singles = [one.run([p])[0] for p in prompts]
+    assert [r.new_tokens for r in two.run(prompts)] == [r.new_tokens for r in singles]  # left padding is exact
+    assert all(r.target_calls == len(r.new_tokens) and r.drafted == 0 for r in singles)
+    for p, ref in zip(prompts, singles):
+        (row,) = pld.run([p])
+        assert row.new_tokens == ref.new_tokens  # greedy prompt lookup is lossless
+        assert row.target_calls + row.accepted == len(row.new_tokens) and row.accepted <= row.drafted
+    assert (pld.name, pld.method, pld.drafter) == ("hf_pld", "hf", "prompt_lookup")
+    with pytest.raises(ValueError, match="batch 1"):
+        HFGenerateMethod(model, batch=2, prompt_lookup_num_tokens=4, **common)
