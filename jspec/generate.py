@@ -249,6 +249,10 @@ def generate(
     `verify` is "lossless" (greedy identity / lossless sampling) or "consultant" (lossy, opt-in).
     """
     sampling = sampling or GREEDY
+    if isinstance(drafter, str):
+        from .spec.factory import build_drafter
+
+        drafter, drafter_params = build_drafter(drafter, cfg, params)
     extra = k_max + 1 if drafter is not None else 0
     tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new_tokens, extra, cache_len)
     key = jax.random.PRNGKey(seed)

@@ -144,6 +144,11 @@ class MethodFactory:
                 prompt_lookup_num_tokens=a.prompt_lookup_num_tokens if spec.drafter == "prompt_lookup" else None,
             )
         extra = {"k_max": a.k_max} if spec.method == "spec" and a.k_max is not None else {}
+        if spec.method == "spec":
+            from jspec.spec.factory import build_drafter
+
+            params = self.jax_params(dtype)
+            extra["drafter"], extra["drafter_params"] = build_drafter(spec.drafter, self.cfg, params, model_name=self.args.model)
         return JspecMethod(self.jax_params(dtype), self.cfg, spec, dtype=dtype, batch=batch,
                            max_new_tokens=a.max_new_tokens, generate_kwargs=extra)
 

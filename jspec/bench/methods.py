@@ -86,7 +86,8 @@ class JspecMethod:
     def _generate_kwargs(self, extra: dict[str, Any]) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, **extra}
         if self.method == "spec":
-            kwargs.update(drafter=self.drafter, policy=self.policy)
+            kwargs.setdefault("drafter", self.drafter)  # a built drafter object may come in `extra`
+            kwargs.setdefault("policy", self.policy)
             if self.tree:
                 kwargs["tree"] = True
         return kwargs

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 import numpy as np
 
-from ..config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError, config_from_hf
+from ..config import ModelConfig, UnsupportedModelError, config_from_hf
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -186,7 +186,7 @@ class SafetensorsDir:
     """Name -> tensor access over one or several safetensors files of a directory."""
 
     def __init__(self, model_dir: Path):
-        self.dir = model_dir
+        self.source = str(model_dir)
         self.files: dict[str, Path] = {}  # normalized tensor name -> shard file
         self.original: dict[str, str] = {}  # normalized -> name as stored
         self._handles: dict[Path, Any] = {}
@@ -226,15 +226,13 @@ class SafetensorsDir:
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
-    def names(self) -> list[str]:
-        return list(self.files)
-
     def get(self, name: str) -> np.ndarray:
         file = self.files.get(name)
         if file is None:
-            raise MissingTensorError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
+            raise MissingTensorError(f"{self.source}: tensor {name!r} is missing from the checkpoint")
+        handle = self._open(file)
         try:
-            array = self._open(file).get_tensor(self.original[name])
+            array = handle.get_tensor(self.original[name])
         except Exception as e:  # noqa: BLE001
             raise CorruptCheckpointError(f"{file}: cannot read tensor {self.original[name]!r} ({e}); file truncated?") from e
         return np.asarray(array).astype(np.float32)
@@ -244,18 +242,15 @@ class StateDict:
     """The same access over an in-memory {name: array} dict (numpy or torch tensors)."""
 
     def __init__(self, sd: dict[str, Any], source: str = "state_dict"):
-        self.dir = source
+        self.source = source
         self.tensors = {normalize_name(k): v for k, v in sd.items()}
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
-    def names(self) -> list[str]:
-        return list(self.tensors)
-
     def get(self, name: str) -> np.ndarray:
         if name not in self.tensors:
-            raise MissingTensorError(f"{self.dir}: tensor {name!r} is missing from the state dict")
+            raise MissingTensorError(f"{self.source}: tensor {name!r} is missing from the state dict")
         value = self.tensors[name]
         if hasattr(value, "detach"):  # torch tensor (possibly bfloat16, which numpy lacks)
             value = value.detach().float().cpu().numpy()
@@ -267,13 +262,13 @@ def _reject_output_bias(cfg: ModelConfig, tensors) -> None:
     for layer in range(cfg.num_layers):
         name = f"model.layers.{layer}.self_attn.o_proj.bias"
         if name in tensors and np.any(tensors.get(name) != 0):
-            raise UnknownArchitectureError(f"{tensors.dir}: non-zero {name} (output-projection bias) is not supported")
+            raise UnknownArchitectureError(f"{tensors.source}: non-zero {name} (output-projection bias) is not supported")
 
 
 def _fetch_from(cfg: ModelConfig, tensors) -> Callable:
     def fetch(name: str, layer: int | None, shape: tuple) -> np.ndarray:
         hf_name = hf_tensor_name(cfg, name, layer)
-        array = check_shape(tensors.get(hf_name), shape, hf_name, str(tensors.dir))
+        array = check_shape(tensors.get(hf_name), shape, hf_name, tensors.source)
         if _is_gemma_norm(cfg, name):
             array = array + 1.0
         return array
@@ -323,6 +318,10 @@ def _rope_parameters(cfg: ModelConfig, theta: float, scaling: tuple | None) -> d
     raise UnsupportedModelError(f"cannot export rope scaling {scaling[0]!r}")
 
 
+def _int_if_integral(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else float(x)
+
+
 def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
     """A transformers config.json for cfg's family (transformers >= 5 `rope_parameters` form)."""
     model_type, architecture = _HF_ARCHITECTURES[cfg.arch]
@@ -350,7 +349,8 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, 
         d.update(
             hidden_activation="gelu_pytorch_tanh",
             attention_bias=cfg.attention_bias,
-            query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+            # transformers validates this field as an int
+            query_pre_attn_scalar=_int_if_integral(cfg.query_pre_attn_scalar or cfg.head_dim),
             sliding_window=cfg.sliding_window,
             layer_types=["sliding_attention" if s else "full_attention" for s in cfg.sliding_layers],
             final_logit_softcapping=cfg.final_logit_softcap,
@@ -405,7 +405,6 @@ def export_hf(params: dict, cfg: ModelConfig, out_dir: str | os.PathLike) -> Pat
 
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES",
     "config_from_hf_file",
     "export_hf",
     "hf_config_dict",

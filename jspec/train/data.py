@@ -235,14 +235,9 @@ def self_prompt_instructions(n: int, seed: int = 0) -> list[str]:
 
 def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> list[int]:
     """Token ids of a user turn, through the tokenizer's chat template when it has one."""
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
-    return [int(i) for i in tokenizer.encode(text)]
+    from ..tokenizer import has_chat_template, prompt_ids
+
+    return prompt_ids(tokenizer, text, chat=chat_template and has_chat_template(tokenizer))
 
 
 def clean_written_prompt(text: str) -> str:

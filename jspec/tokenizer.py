@@ -1,0 +1,57 @@
+"""Tokenizers for jspec models: a Hugging Face directory, a GGUF file, or an Orbax checkpoint dir.
+
+    tok = load_tokenizer("models/.../model.gguf")
+    ids = apply_chat(tok, "What is the capital of France?")
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .checkpoint.errors import CheckpointNotFoundError
+
+# Where `jspec convert` stores the source's tokenizer inside an Orbax checkpoint directory.
+ORBAX_TOKENIZER_DIR = "tokenizer"
+
+
+def load_tokenizer(source: str | os.PathLike):
+    """A transformers tokenizer for an HF model dir, a .gguf file or an Orbax dir from `convert`."""
+    from transformers import AutoTokenizer
+
+    path = Path(source)
+    if path.is_file() and path.suffix == ".gguf":
+        from .checkpoint.gguf_io import fast_gguf_parsing
+
+        with fast_gguf_parsing():
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if path.is_dir() and (path / ORBAX_TOKENIZER_DIR).is_dir():
+        return AutoTokenizer.from_pretrained(str(path / ORBAX_TOKENIZER_DIR))
+    if path.is_dir():
+        return AutoTokenizer.from_pretrained(str(path))
+    raise CheckpointNotFoundError(f"{path}: no tokenizer source (expected an HF model dir, a .gguf file or an Orbax dir)")
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def apply_chat(tokenizer, user_text: str, system: str | None = None) -> list[int]:
+    """Token ids of a one-turn chat, ending with the assistant prompt (add_generation_prompt)."""
+    if not has_chat_template(tokenizer):
+        raise ValueError("this tokenizer has no chat template (a base model?); use prompt_ids(..., chat=False)")
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user_text}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return [int(t) for t in ids]
+
+
+def prompt_ids(tokenizer, text: str, chat: bool | None = None) -> list[int]:
+    """Chat-formatted ids when `chat`, else the plain encoding (with the tokenizer's BOS policy).
+
+    chat=None means: use the chat template when the tokenizer has one.
+    """
+    if chat is None:
+        chat = has_chat_template(tokenizer)
+    if chat:
+        return apply_chat(tokenizer, text)
+    return [int(t) for t in tokenizer(text)["input_ids"]]

@@ -1,0 +1,150 @@
+"""`jspec train-head`: self-distil data with the target, train an EAGLE head, export it.
+
+    jspec train-head --target smollm2-135m --recipe training/smollm2-eagle3.json [--resume]
+
+Run directory (default runs/<recipe>-<target>/):
+    recipe.json        the resolved recipe (after command-line overrides)
+    data/              the distilled dataset (jspec.train.data format), built when missing
+    checkpoints/       Orbax checkpoints (params, optimizer state, step = data position, RNG)
+    metrics.jsonl      interval metrics (loss, per-TTT-step loss / top-1 accuracy, tokens/s)
+    eagle/             the trained head in the EAGLE layout (config.json + model.safetensors)
+
+Multi-host: launch one process per host with JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+JAX_PROCESS_ID set (or JSPEC_DISTRIBUTED=1 under SLURM / MPI / TPU); distil the data first with
+one process (--distill-only), then every host streams its own shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--target", required=True, help="target model preset or path (jspec.presets.resolve_model)")
+    parser.add_argument("--recipe", required=True, help="recipe JSON, e.g. training/smollm2-eagle3.json")
+    parser.add_argument("--out", default=None, help="run directory (default runs/<recipe>-<target>)")
+    parser.add_argument("--data", default=None, help="distilled dataset directory (default OUT/data; built if missing)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT")
+    parser.add_argument("--distill-only", action="store_true", help="build the dataset and stop")
+    parser.add_argument("--export", default=None, help="EAGLE-format output directory (default OUT/eagle)")
+    parser.add_argument("--no-progress", action="store_true")
+    over = parser.add_argument_group("recipe overrides")
+    over.add_argument("--steps", type=int)
+    over.add_argument("--batch-size", type=int)
+    over.add_argument("--seq-len", type=int)
+    over.add_argument("--lr", type=float)
+    over.add_argument("--seed", type=int)
+    over.add_argument("--num-prompts", type=int)
+    over.add_argument("--fsdp", type=int)
+    over.add_argument("--ckpt-every", type=int)
+    over.add_argument("--log-every", type=int)
+    over.add_argument("--stop-at", type=int, help="stop after this step as if killed (resume testing)")
+    return parser
+
+
+def _apply_overrides(recipe, args):
+    from .config import Recipe
+
+    pick = lambda **kw: {k: v for k, v in kw.items() if v is not None}  # noqa: E731
+    train = dataclasses.replace(recipe.train, **pick(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seed=args.seed))
+    data = dataclasses.replace(recipe.data, **pick(num_prompts=args.num_prompts))
+    run = dataclasses.replace(recipe.run, **pick(fsdp=args.fsdp, ckpt_every=args.ckpt_every, log_every=args.log_every))
+    return Recipe(head=recipe.head, data=data, train=train, run=run, description=recipe.description)
+
+
+def _head_config(recipe, target_cfg):
+    from ..heads import HeadConfig, default_capture_layers
+
+    h = recipe.head
+    capture = ()
+    if h.kind == "eagle3":
+        capture = tuple(h.capture_layers) if h.capture_layers else default_capture_layers(target_cfg.num_layers)
+    return HeadConfig(h.kind, target_cfg, capture, h.draft_vocab_size if h.kind == "eagle3" else 0, h.intermediate_size)
+
+
+def _uses_chat(target: str, tokenizer) -> bool:
+    """The preset's `chat` flag (what the benchmarks use), else whether a chat template exists."""
+    from .. import presets
+
+    if target in presets.list_presets():
+        return presets.load_preset(target).chat
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def _ensure_data(data_dir: str, recipe, cfg, params, tokenizer, progress: bool) -> None:
+    import jax
+
+    from ..model import cast_params
+    from .data import META_FILE, distill_dataset, read_meta
+
+    if os.path.exists(os.path.join(data_dir, META_FILE)):
+        meta = read_meta(data_dir)
+        if meta["seq_len"] != recipe.train.seq_len:
+            raise SystemExit(f"{data_dir} holds seq_len {meta['seq_len']}, the recipe asks {recipe.train.seq_len}")
+        return
+    if jax.process_count() > 1:
+        raise SystemExit(f"{data_dir} has no dataset: distil it first with one process (--distill-only)")
+    gen_dtype = jax.numpy.float32 if jax.default_backend() == "cpu" else jax.numpy.bfloat16
+    meta = distill_dataset(cast_params(params, gen_dtype), cfg, tokenizer, data_dir,
+                           data_cfg=recipe.data, seq_len=recipe.train.seq_len, progress=progress)
+    print(f"distilled {sum(s['rows'] for s in meta['shards'])} sequences into {data_dir}")
+
+
+def run_train(args: argparse.Namespace) -> None:
+    """Entry point behind `jspec train-head` (returns None: the CLI's exit status is 0)."""
+    result = train_from_args(args)
+    if result is not None:
+        print(f"trained {result.hcfg.kind} head to step {result.last_step}; last loss "
+              f"{result.losses.get(result.last_step, float('nan')):.4f}")
+
+
+def train_from_args(args: argparse.Namespace):
+    """run_train's work; returns the TrainResult (None with --distill-only)."""
+    from .step import maybe_initialize_distributed
+
+    maybe_initialize_distributed()  # before any other JAX call
+    import jax
+
+    from ..checkpoint.eagle_format import save_eagle_head
+    from ..presets import resolve_model
+    from .config import load_recipe, recipe_to_dict
+    from .trainer import train
+
+    recipe = _apply_overrides(load_recipe(args.recipe), args)
+    out = args.out or os.path.join("runs", f"{Path(args.recipe).stem}-{Path(args.target).name}")
+    data_dir = args.data or os.path.join(out, "data")
+    first_host = jax.process_index() == 0
+    progress = not args.no_progress
+    cfg, params, tokenizer = resolve_model(args.target)
+    if not _uses_chat(args.target, tokenizer):
+        recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, chat_template=False))
+    os.makedirs(out, exist_ok=True)
+    if first_host:
+        with open(os.path.join(out, "recipe.json"), "w") as fh:
+            json.dump(recipe_to_dict(recipe), fh, indent=2)
+    _ensure_data(data_dir, recipe, cfg, params, tokenizer, progress)
+    if args.distill_only:
+        return None
+    hcfg = _head_config(recipe, cfg)
+    result = train(hcfg, recipe.train, params, data_dir, out, run=recipe.run, resume=args.resume,
+                   stop_at=args.stop_at, progress=progress)
+    if first_host and result.last_step == recipe.train.steps:
+        export = args.export or os.path.join(out, "eagle")
+        save_eagle_head(export, hcfg, result.head_params, dtype=recipe.run.export_dtype)
+        print(f"exported {hcfg.kind} head to {export}")
+    return result
+
+
+def main(argv: list[str] | None = None):
+    parser = add_train_args(argparse.ArgumentParser(prog="jspec train-head", description=__doc__,
+                                                    formatter_class=argparse.RawDescriptionHelpFormatter))
+    return run_train(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+"""Build a self-distillation dataset only: the target answers the recipe's prompts.
+
+    python scripts/distill_data.py --target smollm2-135m --recipe training/smollm2-eagle3.json --data runs/data
+"""
+
+import sys
+
+from jspec.train.cli import main
+
+if __name__ == "__main__":
+    main([*sys.argv[1:], "--distill-only"])

@@ -1,0 +1,192 @@
+"""Draft-head training: data loader, loss decrease, exact resume, 8-device sharded step == 1 device.
+
+Every training run here shares one TrainConfig per head kind and one mesh, so the jitted step
+compiles once per (kind, mesh): the suite must stay fast on a 2-core CPU.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec import heads
+from jspec.model import init_params
+from jspec.train import step as S
+from jspec.train.config import RunConfig, TrainConfig, load_recipe
+from jspec.train.data import ShardedLoader, token_counts, write_dataset
+from jspec.train.testing import numpy_params, tiny_target_config
+from jspec.train.trainer import train
+
+TARGET = tiny_target_config()
+SEQ, BATCH, STEPS, KILL = 16, 8, 16, 10
+TC3 = TrainConfig(kind="eagle3", ttt_steps=3, batch_size=BATCH, seq_len=SEQ, steps=STEPS, lr=1e-2,
+                  warmup_steps=2, compute_dtype="float32", logits_chunk=8)
+TC1 = TrainConfig(kind="eagle1", ttt_steps=1, batch_size=BATCH, seq_len=SEQ, steps=STEPS, lr=1e-2,
+                  warmup_steps=2, compute_dtype="float32", logits_chunk=8, feature_noise_std=0.2)
+RUN = RunConfig(ckpt_every=4, keep_checkpoints=2, log_every=4)
+HCFG3 = heads.default_head_config("eagle3", TARGET, draft_vocab_size=48)
+HCFG1 = heads.default_head_config("eagle1", TARGET)
+
+
+def _mesh8():
+    return S.make_mesh(2)  # data=4, fsdp=2 over the 8 fake CPU devices
+
+
+def _mesh1():
+    return S.make_mesh(1, jax.devices()[:1])
+
+
+def _target():
+    return numpy_params(init_params, TARGET, seed=0, scale=0.3)  # peaky target distributions
+
+
+def _head(hcfg):
+    return numpy_params(heads.init_head, hcfg, seed=1, scale=0.05)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """40 rows of 4 prompt tokens + a patterned response (x <- 3x + c mod V), 5 shards."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(40):
+        prompt = rng.integers(2, TARGET.vocab_size, 4).tolist()
+        x, c, resp = int(rng.integers(2, 100)), int(rng.integers(1, 7)), []
+        for _ in range(int(rng.integers(6, SEQ - 3))):
+            x = (3 * x + c) % (TARGET.vocab_size - 2) + 2
+            resp.append(x)
+        rows.append((prompt, resp + [1]))
+    d = str(tmp_path_factory.mktemp("data"))
+    write_dataset(d, rows, seq_len=SEQ, pad_id=0, vocab_size=TARGET.vocab_size, rows_per_shard=8)
+    return d
+
+
+def test_loader_deterministic_and_split_over_hosts(data_dir):
+    one = ShardedLoader(data_dir, global_batch=8, seed=3)
+    again = ShardedLoader(data_dir, global_batch=8, seed=3)
+    for step in (0, 4, 11):  # 5 steps per epoch: 11 is in the third epoch
+        np.testing.assert_array_equal(one.batch(step)["tokens"], again.batch(step)["tokens"])
+    epoch0 = np.concatenate([one.batch(s)["tokens"] for s in range(one.steps_in_epoch(0))])
+    assert len({r.tobytes() for r in epoch0}) == 40  # an epoch visits every row once
+    hosts = [ShardedLoader(data_dir, global_batch=8, seed=3, process_index=h, process_count=2) for h in (0, 1)]
+    b = [h.batch(0) for h in hosts]
+    assert b[0]["tokens"].shape == (4, SEQ)
+    assert not {r.tobytes() for r in b[0]["tokens"]} & {r.tobytes() for r in b[1]["tokens"]}
+    s = one.batch(0)
+    assert s["loss_mask"].dtype == bool and s["lengths"].dtype == np.int32
+    assert np.all(s["loss_mask"][:, :4] == 0) and np.all(s["loss_mask"].sum(1) == s["lengths"] - 4)
+    counts = token_counts(data_dir, TARGET.vocab_size)
+    assert counts.sum() == sum(int(ShardedLoader(data_dir, 40).batch(0)["loss_mask"].sum()) for _ in [0])
+
+
+@pytest.fixture(scope="module")
+def straight_run(data_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("straight"))
+    res = train(HCFG3, TC3, _target(), data_dir, out, run=RUN, mesh=_mesh8(), head_params=_head(HCFG3), progress=False)
+    return out, res
+
+
+def test_eagle3_loss_decreases_and_logs(straight_run):
+    out, res = straight_run
+    losses = [res.losses[s] for s in range(1, STEPS + 1)]
+    assert np.mean(losses[-3:]) < 0.9 * np.mean(losses[:3]), losses
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [4, 8, 12, 16]
+    assert {"loss", "loss_0", "acc_0", "acc_2", "grad_norm", "lr", "tokens_per_s"} <= set(rows[0])
+    assert res.head_params["d2t"].shape == (48,) and res.last_step == STEPS
+
+
+def test_eagle1_loss_decreases(data_dir, tmp_path):
+    res = train(HCFG1, TC1, _target(), data_dir, str(tmp_path), run=RUN, mesh=_mesh1(),
+                head_params=_head(HCFG1), progress=False)
+    losses = [res.losses[s] for s in range(1, STEPS + 1)]
+    assert np.mean(losses[-3:]) < 0.9 * np.mean(losses[:3]), losses
+
+
+def test_kill_and_resume_reproduces_losses(straight_run, data_dir, tmp_path):
+    _, full = straight_run
+    out = str(tmp_path)
+    first = train(HCFG3, TC3, _target(), data_dir, out, run=RUN, mesh=_mesh8(), head_params=_head(HCFG3),
+                  stop_at=KILL, progress=False)  # "killed" after step 10; last checkpoint is step 8
+    assert first.last_step == KILL
+    resumed = train(HCFG3, TC3, _target(), data_dir, out, run=RUN, mesh=_mesh8(), head_params=_head(HCFG3),
+                    resume=True, progress=False)
+    assert min(resumed.losses) == 9 and resumed.last_step == STEPS
+    for s in range(1, KILL + 1):
+        assert first.losses[s] == pytest.approx(full.losses[s], abs=1e-6)
+    for s in range(9, STEPS + 1):
+        assert resumed.losses[s] == pytest.approx(full.losses[s], abs=1e-6), s
+    for a, b in zip(jax.tree.leaves(resumed.head_params), jax.tree.leaves(full.head_params)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_sharded_step_matches_single_device(data_dir):
+    target, head = _target(), _head(HCFG3)
+    head = heads.with_draft_vocab(HCFG3, head, token_counts(data_dir, TARGET.vocab_size))
+    trainable, fixed = heads.split_trainable(head)
+    local = ShardedLoader(data_dir, BATCH, seed=0).batch(0)
+    results = []
+    for mesh in (_mesh1(), _mesh8()):
+        state = S.place(mesh, S.init_state(TC3, trainable))
+        batch = S.global_batch(mesh, local)
+        fixed_on_mesh = S.place_replicated(mesh, fixed)  # as the trainer places them: one compile
+        new, metrics = S.train_step(HCFG3, TC3, mesh, state, fixed_on_mesh, S.place(mesh, target), batch)
+        if mesh.size == 8:
+            wqkv = new["params"]["layer"]["wqkv"]
+            assert wqkv.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+            assert batch["tokens"].sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
+        results.append(jax.device_get((new["params"], metrics)))
+    (p1, m1), (p8, m8) = results
+    assert abs(float(m1["loss"]) - float(m8["loss"])) < 1e-5
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p8)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["smollm2-eagle3", "smollm2-eagle1", "gemma3-eagle3"])
+def test_recipes_parse(name):
+    here = os.path.dirname(__file__)
+    r = load_recipe(os.path.join(here, "..", "training", f"{name}.json"))
+    assert r.train.kind == r.head.kind and r.train.steps > r.train.warmup_steps
+
+
+class _CharTokenizer:
+    """Stand-in tokenizer (no chat template): one id per character."""
+
+    chat_template = None
+
+    def __call__(self, text):
+        return {"input_ids": [2 + ord(c) % (TARGET.vocab_size - 2) for c in text[:24]]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_cli_distills_dataset(tmp_path, monkeypatch):
+    """`jspec train-head --distill-only` with a stand-in preset: prompts -> target answers -> shards."""
+    import sys
+    import types
+
+    from jspec.train import cli
+    from jspec.train.data import read_meta
+
+    presets = types.ModuleType("jspec.presets")
+    presets.resolve_model = lambda name: (TARGET, _target(), _CharTokenizer())
+    presets.list_presets = lambda: []
+    monkeypatch.setitem(sys.modules, "jspec.presets", presets)
+    recipe = {"head": {"kind": "eagle3", "draft_vocab_size": 48},
+              "data": {"num_prompts": 6, "self_prompts": 2, "max_new_tokens": 8, "gen_batch_size": 8, "rows_per_shard": 4},
+              "train": {"seq_len": 48, "batch_size": 4, "steps": 2}}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(recipe))
+    out = tmp_path / "run"
+    args = cli.add_train_args(__import__("argparse").ArgumentParser()).parse_args(
+        ["--target", "tiny", "--recipe", str(path), "--out", str(out), "--distill-only", "--no-progress"])
+    assert cli.run_train(args) is None
+    meta = read_meta(str(out / "data"))
+    assert meta["seq_len"] == 48 and sum(s["rows"] for s in meta["shards"]) == 8
+    assert json.loads((out / "recipe.json").read_text())["train"]["seq_len"] == 48
+    batch = ShardedLoader(str(out / "data"), 8).batch(0)
+    assert batch["loss_mask"].any(axis=1).all()  # every row has a response to learn from
