@@ -227,7 +227,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             sliding_layers=tuple(t == "sliding_attention" for t in layer_types),
             rope_local_theta=float(rope_local or 10000.0),
             final_logit_softcap=hf.get("final_logit_softcapping"),
-            attn_logit_softcap=hf.get("attn_logit_softcapping"),
+            # transformers' Gemma3 ignores attn_logit_softcapping (Gemma2 used it); so do we.
+            attn_logit_softcap=None,
         )
         common["attention_bias"] = bool(hf.get("attention_bias", False))
     return ModelConfig(**common)

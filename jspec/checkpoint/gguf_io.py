@@ -146,29 +146,27 @@ class GGUFMetadata:
 
 def dequantize_tensor(tensor, path: Path) -> np.ndarray:
     """float32 array in numpy (PyTorch) orientation, i.e. ggml's ne reversed."""
-    from gguf import GGMLQuantizationType, quants
+    from gguf import quants
 
-    qtype = tensor.tensor_type
-    if qtype not in supported_quantizations():
-        raise UnsupportedQuantizationError(
-            f"{path}: tensor {tensor.name!r} uses quantization {GGMLQuantizationType(qtype).name}, which cannot be "
-            f"dequantized; supported: {', '.join(sorted(t.name for t in supported_quantizations()))}"
-        )
     shape = tuple(int(n) for n in reversed(tensor.shape))
     try:
-        values = quants.dequantize(np.asarray(tensor.data), qtype)
+        values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
         return np.asarray(values, np.float32).reshape(shape)
     except NotImplementedError as e:
-        raise UnsupportedQuantizationError(f"{path}: tensor {tensor.name!r}: {e}") from e
+        raise UnsupportedQuantizationError(
+            f"{path}: tensor {tensor.name!r} uses quantization {tensor.tensor_type.name}, which cannot be "
+            f"dequantized; supported: {', '.join(supported_quantizations())}"
+        ) from e
     except ValueError as e:
         raise CorruptCheckpointError(f"{path}: tensor {tensor.name!r} has inconsistent data ({e}); truncated?") from e
 
 
-def supported_quantizations() -> frozenset:
+def supported_quantizations() -> list[str]:
+    """Names of the tensor types gguf.quants.dequantize handles (for error messages)."""
     from gguf import GGMLQuantizationType, quants
 
-    plain = {GGMLQuantizationType.F32, GGMLQuantizationType.F16}
-    return frozenset(plain | set(quants._type_traits))  # the types gguf.quants.dequantize handles
+    traits = getattr(quants, "_type_traits", {})  # private in gguf; only used to list names
+    return sorted({"F32", "F16", *(GGMLQuantizationType(t).name for t in traits)})
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
