@@ -238,6 +238,7 @@ def generate(
     policy_params=None,
     k_max: int = 8,
     verify: str = "lossless",
+    tree=None,
     seed: int = 0,
     cache_len: int | None = None,
     unroll: int | bool = 1,
@@ -247,13 +248,19 @@ def generate(
     drafter=None: autoregressive decoding. Otherwise speculative decoding with the given drafter
     (jspec.spec.drafters) and draft-length policy (jspec.spec.policies, default static K=k_max);
     `verify` is "lossless" (greedy identity / lossless sampling) or "consultant" (lossy, opt-in).
+    `tree` (a jspec.spec.tree.TreeConfig, or True for EAGLE-2's defaults) drafts EAGLE-2 dynamic
+    trees with an EAGLE head instead of chains.
     """
     sampling = sampling or GREEDY
     if isinstance(drafter, str):
         from .spec.factory import build_drafter
 
         drafter, drafter_params = build_drafter(drafter, cfg, params)
-    extra = k_max + 1 if drafter is not None else 0
+    if tree is True:
+        from .spec.tree import TreeConfig
+
+        tree = TreeConfig()
+    extra = (tree.num_nodes + 1 if tree is not None else k_max + 1) if drafter is not None else 0
     tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new_tokens, extra, cache_len)
     key = jax.random.PRNGKey(seed)
     if drafter is None:
@@ -264,6 +271,14 @@ def generate(
         out, n_out, steps = jax.device_get((out, n_out, steps))
         zeros = np.zeros_like(n_out)
         return GenerationResult(out, n_out, steps, zeros, zeros, steps)
+    if tree is not None:
+        from .spec.tree import tree_generate
+
+        return tree_generate(
+            params, cfg, tokens, lens, key, drafter=drafter, drafter_params=drafter_params, policy=policy,
+            policy_params=policy_params, tree=tree, max_new=max_new_tokens, cache_len=cache_len,
+            sampling=sampling, unroll=unroll,
+        )
     from .spec.engine import speculative_generate
 
     return speculative_generate(

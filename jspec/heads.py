@@ -58,6 +58,7 @@ from .model import (
     attention_mask,
     init_cache,
     lm_head,
+    new_slots,
     rms_norm,
     rope_tables,
 )
@@ -374,7 +375,7 @@ def head_forward(
     q, k, v = _project_qkv(lcfg, p, attn_in, positions)
 
     visible, _ = attention_mask(cache, positions, new_mask)
-    slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    slots = new_slots(cache, T, new_mask)
     b_idx = jnp.arange(B)[:, None]
     k_all = cache.k.at[0, b_idx, slots].set(k.astype(cache.k.dtype), mode="drop")
     v_all = cache.v.at[0, b_idx, slots].set(v.astype(cache.v.dtype), mode="drop")

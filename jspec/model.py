@@ -130,23 +130,35 @@ def attention_mask(
 ) -> tuple[jax.Array, jax.Array]:
     """Visibility [B, T, S] of every cache slot for each new token, and each slot's position [B, S].
 
-    Committed slots (< cursor) are visible to every new token; slot cursor + t' is visible to new
-    token t iff new_mask[b, t, t'] (causal by default, an ancestor mask for trees).
+    Committed slots (< cursor) are visible to every new token. The P slots after the cursor are
+    "pending": new_mask [B, T, P] says which of them new token t sees (causal when None, an
+    ancestor mask for trees). The T new tokens occupy the last T pending slots (`new_slots`), so a
+    tree can be drafted level by level (P grows by a level each call, P == T otherwise).
     """
     B, T = positions.shape
+    P = T if new_mask is None else new_mask.shape[-1]
     S = cache.max_len
     j = jnp.arange(S, dtype=jnp.int32)[None, :]  # [1, S]
-    rel = j - cache.lengths[:, None]  # [B, S]: index into the new block
-    in_new = (rel >= 0) & (rel < T)
-    rel_c = jnp.clip(rel, 0, T - 1)
+    rel = j - cache.lengths[:, None]  # [B, S]: index into the pending region
+    in_new = (rel >= 0) & (rel < P)
+    rel_c = jnp.clip(rel, 0, P - 1)
     if new_mask is None:
         new_vis = rel_c[:, None, :] <= jnp.arange(T)[None, :, None]  # causal [B, T, S]
     else:
         new_vis = jnp.take_along_axis(new_mask, jnp.broadcast_to(rel_c[:, None, :], (B, T, S)), axis=2)
     committed = rel < 0
     visible = committed[:, None, :] | (in_new[:, None, :] & new_vis)
-    key_pos = jnp.where(committed, j, jnp.take_along_axis(positions, rel_c, axis=1))
+    # Slot positions matter only for sliding windows; pending slots before the current block
+    # (level-by-level tree drafting, heads without sliding windows) use their slot index.
+    cur = rel - (P - T)
+    key_pos = jnp.where(committed | (cur < 0), j, jnp.take_along_axis(positions, jnp.clip(cur, 0, T - 1), axis=1))
     return visible, key_pos
+
+
+def new_slots(cache: KVCache, T: int, new_mask: jax.Array | None = None) -> jax.Array:
+    """Cache slots [B, T] the T new tokens are written to: the tail of the pending region."""
+    P = T if new_mask is None else new_mask.shape[-1]
+    return cache.lengths[:, None] + (P - T) + jnp.arange(T, dtype=jnp.int32)[None]
 
 
 class ForwardOut(NamedTuple):
@@ -199,7 +211,7 @@ def forward(
         sliding = jnp.zeros((hi - lo,), bool)
 
     b_idx = jnp.arange(B)[:, None]
-    slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
+    slots = new_slots(cache, T, new_mask)  # [B, T]
     G = cfg.num_heads // cfg.num_kv_heads
     hd = cfg.head_dim
     layer_params = jax.tree.map(lambda a: a[lo:hi], params["layers"]) if (lo, hi) != (0, cfg.num_layers) else params["layers"]

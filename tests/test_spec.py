@@ -112,21 +112,12 @@ def _exact_two_token_distribution(tparams, prompt, sampling):
     return np.asarray(p1[:, None] * p2)
 
 
-@pytest.mark.parametrize("drafter_name", ["early-exit", "ngram", "model"])
-def test_sampling_is_lossless(target, drafter_name):
+def assert_two_token_law(target, prompt, sampling, n=2000, **gen_kwargs):
     """Chi-square test at 99.9% confidence: emitted token pairs follow the target's exact law."""
-    sampling = Sampling(temperature=0.8, top_p=0.9)
-    drafter, dparams = _drafters(target)[drafter_name]
-    # Every ordinary token occurs once in the prompt, so prompt lookup proposes a draft
-    # whatever the first sampled token is, and some drafts get accepted.
-    prompt = list(range(4, CFG.vocab_size)) + [5, 9]
     exact = _exact_two_token_distribution(target, prompt, sampling)
-    n = 2000
-    res = generate(target, CFG, [prompt] * n, max_new_tokens=2, sampling=sampling, drafter=drafter,
-                   drafter_params=dparams, k_max=3, seed=11)
+    res = generate(target, CFG, [prompt] * n, max_new_tokens=2, sampling=sampling, seed=11, **gen_kwargs)
     t1, t2 = res.tokens[:, 0], res.tokens[:, 1]
-    # rows that stopped at EOS after one token: condition on 2 tokens only where EOS is not first
-    keep = res.lengths == 2
+    keep = res.lengths == 2  # rows that stopped at EOS after one token have no second token
     counts = np.zeros_like(exact)
     np.add.at(counts, (t1[keep], t2[keep]), 1)
     expected = exact.copy()
@@ -137,6 +128,17 @@ def test_sampling_is_lossless(target, drafter_name):
     exp = np.append(expected[big], expected[~big].sum())
     chi2 = ((obs - exp) ** 2 / np.maximum(exp, 1e-9)).sum()
     assert chi2 < stats.chi2.ppf(0.999, df=len(obs) - 1), chi2
+    return res
+
+
+@pytest.mark.parametrize("drafter_name", ["early-exit", "ngram", "model"])
+def test_sampling_is_lossless(target, drafter_name):
+    drafter, dparams = _drafters(target)[drafter_name]
+    # Every ordinary token occurs once in the prompt, so prompt lookup proposes a draft
+    # whatever the first sampled token is.
+    prompt = list(range(4, CFG.vocab_size)) + [5, 9]
+    res = assert_two_token_law(target, prompt, Sampling(temperature=0.8, top_p=0.9),
+                               drafter=drafter, drafter_params=dparams, k_max=3)
     assert 0 < res.drafted.sum()
     if drafter_name != "ngram":  # this prompt's n-gram drafts are almost never accepted
         assert 0 < res.accepted.sum() < res.drafted.sum()  # both accept and reject paths ran

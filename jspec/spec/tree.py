@@ -1,0 +1,277 @@
+"""EAGLE-2 context-aware dynamic draft trees with static shapes, verified in one target call.
+
+Per round and per row (ALGORITHMS.md §1.2), all inside `jit`:
+  1. Level 1: the head's distribution after the last token gives the top_k first tokens, scored
+     by log q. Each further level feeds the whole top_k frontier through the head in ONE batched
+     call (tree attention over the committed cache plus the frontier's ancestors), expands every
+     frontier node into its top_k children scored by cumulative log q, records all k^2 of them as
+     candidates and keeps the global top_k as the next frontier.
+  2. Reranking keeps the `num_nodes` best candidates (a tiny per-level penalty makes a child
+     always rank below its parent, so the kept set is closed under parents); sorting the kept
+     candidate indices puts parents before children.
+  3. The tree is fixed-shape arrays: tokens [B, N+1] (node 0 = the last emitted token, the root),
+     parent [B, N+1], depth [B, N+1], ancestor-or-self mask [B, N+1, N+1].
+  4. The target runs once over the N+1 nodes with the ancestor mask at positions cursor + depth.
+  5. Greedy: deepest node whose whole path matches the target's argmax (ties: lowest index).
+     Sampling: EAGLE-2's rule for deterministic top-k children (q = 1): at each node try the
+     children in order, accept child x with probability p(x), else zero p(x), renormalise and try
+     the next; if all fail, sample the residual; a leaf emits a bonus sample. Exactly lossless.
+  6. The accepted path's K/V move to contiguous slots (`model.commit`), and the head re-reads the
+     path with the target's true features.
+
+A dynamic policy can cut the tree per row: its round limit caps the depth, and its stop rule,
+applied to the best frontier node's distribution after each level, stops deeper levels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from .. import heads as H
+from .. import model as M
+from ..generate import GenerationResult, emit
+from ..sampling import Sampling, logprobs
+from .drafters import EagleDrafter, _take_row
+from .engine import SpecState, _features, check_compatible, start_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeConfig:
+    """Static tree budget. EAGLE-2 defaults: top_k 10, depth 6, total_tokens 60 (59 draft nodes)."""
+
+    top_k: int = 10
+    depth: int = 6  # draft levels
+    num_nodes: int = 59  # draft nodes kept (EAGLE's total_token - 1)
+
+    def __post_init__(self):
+        cands = self.top_k + (self.depth - 1) * self.top_k**2
+        if not 1 <= self.num_nodes <= cands:
+            raise ValueError(f"num_nodes must be in [1, {cands}] for top_k={self.top_k}, depth={self.depth}")
+
+
+@struct.dataclass
+class Tree:
+    tokens: jax.Array  # [B, N+1]
+    parent: jax.Array  # [B, N+1] (root: 0)
+    depth: jax.Array  # [B, N+1] (root: 0)
+    ancestors: jax.Array  # [B, N+1, N+1] bool, ancestor-or-self
+    valid: jax.Array  # [B, N+1] bool (root: True)
+
+
+def ancestor_mask(parent: jax.Array, max_depth: int) -> jax.Array:
+    """Ancestor-or-self mask [B, N, N] from parent indices [B, N] (root is its own parent)."""
+    N = parent.shape[1]
+    anc = jnp.broadcast_to(jnp.eye(N, dtype=bool), parent.shape + (N,))
+    hop = parent
+    for _ in range(max_depth):  # add the ancestor `hop` levels up
+        anc = anc | jax.nn.one_hot(hop, N, dtype=bool)
+        hop = jnp.take_along_axis(parent, hop, axis=1)
+    return anc
+
+
+def build_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: TreeConfig, policy, pstate, limit):
+    """Draft one EAGLE-2 tree per row. Returns (Tree, pstate)."""
+    B = last.shape[0]
+    k, D = tc.top_k, tc.depth
+    cache, base = dstate.cache, dstate.cache.lengths
+    lp0 = jax.nn.log_softmax(dstate.logits.astype(jnp.float32), axis=-1)
+    score, tok = jax.lax.top_k(lp0, k)  # [B, k]
+    pstate, stop = policy.observe(pstate, jnp.int32(0), dstate.logits, tok[:, 0])
+    depth_cap = jnp.where(stop, 1, limit)  # levels this row may keep
+    cand_tok, cand_score, cand_parent, cand_level = [tok], [score], [jnp.full((B, k), -1)], [jnp.ones((B, k), jnp.int32)]
+    frontier = jnp.broadcast_to(jnp.arange(k), (B, k))  # candidate index of each frontier node
+    f_tok, f_score = tok, score
+    f_feat = jnp.broadcast_to(dstate.feature[:, None], (B, k, dstate.feature.shape[-1]))
+    f_anc = jnp.zeros((B, k, 0), bool)  # frontier's ancestor pending slots
+    n_cand = k
+    for level in range(2, D + 1):
+        P = (level - 1) * k
+        own = jnp.broadcast_to(jnp.eye(k, dtype=bool), (B, k, k))
+        mask = jnp.concatenate([f_anc, own], axis=2)  # [B, k, P]
+        positions = base[:, None] + (level - 2) + jnp.zeros((B, k), jnp.int32)
+        h, logits, cache = H.head_forward(drafter.head, dparams, tparams, f_tok, f_feat, cache, positions=positions, new_mask=mask)
+        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        c_score, c_tok = jax.lax.top_k(lp, k)  # [B, k, k]
+        cum = (f_score[:, :, None] + c_score).reshape(B, k * k)
+        pstate, stop = policy.observe(pstate, jnp.int32(level - 1), logits[:, 0], c_tok[:, 0, 0])
+        depth_cap = jnp.where(stop & (depth_cap >= level), level, depth_cap)
+        parent_of = jnp.repeat(frontier, k, axis=1)  # [B, k*k]
+        cand_tok.append(c_tok.reshape(B, k * k))
+        cand_score.append(cum)
+        cand_parent.append(parent_of)
+        cand_level.append(jnp.full((B, k * k), level, jnp.int32))
+        # next frontier: global top-k of the k^2 children
+        f_score, pick = jax.lax.top_k(cum, k)
+        src = pick // k  # which frontier node is the parent
+        f_tok = jnp.take_along_axis(c_tok.reshape(B, k * k), pick, axis=1)
+        f_feat = jnp.take_along_axis(h, src[:, :, None], axis=1)
+        f_anc = jnp.take_along_axis(mask, src[:, :, None], axis=1)  # a child sees what its parent saw
+        frontier = n_cand + pick
+        n_cand += k * k
+
+    tokens = jnp.concatenate(cand_tok, 1)
+    level = jnp.concatenate(cand_level, 1)
+    # Rank below every ancestor (scores are cumulative log-probs, so ties with a parent are possible)
+    score = jnp.concatenate(cand_score, 1) - 1e-4 * level
+    parent_cand = jnp.concatenate(cand_parent, 1)
+    _, keep = jax.lax.top_k(score, tc.num_nodes)
+    keep = jnp.sort(keep, axis=1)  # parents precede children
+    node_tok = jnp.take_along_axis(tokens, keep, 1)
+    node_level = jnp.take_along_axis(level, keep, 1)
+    node_pc = jnp.take_along_axis(parent_cand, keep, 1)
+    # parent candidate index -> node index (1-based; root = 0)
+    pos = jax.vmap(jnp.searchsorted)(keep, node_pc)
+    node_parent = jnp.where(node_pc < 0, 0, pos + 1)
+    tree_tok = jnp.concatenate([last[:, None], node_tok], 1)
+    parent = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), node_parent.astype(jnp.int32)], 1)
+    depth = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), node_level], 1)
+    valid = depth <= depth_cap[:, None]
+    return Tree(tree_tok, parent, depth, ancestor_mask(parent, D), valid), pstate
+
+
+def path_of(tree: Tree, node: jax.Array, max_depth: int) -> jax.Array:
+    """Node indices [B, max_depth+1] along the root->node path, by depth (padded with the node)."""
+    on_path = jnp.take_along_axis(tree.ancestors, node[:, None, None], axis=1)[:, 0]  # [B, N+1]
+    d = jnp.arange(max_depth + 1)
+    hit = on_path[:, None, :] & (tree.depth[:, None, :] == d[None, :, None])  # [B, D+1, N+1]
+    return jnp.where(hit.any(-1), jnp.argmax(hit, -1), node[:, None]).astype(jnp.int32)
+
+
+def verify_tree_greedy(tree: Tree, logits: jax.Array, max_depth: int):
+    """Deepest node whose path equals the target's argmax. Returns (best node, n accepted, next token)."""
+    tgt = jnp.argmax(logits, -1).astype(jnp.int32)  # [B, N+1]
+    ok = (tree.tokens == jnp.take_along_axis(tgt, tree.parent, 1)) & tree.valid
+    ok = ok.at[:, 0].set(True)
+    acc = ok
+    for _ in range(max_depth):
+        acc = acc & jnp.take_along_axis(acc, tree.parent, 1)
+    best = jnp.argmax(jnp.where(acc, tree.depth + 1, 0), axis=1).astype(jnp.int32)
+    return best, _take_row(tree.depth, best), _take_row(tgt, best)
+
+
+def verify_tree_sampling(key, tree: Tree, logits: jax.Array, sampling: Sampling, max_depth: int, top_k: int):
+    """EAGLE-2's lossless rule for deterministic top-k children. Returns (best, n, next token)."""
+    B, N1, V = logits.shape
+    probs = jnp.exp(logprobs(logits, sampling))  # [B, N+1, V]
+    node = jnp.zeros((B,), jnp.int32)
+    moving = jnp.ones((B,), bool)
+    p = probs[:, 0]
+    idx = jnp.arange(N1)[None]
+    for d in range(max_depth):
+        children = (tree.parent == node[:, None]) & (idx > 0) & tree.valid  # [B, N+1]
+        rank = jnp.cumsum(children, 1) - 1
+        moved = jnp.zeros((B,), bool)
+        for r in range(top_k):
+            is_r = children & (rank == r)
+            has = is_r.any(1) & moving & ~moved
+            child = jnp.argmax(is_r, 1)
+            x = _take_row(tree.tokens, child)
+            px = jnp.take_along_axis(p, x[:, None], 1)[:, 0] / jnp.maximum(p.sum(-1), 1e-30)
+            key, sub = jax.random.split(key)
+            take = has & (jax.random.uniform(sub, (B,)) < px)
+            p = jnp.where((has & ~take)[:, None], p * (1 - jax.nn.one_hot(x, V, dtype=p.dtype)), p)
+            node = jnp.where(take, child, node)
+            moved = moved | take
+        p = jnp.where(moved[:, None], _take_row(probs, node), p)
+        moving = moving & moved
+    key, sub = jax.random.split(key)
+    p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+    nxt = jax.random.categorical(sub, jnp.log(p), axis=-1).astype(jnp.int32)
+    return node, _take_row(tree.depth, node), nxt
+
+
+def gather_out(out: M.ForwardOut, path: jax.Array) -> M.ForwardOut:
+    take = lambda x: jnp.take_along_axis(x, path[:, :, None], axis=1)
+    return M.ForwardOut(take(out.hidden), tuple(take(c) for c in out.captured), out.cache)
+
+
+def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new, sampling, unroll, state: SpecState) -> SpecState:
+    D = tc.depth
+    key, k_verify = jax.random.split(state.key)
+    pstate, limit = policy.start_round(state.pstate, D, _features(state, tparams))
+    limit = jnp.clip(limit, 1, D)
+    tree, pstate = build_tree(drafter, dparams, tparams, tcfg, state.dstate, state.last, tc, policy, pstate, limit)
+    positions = state.cache.lengths[:, None] + tree.depth
+    vout = M.forward(tparams, tcfg, tree.tokens, state.cache, positions=positions, new_mask=tree.ancestors,
+                     capture=drafter.capture_layers, unroll=unroll)
+    logits = M.lm_head(tparams, tcfg, vout.hidden)
+    if sampling.greedy:
+        best, n, nxt = verify_tree_greedy(tree, logits, D)
+    else:
+        best, n, nxt = verify_tree_sampling(k_verify, tree, logits, sampling, D, tc.top_k)
+    path = path_of(tree, best, D)  # [B, D+1]
+    path_tok = jnp.take_along_axis(tree.tokens, path, 1)
+
+    active = ~state.done
+    emitted = jnp.concatenate([path_tok[:, 1:], nxt[:, None]], axis=1)
+    emitted = jnp.where(jnp.arange(D + 1)[None] == n[:, None], nxt[:, None], emitted)
+    out, n_out, done = emit(tcfg, state.out, state.n_out, state.done, emitted, n + 1, max_new)
+    step = active.astype(jnp.int32)
+    cache = M.commit(vout.cache, path, (n + 1) * step)
+    dstate = drafter.commit(dparams, tparams, tcfg, state.dstate, path_tok, n, nxt, gather_out(vout, path))
+    n_drafted = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)  # chain-equivalent draft length
+    pstate = policy.update(pstate, n_drafted, n, active)
+    return SpecState(
+        cache=cache, dstate=dstate, pstate=pstate, out=out, n_out=n_out,
+        last=jnp.where(active, nxt, state.last),
+        feature=jnp.where(active[:, None], _take_row(vout.hidden, best), state.feature),
+        done=done, key=key, target_calls=state.target_calls + step,
+        drafted=state.drafted + jnp.sum(tree.valid[:, 1:], 1).astype(jnp.int32) * step,
+        accepted=state.accepted + n * step,
+    )
+
+
+_STATIC = ("tcfg", "drafter", "policy", "tree", "max_new", "cache_len", "sampling", "unroll")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def tree_generate_jit(tparams, dparams, policy_params, tokens, lens, key, *, tcfg, drafter, policy, tree, max_new, cache_len, sampling, unroll):
+    state = start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, tree.depth, max_new, cache_len, sampling, unroll, tokens, lens, key)
+    body = functools.partial(tree_round, tparams, tcfg, drafter, dparams, policy, tree, max_new, sampling, unroll)
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    return state.out, state.n_out, state.target_calls, state.drafted, state.accepted
+
+
+def tree_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, tree: TreeConfig, max_new, cache_len, sampling, unroll) -> GenerationResult:
+    from .policies import make_policy
+
+    if not isinstance(drafter, EagleDrafter):
+        raise ValueError(f"tree drafting needs an EAGLE head drafter, got {getattr(drafter, 'name', drafter)!r}")
+    if policy is None:
+        policy = make_policy("static", k_max=tree.depth)
+    elif isinstance(policy, str):
+        policy = make_policy(policy, k_max=tree.depth)
+    check_compatible(drafter, policy, tcfg, tree.depth, "lossless")
+    out = tree_generate_jit(
+        tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key,
+        tcfg=tcfg, drafter=drafter, policy=policy, tree=tree, max_new=max_new, cache_len=cache_len,
+        sampling=sampling, unroll=unroll,
+    )
+    out, n_out, calls, drafted, accepted = (np.asarray(x) for x in jax.device_get(out))
+    return GenerationResult(out, n_out, calls, drafted, accepted, calls)
+
+
+def autotune_num_nodes(tparams, tcfg, batch: int, cache_len: int, candidates=(15, 23, 31, 47, 59), weights=(1.0, 1.05, 1.07, 1.1, 1.13), reps: int = 5) -> int:
+    """EAGLE's device-specific tree budget: time a target forward over each candidate block size
+    (nodes + root) at this batch size, divide by the candidate's weight (EAGLE's 1, 1.05, 1.07,
+    1.1, 1.13: larger trees are credited for accepting more), and keep the cheapest."""
+    import time
+
+    cache = M.init_cache(tcfg, batch, cache_len, tparams["embed"].dtype)
+    cache = cache.replace(lengths=jnp.full((batch,), cache_len // 2, jnp.int32))
+    fwd = jax.jit(lambda p, t, c: M.lm_head(p, tcfg, M.forward(p, tcfg, t, c).hidden))
+    costs = []
+    for n, w in zip(candidates, weights):
+        toks = jnp.zeros((batch, n + 1), jnp.int32)
+        jax.block_until_ready(fwd(tparams, toks, cache))
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            jax.block_until_ready(fwd(tparams, toks, cache))
+        costs.append((time.perf_counter() - t0) / reps / w)
+    return int(candidates[int(np.argmin(costs))])

@@ -1,0 +1,109 @@
+"""EAGLE-2 dynamic trees: structure invariants, greedy identity to AR, lossless tree sampling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jspec import model as M
+from jspec.generate import generate
+from jspec.sampling import Sampling
+from jspec.spec.policies import make_policy
+from jspec.spec.tree import Tree, TreeConfig, ancestor_mask, build_tree, path_of, verify_tree_greedy, verify_tree_sampling
+from test_spec import CFG, _drafters, _prompts, assert_two_token_law
+
+TC = TreeConfig(top_k=3, depth=4, num_nodes=12)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return M.init_params(CFG, jax.random.PRNGKey(0), scale=0.35)
+
+
+def test_tree_structure_invariants(target):
+    drafter, dparams = _drafters(target)["eagle"]
+    prompts = _prompts(1)
+    from jspec.generate import pack_prompts
+    from jspec.spec.engine import start_spec
+
+    tokens, lens, cache_len = pack_prompts(CFG, prompts, 8, TC.num_nodes + 1)
+    policy = make_policy("static", k_max=TC.depth)
+    state = start_spec(target, CFG, drafter, dparams, policy, None, TC.depth, 8, cache_len, Sampling(), 1,
+                       jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(0))
+    tree, _ = build_tree(drafter, dparams, target, CFG, state.dstate, state.last, TC, policy, state.pstate,
+                         jnp.full((len(prompts),), TC.depth))
+    parent, depth, anc = (np.asarray(x) for x in (tree.parent, tree.depth, tree.ancestors))
+    n = parent.shape[1]
+    assert (parent[:, 1:] < np.arange(1, n)).all()  # every node's parent precedes it
+    for b in range(parent.shape[0]):
+        for i in range(1, n):
+            assert depth[b, i] == depth[b, parent[b, i]] + 1  # positions are depths
+            assert (anc[b, i] >= anc[b, parent[b, i]]).all() and anc[b, i, i]  # ancestor-closed
+            assert anc[b, i].sum() == depth[b, i] + 1
+    assert (np.asarray(tree.tokens[:, 0]) == np.asarray(state.last)).all()
+
+
+@pytest.mark.parametrize("drafter_name", ["eagle", "eagle3"])
+@pytest.mark.parametrize("policy_name", ["static", "svip", "heuristic"])
+def test_tree_greedy_identical_to_ar(target, drafter_name, policy_name):
+    drafter, dparams = _drafters(target)[drafter_name]
+
+    @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.integers(0, 10_000))
+    def check(seed):
+        prompts = _prompts(seed)
+        ar = generate(target, CFG, prompts, max_new_tokens=16)
+        tr = generate(target, CFG, prompts, max_new_tokens=16, drafter=drafter, drafter_params=dparams,
+                      tree=TC, policy=policy_name)
+        for b in range(len(prompts)):
+            assert tr.row(b) == ar.row(b)
+
+    check()
+
+
+def _toy_tree():
+    # root(0) -> a=1 (node 1), b=2 (node 2); node 1 -> c=3 (node 3)
+    tokens = jnp.asarray([[0, 1, 2, 3]])
+    parent = jnp.asarray([[0, 0, 0, 1]])
+    depth = jnp.asarray([[0, 1, 1, 2]])
+    return Tree(tokens, parent, depth, ancestor_mask(parent, 2), jnp.ones((1, 4), bool))
+
+
+def test_verify_tree_greedy_picks_deepest_matching_path():
+    tree = _toy_tree()
+    V = 5
+    tgt = np.zeros((1, 4, V), np.float32)
+    tgt[0, 0, 1] = tgt[0, 1, 3] = tgt[0, 3, 4] = tgt[0, 2, 0] = 5.0  # root->1, 1->3, 3->4
+    best, n, nxt = verify_tree_greedy(tree, jnp.asarray(tgt), 2)
+    assert (int(best[0]), int(n[0]), int(nxt[0])) == (3, 2, 4)
+    assert np.asarray(path_of(tree, best, 2)).tolist() == [[0, 1, 3]]
+
+
+def test_verify_tree_sampling_is_lossless():
+    """First token ~ p_root; second token given the first is a (a node with a child) ~ p_a."""
+    tree = _toy_tree()
+    V, n = 5, 40000
+    p_root = np.array([0.1, 0.3, 0.25, 0.15, 0.2])
+    p_a = np.array([0.2, 0.1, 0.1, 0.5, 0.1])
+    other = np.full(V, 0.2)
+    logits = jnp.log(jnp.asarray(np.stack([p_root, p_a, other, other]), jnp.float32))
+    batch = lambda x: jnp.broadcast_to(x, (n,) + x.shape[1:])
+    tree_b = Tree(*(batch(x) for x in (tree.tokens, tree.parent, tree.depth, tree.ancestors, tree.valid)))
+    best, acc, nxt = verify_tree_sampling(jax.random.PRNGKey(0), tree_b, batch(logits[None]), Sampling(temperature=1.0), 2, 2)
+    path = np.asarray(path_of(tree_b, best, 2))
+    toks = np.asarray(tree_b.tokens)
+    acc, nxt = np.asarray(acc), np.asarray(nxt)
+    first = np.where(acc >= 1, toks[np.arange(n), path[:, 1]], nxt)
+    np.testing.assert_allclose(np.bincount(first, minlength=V) / n, p_root, atol=0.01)
+    on_a = first == 1
+    second = np.where(acc[on_a] >= 2, toks[on_a][:, 3], nxt[on_a])
+    np.testing.assert_allclose(np.bincount(second, minlength=V) / on_a.sum(), p_a, atol=0.015)
+
+
+def test_tree_generation_sampling_is_lossless(target):
+    drafter, dparams = _drafters(target)["eagle"]
+    res = assert_two_token_law(target, [5, 9, 5, 9, 5], Sampling(temperature=1.0), drafter=drafter,
+                               drafter_params=dparams, tree=TreeConfig(top_k=4, depth=2, num_nodes=8))
+    assert res.accepted.sum() > 0
