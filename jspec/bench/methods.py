@@ -107,15 +107,26 @@ class JspecMethod:
             by_bucket.setdefault(bucket(max(map(len, group))), group)
         return list(by_bucket.values())
 
+    def _precision(self):
+        """float32 runs use full-precision matmuls: GPUs would otherwise use TF32, and greedy
+        identity between a K+1-token verify pass and 1-token AR steps needs real fp32."""
+        import contextlib
+
+        import jax
+
+        return jax.default_matmul_precision("highest") if self.dtype == "float32" else contextlib.nullcontext()
+
     def prepare(self, example_prompts: Sequence[Sequence[int]]) -> float:
         self._check_tree_supported()
         start = time.perf_counter()
-        for prompts in self._warmup_batches(example_prompts):
-            self._generate()(self.params, self.cfg, prompts, **self._kwargs)
+        with self._precision():
+            for prompts in self._warmup_batches(example_prompts):
+                self._generate()(self.params, self.cfg, prompts, **self._kwargs)
         return time.perf_counter() - start
 
     def run(self, prompts: Sequence[Sequence[int]]) -> list[RowResult]:
-        result = self._generate()(self.params, self.cfg, [list(p) for p in prompts], **self._kwargs)
+        with self._precision():
+            result = self._generate()(self.params, self.cfg, [list(p) for p in prompts], **self._kwargs)
         return rows_from_generation(result)  # numpy fields: already on the host
 
 
