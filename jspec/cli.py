@@ -48,6 +48,8 @@ def cmd_generate(a) -> int:
     sampling = Sampling(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
     print(f"[jspec] {a.model}: loaded in {time.perf_counter() - t0:.1f}s, dtype {params['embed'].dtype}", file=sys.stderr)
 
+    if a.drafter is not None and len(prompts) == 1 and not a.no_stream:
+        return _stream_speculative(a, cfg, params, tok, prompts[0], sampling)
     if a.drafter is None and len(prompts) == 1 and not a.no_stream:
         t0 = time.perf_counter()
         ids: list[int] = []
@@ -87,6 +89,37 @@ def cmd_generate(a) -> int:
         print(f"[jspec] drafter {a.drafter} policy {a.policy} verify {a.verify}: rounds {res.rounds.tolist()}, "
               f"drafted {res.drafted.tolist()}, accepted {res.accepted.tolist()}, acceptance {rate}, "
               f"mean accepted tokens per target call {mat}", file=sys.stderr)
+    return 0
+
+
+def _stream_speculative(a, cfg, params, tok, prompt, sampling) -> int:
+    import jax
+
+    from .generate import pack_prompts
+    from .spec.engine import speculative_stream
+    from .spec.factory import build_drafter
+    from .spec.policies import make_policy
+
+    drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)
+    policy = make_policy(a.policy, k_max=a.k_max)
+    tokens, lens, cache_len = pack_prompts(cfg, [prompt], a.max_new_tokens, a.k_max + 1)
+    t0 = time.perf_counter()
+    ids: list[int] = []
+    printed, state = "", None
+    for chunk, state in speculative_stream(
+        params, cfg, tokens, lens, jax.random.PRNGKey(a.seed), drafter=drafter, drafter_params=dparams,
+        policy=policy, k_max=a.k_max, max_new=a.max_new_tokens, cache_len=cache_len, sampling=sampling, verify=a.verify,
+    ):
+        ids += chunk
+        text = tok.decode(ids, skip_special_tokens=True)
+        print(text[len(printed):], end="", flush=True)
+        printed = text
+    dt = time.perf_counter() - t0
+    calls, drafted, accepted = (int(x) for x in jax.device_get((state.target_calls[0], state.drafted[0], state.accepted[0])))
+    print(f"\n[jspec] {len(ids)} tokens in {dt:.2f}s ({len(ids) / dt:.1f} tok/s incl. compile)", file=sys.stderr)
+    print(f"[jspec] drafter {a.drafter} policy {a.policy} verify {a.verify}: target calls {calls}, drafted {drafted}, "
+          f"accepted {accepted} (acceptance {accepted / max(drafted, 1):.3f}), "
+          f"mean accepted tokens per target call {len(ids) / max(calls, 1):.2f}", file=sys.stderr)
     return 0
 
 

@@ -72,7 +72,7 @@ class HeadConfig:
 
     kind: str  # "eagle1" | "eagle3"
     target: ModelConfig  # the target's config (hidden size, heads, rope, vocab)
-    capture_layers: tuple[int, ...] = ()  # eagle3: target layer INPUT indices fused
+    capture_layers: tuple[int, ...] = ()  # eagle3: target layer INPUT indices fused; () = (2, L//2, L-3)
     draft_vocab_size: int = 0  # eagle3: reduced vocab (0 = full target vocab)
     intermediate_size: int | None = None  # MLP width of the head layer (None = target's)
 
@@ -81,9 +81,12 @@ class HeadConfig:
             raise ValueError(f"unknown head kind {self.kind!r}; supported: {', '.join(HEAD_KINDS)}")
         if self.kind == "eagle1" and self.draft_vocab_size:
             raise ValueError("eagle1 heads read the target's LM head: draft_vocab_size must be 0")
+        L = self.target.num_layers
+        if self.kind == "eagle3" and not self.capture_layers:  # () means EAGLE-3's default layers
+            object.__setattr__(self, "capture_layers", default_capture_layers(L))
         if self.kind == "eagle3" and len(self.capture_layers) != 3:
             raise ValueError("eagle3 fuses exactly three captured layers (low, mid, high)")
-        L = self.target.num_layers
+        object.__setattr__(self, "capture_layers", tuple(int(i) for i in self.capture_layers))
         if any(not 0 <= i < L for i in self.capture_layers):
             raise ValueError(f"capture_layers {self.capture_layers} outside [0, {L})")
         if self.draft_vocab_size > self.target.vocab_size:

@@ -206,3 +206,38 @@ def speculative_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_p
     )
     out, n_out, calls, drafted, accepted = jax.device_get((out, n_out, calls, drafted, accepted))
     return GenerationResult(np.asarray(out), np.asarray(n_out), np.asarray(calls), np.asarray(drafted), np.asarray(accepted), np.asarray(calls))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _start_spec_jit(tparams, dparams, policy_params, tokens, lens, key, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll):
+    return start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, max_new, cache_len, sampling, unroll, tokens, lens, key)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("n_rounds",), donate_argnames=("state",))
+def _spec_chunk_jit(tparams, dparams, state, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll, n_rounds):
+    body = functools.partial(spec_round, tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling, verify, unroll)
+
+    def cond(c):
+        return (c[0] < n_rounds) & ~jnp.all(c[1].done)
+
+    return jax.lax.while_loop(cond, lambda c: (c[0] + 1, body(c[1])), (jnp.int32(0), state))[1]
+
+
+def speculative_stream(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params=None, k_max, max_new, cache_len, sampling, verify="lossless", unroll=1, rounds_per_chunk=4):
+    """Yield (new tokens, SpecState) for row 0 every `rounds_per_chunk` jitted rounds."""
+    from .policies import make_policy
+
+    policy = make_policy(policy or "static", k_max=k_max) if policy is None or isinstance(policy, str) else policy
+    check_compatible(drafter, policy, tcfg, k_max, verify)
+    static = dict(tcfg=tcfg, drafter=drafter, policy=policy, k_max=k_max, max_new=max_new, cache_len=cache_len,
+                  sampling=sampling, verify=verify, unroll=unroll)
+    state = _start_spec_jit(tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key, **static)
+    sent = 0
+    while True:
+        n, done = (int(x) for x in jax.device_get((state.n_out[0], state.done[0])))
+        if n > sent:
+            yield np.asarray(jax.device_get(state.out[0, sent:n])).tolist(), state
+            sent = n
+        if done:
+            return
+        state = _spec_chunk_jit(tparams, drafter_params, state, n_rounds=rounds_per_chunk, **static)
