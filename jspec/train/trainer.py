@@ -68,7 +68,12 @@ class TrainResult:
 
 
 class MetricsLog:
-    """Interval means of the step metrics, to a JSONL file and a tqdm bar (process 0 only)."""
+    """Interval means of the step metrics, to a JSONL file and a tqdm bar (process 0 only).
+
+    Row keys: step, loss (the weighted TTT sum), loss_j / acc_j per TTT step j (acc = top-1 of
+    the head == the target's argmax on response tokens), grad_norm, lr, and tokens_per_s
+    (non-padding tokens through the train step per wall-clock second).
+    """
 
     def __init__(self, path: str | None, bar):
         self.path, self.bar = path, bar
