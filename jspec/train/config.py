@@ -56,7 +56,9 @@ class TrainConfig:
 @dataclass(frozen=True)
 class DataConfig:
     num_prompts: int = 4000  # chitchat prompts (jspec.tasks.training_prompts)
-    self_prompts: int = 0  # extra prompts the target writes itself
+    self_prompts: int = 0  # extra prompts the target writes itself (topic x style instructions)
+    self_prompt_samples: int = 1  # prompts written per instruction (> 1: sampled, for variety)
+    self_prompt_temperature: float = 1.0
     max_new_tokens: int = 512  # response length cap when the target answers
     gen_batch_size: int = 64
     rows_per_shard: int = 1024

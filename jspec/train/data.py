@@ -250,7 +250,7 @@ def clean_written_prompt(text: str) -> str:
 
 
 def answer_prompts(generate_fn: Callable, prompts: list[list[int]], *, max_new_tokens: int,
-                   batch_size: int, progress: bool = True) -> list[list[int]]:
+                   batch_size: int, progress: bool = True, **gen_kwargs) -> list[list[int]]:
     """The target's responses (EOS included) to token-id prompts, batched by similar length."""
     from tqdm import tqdm
 
@@ -258,7 +258,7 @@ def answer_prompts(generate_fn: Callable, prompts: list[list[int]], *, max_new_t
     responses: list[list[int]] = [[] for _ in prompts]
     for start in tqdm(range(0, len(order), batch_size), desc="distill", disable=not progress):
         idx = order[start : start + batch_size]
-        res = generate_fn([prompts[i] for i in idx], max_new_tokens=max_new_tokens)
+        res = generate_fn([prompts[i] for i in idx], max_new_tokens=max_new_tokens, **gen_kwargs)
         for row, i in enumerate(idx):
             responses[i] = [int(t) for t in res.tokens[row, : res.lengths[row]]]
     return responses
@@ -271,15 +271,21 @@ def distill_dataset(target_params, target_cfg, tokenizer, out_dir: str, *, data_
     from .. import tasks
     from ..generate import generate
 
-    def gen(prompts, max_new_tokens):
-        return generate(target_params, target_cfg, prompts, max_new_tokens=max_new_tokens)
+    def gen(prompts, max_new_tokens, sampling=None, seed=0):
+        return generate(target_params, target_cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
 
     texts = list(tasks.training_prompts(data_cfg.num_prompts, data_cfg.prompt_seed))
     if data_cfg.self_prompts:
+        from ..sampling import Sampling
+
         instructions = self_prompt_instructions(data_cfg.self_prompts, data_cfg.prompt_seed)
         ids = [encode_prompt(tokenizer, t, data_cfg.chat_template) for t in instructions]
-        written = answer_prompts(gen, ids, max_new_tokens=64, batch_size=data_cfg.gen_batch_size, progress=progress)
-        texts += [p for p in (clean_written_prompt(tokenizer.decode(r, skip_special_tokens=True)) for r in written) if p]
+        n = data_cfg.self_prompt_samples
+        sampling = Sampling(temperature=data_cfg.self_prompt_temperature) if n > 1 else None
+        written = answer_prompts(gen, ids * n, max_new_tokens=64, batch_size=data_cfg.gen_batch_size,
+                                 progress=progress, sampling=sampling, seed=data_cfg.prompt_seed)
+        cleaned = (clean_written_prompt(tokenizer.decode(r, skip_special_tokens=True)) for r in written)
+        texts += list(dict.fromkeys(p for p in cleaned if p))  # distinct, in order
     max_prompt = seq_len - 16  # leave room for a response worth learning from
     prompts = [p for p in (encode_prompt(tokenizer, t, data_cfg.chat_template) for t in texts) if len(p) <= max_prompt]
     max_new = min(data_cfg.max_new_tokens, seq_len)
