@@ -34,12 +34,18 @@ def _save(fig, path: Path) -> Path:
 
 
 def _grouped_bars(ax, groups: list[str], series: dict[str, list[float]]) -> None:
-    width = 0.8 / max(len(series), 1)
-    x = np.arange(len(groups))
-    for i, (label, values) in enumerate(series.items()):
-        ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=label)
-    ax.set_xticks(x, groups)
-    ax.legend(fontsize="small")
+    """Horizontal bars, one row per method, grouped by task: labels stay readable with many methods."""
+    height = 0.8 / max(len(groups), 1)
+    labels = list(series)
+    y = np.arange(len(labels))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for j, task in enumerate(groups):
+        vals = [series[m][j] for m in labels]
+        ax.barh(y + (j - (len(groups) - 1) / 2) * height, vals, height, label=task, color=colors[j % len(colors)])
+    ax.set_yticks(y, labels, fontsize="small")
+    ax.invert_yaxis()
+    if len(groups) > 1:
+        ax.legend(fontsize="small")
 
 
 def plot_speedup(rows: list[Row], out_dir: Path) -> list[Path]:
@@ -53,11 +59,11 @@ def plot_speedup(rows: list[Row], out_dir: Path) -> list[Path]:
         series: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(tasks))
         for r in group:
             series[method_label(r)][tasks.index(r["task"])] = r["speedup_vs_ar"]
-        fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(tasks) + 2), 4))
+        fig, ax = plt.subplots(figsize=(7, 1.2 + 0.32 * len(series) * max(1, len(tasks) / 2)))
         _grouped_bars(ax, tasks, dict(series))
-        ax.axhline(1.0, color="black", lw=0.8, ls="--")
-        ax.set_ylabel("speedup vs jspec AR")
-        ax.set_title(f"{group[0]['target']}: speedup (batch {batch}, {dtype})")
+        ax.axvline(1.0, color="black", lw=0.8, ls="--")
+        ax.set_xlabel("speedup vs jspec AR (same run)")
+        ax.set_title(f"{group[0]['target']}: {', '.join(tasks)}, batch {batch}, {dtype}, {group[0].get('card', '')}", fontsize="medium")
         paths.append(_save(fig, out_dir / f"speedup_b{batch}_{dtype}.png"))
     return paths
 
