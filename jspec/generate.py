@@ -38,7 +38,10 @@ class GenerationResult:
     target_calls: np.ndarray  # [B] target forward passes that produced this row's tokens
     drafted: np.ndarray  # [B] draft tokens proposed (0 for AR)
     accepted: np.ndarray  # [B] draft tokens accepted (bonus tokens not counted)
-    rounds: np.ndarray  # [B] speculative rounds (== target_calls)
+    rounds: np.ndarray  # [B] target calls incl. the prefill (== target_calls)
+    # speculative runs only: per target call, draft tokens behind it and tokens it added [B, max_new + 1]
+    draft_lengths: np.ndarray | None = None
+    step_tokens: np.ndarray | None = None
 
     def row(self, b: int) -> list[int]:
         return self.tokens[b, : self.lengths[b]].tolist()

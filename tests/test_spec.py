@@ -88,6 +88,8 @@ def test_greedy_identical_to_ar(target, drafter_name, policy_name):
             assert sp.row(b) == ar.row(b), (drafter_name, policy_name, b)
         assert (sp.target_calls <= ar.target_calls).all()
         assert (sp.accepted <= sp.drafted).all()
+        # per-call traces add up to the totals
+        assert (sp.step_tokens.sum(1) == sp.lengths).all() and (sp.draft_lengths.sum(1) == sp.drafted).all()
 
     check()
 

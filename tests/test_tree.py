@@ -59,6 +59,7 @@ def test_tree_greedy_identical_to_ar(target, drafter_name, policy_name):
                       tree=TC, policy=policy_name)
         for b in range(len(prompts)):
             assert tr.row(b) == ar.row(b)
+        assert (tr.step_tokens.sum(1) == tr.lengths).all() and (tr.draft_lengths.sum(1) == tr.drafted).all()
 
     check()
 

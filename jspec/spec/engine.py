@@ -47,6 +47,16 @@ class SpecState:
     target_calls: jax.Array  # [B] (prefill counts as one)
     drafted: jax.Array  # [B]
     accepted: jax.Array  # [B]
+    trace_drafted: jax.Array  # [B, max_new + 1] draft tokens behind each target call (0 for the prefill)
+    trace_tokens: jax.Array  # [B, max_new + 1] tokens each target call added (bonus included)
+
+
+def record_call(state: SpecState, active, n_drafted, n_out_before, n_out_after):
+    """Per-call traces for the report's accepted-length histograms and draft-length plots."""
+    b = jnp.arange(state.n_out.shape[0])
+    i = jnp.where(active, state.target_calls, state.trace_drafted.shape[1])  # finished rows: dropped
+    return (state.trace_drafted.at[b, i].set(n_drafted, mode="drop"),
+            state.trace_tokens.at[b, i].set(n_out_after - n_out_before, mode="drop"))
 
 
 @struct.dataclass
@@ -132,7 +142,9 @@ def spec_round(tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling
     dstate = drafter.commit(dparams, tparams, tcfg, dstate, block, n, nxt, vout)
     pstate = policy.update(pstate, n_drafted, n, active)
     step = active.astype(jnp.int32)
+    trace_drafted, trace_tokens = record_call(state, active, n_drafted, state.n_out, n_out)
     return SpecState(
+        trace_drafted=trace_drafted, trace_tokens=trace_tokens,
         cache=M.advance(vout.cache, (n + 1) * step),
         dstate=dstate,
         pstate=pstate,
@@ -163,6 +175,8 @@ def start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, ma
         cache=cache, dstate=dstate, pstate=pstate, out=out, n_out=n_out, last=first,
         feature=_take_row(pout.hidden, lens - 1), done=done, key=key,
         target_calls=jnp.ones_like(zeros), drafted=zeros, accepted=zeros,
+        trace_drafted=jnp.zeros((B, max_new + 1), jnp.int32),
+        trace_tokens=jnp.zeros((B, max_new + 1), jnp.int32).at[:, 0].set(n_out),
     )
 
 
@@ -174,7 +188,12 @@ def speculative_generate_jit(tparams, dparams, policy_params, tokens, lens, key,
     state = start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, max_new, cache_len, sampling, unroll, tokens, lens, key)
     body = functools.partial(spec_round, tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling, verify, unroll)
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-    return state.out, state.n_out, state.target_calls, state.drafted, state.accepted
+    return state.out, state.n_out, state.target_calls, state.drafted, state.accepted, state.trace_drafted, state.trace_tokens
+
+
+def result_from_device(outputs) -> GenerationResult:
+    out, n_out, calls, drafted, accepted, tr_d, tr_t = (np.asarray(x) for x in jax.device_get(outputs))
+    return GenerationResult(out, n_out, calls, drafted, accepted, calls, draft_lengths=tr_d, step_tokens=tr_t)
 
 
 def check_compatible(drafter, policy, tcfg: ModelConfig, k_max: int, verify: str):
@@ -199,13 +218,11 @@ def speculative_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_p
     elif isinstance(policy, str):
         policy = make_policy(policy, k_max=k_max)
     check_compatible(drafter, policy, tcfg, k_max, verify)
-    out, n_out, calls, drafted, accepted = speculative_generate_jit(
+    return result_from_device(speculative_generate_jit(
         tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key,
         tcfg=tcfg, drafter=drafter, policy=policy, k_max=k_max, max_new=max_new, cache_len=cache_len,
         sampling=sampling, verify=verify, unroll=unroll,
-    )
-    out, n_out, calls, drafted, accepted = jax.device_get((out, n_out, calls, drafted, accepted))
-    return GenerationResult(np.asarray(out), np.asarray(n_out), np.asarray(calls), np.asarray(drafted), np.asarray(accepted), np.asarray(calls))
+    ))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

@@ -38,7 +38,7 @@ from .. import model as M
 from ..generate import GenerationResult, emit
 from ..sampling import Sampling, logprobs
 from .drafters import EagleDrafter, _take_row
-from .engine import SpecState, _features, check_compatible, start_spec
+from .engine import SpecState, _features, check_compatible, record_call, result_from_device, start_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,12 +217,15 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
     dstate = drafter.commit(dparams, tparams, tcfg, state.dstate, path_tok, n, nxt, gather_out(vout, path))
     n_drafted = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)  # chain-equivalent draft length
     pstate = policy.update(pstate, n_drafted, n, active)
+    n_nodes = jnp.sum(tree.valid[:, 1:], 1).astype(jnp.int32)
+    trace_drafted, trace_tokens = record_call(state, active, n_nodes, state.n_out, n_out)
     return SpecState(
+        trace_drafted=trace_drafted, trace_tokens=trace_tokens,
         cache=cache, dstate=dstate, pstate=pstate, out=out, n_out=n_out,
         last=jnp.where(active, nxt, state.last),
         feature=jnp.where(active[:, None], _take_row(vout.hidden, best), state.feature),
         done=done, key=key, target_calls=state.target_calls + step,
-        drafted=state.drafted + jnp.sum(tree.valid[:, 1:], 1).astype(jnp.int32) * step,
+        drafted=state.drafted + n_nodes * step,
         accepted=state.accepted + n * step,
     )
 
@@ -235,7 +238,7 @@ def tree_generate_jit(tparams, dparams, policy_params, tokens, lens, key, *, tcf
     state = start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, tree.depth, max_new, cache_len, sampling, unroll, tokens, lens, key)
     body = functools.partial(tree_round, tparams, tcfg, drafter, dparams, policy, tree, max_new, sampling, unroll)
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-    return state.out, state.n_out, state.target_calls, state.drafted, state.accepted
+    return state.out, state.n_out, state.target_calls, state.drafted, state.accepted, state.trace_drafted, state.trace_tokens
 
 
 def tree_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, tree: TreeConfig, max_new, cache_len, sampling, unroll) -> GenerationResult:
@@ -248,13 +251,11 @@ def tree_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, 
     elif isinstance(policy, str):
         policy = make_policy(policy, k_max=tree.depth)
     check_compatible(drafter, policy, tcfg, tree.depth, "lossless")
-    out = tree_generate_jit(
+    return result_from_device(tree_generate_jit(
         tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key,
         tcfg=tcfg, drafter=drafter, policy=policy, tree=tree, max_new=max_new, cache_len=cache_len,
         sampling=sampling, unroll=unroll,
-    )
-    out, n_out, calls, drafted, accepted = (np.asarray(x) for x in jax.device_get(out))
-    return GenerationResult(out, n_out, calls, drafted, accepted, calls)
+    ))
 
 
 def autotune_num_nodes(tparams, tcfg, batch: int, cache_len: int, candidates=(15, 23, 31, 47, 59), weights=(1.0, 1.05, 1.07, 1.1, 1.13), reps: int = 5) -> int:
