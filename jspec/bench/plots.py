@@ -78,11 +78,14 @@ def plot_accepted_histograms(rows: list[Row], out_dir: Path) -> list[Path]:
         hists = {method_label(r): {int(k): v for k, v in r["accepted_length_hist"].items()} for r in group}
         lengths = sorted({n for h in hists.values() for n in h})
         series = {m: [h.get(n, 0) / sum(h.values()) for n in lengths] for m, h in hists.items()}
-        fig, ax = plt.subplots(figsize=(max(5, 0.5 * len(lengths) * len(series) + 2), 4))
-        _grouped_bars(ax, [str(n) for n in lengths], series)
-        ax.set_xlabel("tokens added per target call (bonus included)")
-        ax.set_ylabel("share of target calls")
-        ax.set_title(f"{group[0]['target']}: accepted length ({task}, batch {batch}, {dtype})")
+        # small multiples: one panel per method, same axes
+        fig, axes = plt.subplots(len(series), 1, figsize=(6, 1.3 * len(series) + 1), sharex=True, sharey=True, squeeze=False)
+        for ax, (label, shares) in zip(axes[:, 0], series.items()):
+            ax.bar(lengths, shares, color="tab:blue")
+            ax.set_ylabel(label, rotation=0, ha="right", va="center", fontsize="small")
+        axes[-1, 0].set_xlabel("tokens added per target call (bonus included); bar = share of calls")
+        axes[-1, 0].set_xticks(lengths)
+        fig.suptitle(f"{group[0]['target']}: accepted length ({task}, batch {batch}, {dtype})", fontsize="medium")
         paths.append(_save(fig, out_dir / f"accepted_hist_{task}_b{batch}_{dtype}.png"))
     return paths
 
