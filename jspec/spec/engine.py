@@ -120,7 +120,7 @@ def spec_round(tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling
         draft, dstate, cache = Draft(tokens, valid, None), state.dstate, state.cache
     else:
         draft, dstate, cache, pstate = draft_autoregressive(
-            drafter, dparams, tparams, tcfg, state.replace(pstate=pstate), pstate, policy, limit, k_max,
+            drafter, dparams, tparams, tcfg, state, pstate, policy, limit, k_max,
             sampling, k_draft, keep_probs,
         )
 
