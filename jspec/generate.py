@@ -309,13 +309,20 @@ def generate_stream(
         params, cfg, jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(seed),
         max_new=max_new_tokens, cache_len=cache_len, sampling=sampling, unroll=unroll,
     )
+    advance = lambda st: _decode_chunk_jit(params, cfg, st, max_new=max_new_tokens, sampling=sampling, n_steps=chunk, unroll=unroll)
+    for tokens, _ in stream_row0(state, advance):
+        yield tokens
+
+
+def stream_row0(state, advance) -> Iterator[tuple[list[int], Any]]:
+    """Host loop shared by AR and speculative streaming: yield (row 0's new tokens, state) after
+    each jitted chunk `advance(state)` until the row is done. One host sync per chunk."""
     sent = 0
     while True:
-        n_out, done = jax.device_get((state.n_out, state.done))
-        n = int(n_out[0])
+        n, done = (int(x) for x in jax.device_get((state.n_out[0], state.done[0])))
         if n > sent:
-            yield np.asarray(jax.device_get(state.out[0, sent:n])).tolist()
+            yield np.asarray(jax.device_get(state.out[0, sent:n])).tolist(), state
             sent = n
-        if bool(done[0]):
+        if done:
             return
-        state = _decode_chunk_jit(params, cfg, state, max_new=max_new_tokens, sampling=sampling, n_steps=chunk, unroll=unroll)
+        state = advance(state)

@@ -25,7 +25,7 @@ from flax import struct
 
 from .. import model as M
 from ..config import ModelConfig
-from ..generate import GenerationResult, emit, prefill
+from ..generate import GenerationResult, emit, prefill, stream_row0
 from ..sampling import Sampling, probs, sample
 from .drafters import DrafterError, _take_row
 from .verify import verify_consultant, verify_greedy, verify_sampling
@@ -196,6 +196,13 @@ def result_from_device(outputs) -> GenerationResult:
     return GenerationResult(out, n_out, calls, drafted, accepted, calls, draft_lengths=tr_d, step_tokens=tr_t)
 
 
+def resolve_policy(policy, k_max: int):
+    """A Policy object from None (static K), a policy name, or a Policy (returned as is)."""
+    from .policies import make_policy
+
+    return make_policy(policy or "static", k_max=k_max) if policy is None or isinstance(policy, str) else policy
+
+
 def check_compatible(drafter, policy, tcfg: ModelConfig, k_max: int, verify: str):
     if verify not in VERIFY_RULES:
         raise ValueError(f"unknown verification rule {verify!r}; choose from {', '.join(VERIFY_RULES)}")
@@ -211,12 +218,7 @@ def check_compatible(drafter, policy, tcfg: ModelConfig, k_max: int, verify: str
 
 
 def speculative_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, k_max, max_new, cache_len, sampling: Sampling, verify, unroll) -> GenerationResult:
-    from .policies import make_policy
-
-    if policy is None:
-        policy = make_policy("static", k_max=k_max)
-    elif isinstance(policy, str):
-        policy = make_policy(policy, k_max=k_max)
+    policy = resolve_policy(policy, k_max)
     check_compatible(drafter, policy, tcfg, k_max, verify)
     return result_from_device(speculative_generate_jit(
         tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key,
@@ -242,19 +244,10 @@ def _spec_chunk_jit(tparams, dparams, state, *, tcfg, drafter, policy, k_max, ma
 
 def speculative_stream(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params=None, k_max, max_new, cache_len, sampling, verify="lossless", unroll=1, rounds_per_chunk=4):
     """Yield (new tokens, SpecState) for row 0 every `rounds_per_chunk` jitted rounds."""
-    from .policies import make_policy
-
-    policy = make_policy(policy or "static", k_max=k_max) if policy is None or isinstance(policy, str) else policy
+    policy = resolve_policy(policy, k_max)
     check_compatible(drafter, policy, tcfg, k_max, verify)
     static = dict(tcfg=tcfg, drafter=drafter, policy=policy, k_max=k_max, max_new=max_new, cache_len=cache_len,
                   sampling=sampling, verify=verify, unroll=unroll)
     state = _start_spec_jit(tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key, **static)
-    sent = 0
-    while True:
-        n, done = (int(x) for x in jax.device_get((state.n_out[0], state.done[0])))
-        if n > sent:
-            yield np.asarray(jax.device_get(state.out[0, sent:n])).tolist(), state
-            sent = n
-        if done:
-            return
-        state = _spec_chunk_jit(tparams, drafter_params, state, n_rounds=rounds_per_chunk, **static)
+    advance = lambda st: _spec_chunk_jit(tparams, drafter_params, st, n_rounds=rounds_per_chunk, **static)
+    yield from stream_row0(state, advance)

@@ -38,7 +38,7 @@ from .. import model as M
 from ..generate import GenerationResult, emit
 from ..sampling import Sampling, logprobs
 from .drafters import EagleDrafter, _take_row
-from .engine import SpecState, _features, check_compatible, record_call, result_from_device, start_spec
+from .engine import SpecState, _features, check_compatible, record_call, resolve_policy, result_from_device, start_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,14 +242,9 @@ def tree_generate_jit(tparams, dparams, policy_params, tokens, lens, key, *, tcf
 
 
 def tree_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, tree: TreeConfig, max_new, cache_len, sampling, unroll) -> GenerationResult:
-    from .policies import make_policy
-
     if not isinstance(drafter, EagleDrafter):
         raise ValueError(f"tree drafting needs an EAGLE head drafter, got {getattr(drafter, 'name', drafter)!r}")
-    if policy is None:
-        policy = make_policy("static", k_max=tree.depth)
-    elif isinstance(policy, str):
-        policy = make_policy(policy, k_max=tree.depth)
+    policy = resolve_policy(policy, tree.depth)
     check_compatible(drafter, policy, tcfg, tree.depth, "lossless")
     return result_from_device(tree_generate_jit(
         tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key,
