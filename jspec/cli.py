@@ -7,6 +7,19 @@ import os
 import sys
 import time
 
+from .checkpoint.convert import add_convert_args, run_convert
+from .decode import pack_prompts
+from .generate import generate, generate_stream
+from .presets import list_presets, resolve_model
+from .sampling import Sampling
+from .speculative.engines.chain import speculative_stream
+from .speculative.factory import build_drafter
+from .speculative.policies import make_policy
+from .tokenizer import prompt_ids
+
+# `bench` and `train-head` are imported where they run: they pull heavy optional stacks
+# (transformers/torch peers, matplotlib; optax/orbax training extras, which may be absent).
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -37,11 +50,6 @@ def add_generate_args(p: argparse.ArgumentParser):
 
 
 def cmd_generate(a) -> int:
-    from .generate import generate, generate_stream
-    from .presets import resolve_model
-    from .sampling import Sampling
-    from .tokenizer import prompt_ids
-
     t0 = time.perf_counter()
     cfg, params, tok = resolve_model(a.model, dtype=_dtype_arg(a.dtype))
     prompts = [prompt_ids(tok, text, a.chat) for text in a.prompt]
@@ -66,9 +74,6 @@ def cmd_generate(a) -> int:
     policy = None
     drafter = None
     if a.drafter:
-        from .spec.factory import build_drafter
-        from .spec.policies import make_policy
-
         drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)
         policy = make_policy(a.policy, k_max=a.k_max)
     kw = dict(max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed)
@@ -94,11 +99,6 @@ def cmd_generate(a) -> int:
 
 def _stream_speculative(a, cfg, params, tok, prompt, sampling) -> int:
     import jax
-
-    from .generate import pack_prompts
-    from .spec.engine import speculative_stream
-    from .spec.factory import build_drafter
-    from .spec.policies import make_policy
 
     drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)
     policy = make_policy(a.policy, k_max=a.k_max)
@@ -126,8 +126,6 @@ def _stream_speculative(a, cfg, params, tok, prompt, sampling) -> int:
 def cmd_info(a) -> int:
     import jax
 
-    from .presets import list_presets, resolve_model
-
     print(f"jax {jax.__version__} backend {jax.default_backend()} devices {jax.devices()}")
     print("presets:", ", ".join(list_presets()))
     if a.model:
@@ -145,8 +143,6 @@ def main(argv=None) -> int:
     add_generate_args(sub.add_parser("generate", help="generate text (AR or speculative)"))
     info = sub.add_parser("info", help="devices, presets, a model's config")
     info.add_argument("--model", default=None)
-
-    from .checkpoint.convert import add_convert_args, run_convert
 
     add_convert_args(sub.add_parser("convert", help="convert checkpoints (HF / GGUF -> Orbax, Orbax -> HF)"))
     bench = sub.add_parser("bench", help="benchmark methods side by side (Spec-Bench metrics)")

@@ -1,12 +1,13 @@
-"""Jitted generation: prefill padded to buckets, then one `lax.while_loop` with no host round trip.
-
-`generate` is the one entry point: plain autoregressive decoding when `drafter` is None,
-speculative decoding (jspec.spec.engine) otherwise. Both share the prompt handling, the output
-buffer and the stopping rules, so their greedy outputs can be compared token for token.
+"""Autoregressive decoding core, jitted: prefill padded to buckets, then one `lax.while_loop`
+with no host round trip. Also the pieces every speculative engine shares with it: prompt packing
+and validation, the output buffer (`emit`), the stopping rules and the streaming host loop.
 
 Rows of a batch may have different prompt lengths: each row keeps its own cache cursor, its own
 output count and its own done flag (EOS or max_new_tokens). Finished rows ride along in the batch
 (static shapes) until every row is done or the step budget runs out.
+
+The host-side entry points `generate` / `generate_stream` live in jspec.generate, above the
+speculative engines.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from flax import struct
 
 from . import model as M
 from .config import ModelConfig
-from .sampling import GREEDY, Sampling, sample
+from .sampling import Sampling, sample
 
 PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -202,14 +203,14 @@ def generate_ar_jit(params, cfg, tokens, lens, key, *, max_new, cache_len, sampl
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll"))
-def _start_decode_jit(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling, unroll=1):
+def start_decode_jit(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling, unroll=1):
     return start_decode(params, cfg, tokens, lens, key, max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll)
 
 
 @functools.partial(
     jax.jit, static_argnames=("cfg", "max_new", "sampling", "n_steps", "unroll"), donate_argnames=("state",)
 )
-def _decode_chunk_jit(params, cfg, state, *, max_new, sampling, n_steps, unroll=1):
+def decode_chunk_jit(params, cfg, state, *, max_new, sampling, n_steps, unroll=1):
     """n_steps decode steps (fewer if every row finishes); the state (and its cache) is donated."""
 
     def cond(c):
@@ -221,97 +222,6 @@ def _decode_chunk_jit(params, cfg, state, *, max_new, sampling, n_steps, unroll=
         return i + 1, decode_step(params, cfg, sampling, max_new, s, unroll=unroll)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
-
-
-# ---------------------------------------------------------------------------------------------
-# Public API
-# ---------------------------------------------------------------------------------------------
-
-
-def generate(
-    params: dict,
-    cfg: ModelConfig,
-    prompts: list[list[int]],
-    *,
-    max_new_tokens: int = 128,
-    sampling: Sampling | None = None,
-    drafter=None,
-    drafter_params=None,
-    policy=None,
-    policy_params=None,
-    k_max: int = 8,
-    verify: str = "lossless",
-    tree=None,
-    seed: int = 0,
-    cache_len: int | None = None,
-    unroll: int | bool = 1,
-) -> GenerationResult:
-    """Generate up to max_new_tokens per prompt (token-id lists), batched.
-
-    drafter=None: autoregressive decoding. Otherwise speculative decoding with the given drafter
-    (jspec.spec.drafters) and draft-length policy (jspec.spec.policies, default static K=k_max);
-    `verify` is "lossless" (greedy identity / lossless sampling) or "consultant" (lossy, opt-in).
-    `tree` (a jspec.spec.tree.TreeConfig, or True for EAGLE-2's defaults) drafts EAGLE-2 dynamic
-    trees with an EAGLE head instead of chains.
-    """
-    sampling = sampling or GREEDY
-    if isinstance(drafter, str):
-        from .spec.factory import build_drafter
-
-        drafter, drafter_params = build_drafter(drafter, cfg, params)
-    if tree is True:
-        from .spec.tree import TreeConfig
-
-        tree = TreeConfig()
-    extra = (tree.num_nodes + 1 if tree is not None else k_max + 1) if drafter is not None else 0
-    tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new_tokens, extra, cache_len)
-    key = jax.random.PRNGKey(seed)
-    if drafter is None:
-        out, n_out, steps = generate_ar_jit(
-            params, cfg, jnp.asarray(tokens), jnp.asarray(lens), key,
-            max_new=max_new_tokens, cache_len=cache_len, sampling=sampling, unroll=unroll,
-        )
-        out, n_out, steps = jax.device_get((out, n_out, steps))
-        zeros = np.zeros_like(n_out)
-        return GenerationResult(out, n_out, steps, zeros, zeros, steps)
-    if tree is not None:
-        from .spec.tree import tree_generate
-
-        return tree_generate(
-            params, cfg, tokens, lens, key, drafter=drafter, drafter_params=drafter_params, policy=policy,
-            policy_params=policy_params, tree=tree, max_new=max_new_tokens, cache_len=cache_len,
-            sampling=sampling, unroll=unroll,
-        )
-    from .spec.engine import speculative_generate
-
-    return speculative_generate(
-        params, cfg, tokens, lens, key,
-        drafter=drafter, drafter_params=drafter_params, policy=policy, policy_params=policy_params,
-        k_max=k_max, max_new=max_new_tokens, cache_len=cache_len, sampling=sampling, verify=verify, unroll=unroll,
-    )
-
-
-def generate_stream(
-    params: dict,
-    cfg: ModelConfig,
-    prompt: list[int],
-    *,
-    max_new_tokens: int = 128,
-    sampling: Sampling | None = None,
-    seed: int = 0,
-    chunk: int = 8,
-    unroll: int | bool = 1,
-) -> Iterator[list[int]]:
-    """Yield new tokens as they come, `chunk` jitted decode steps at a time (one host sync per chunk)."""
-    sampling = sampling or GREEDY
-    tokens, lens, cache_len = pack_prompts(cfg, [prompt], max_new_tokens)
-    state = _start_decode_jit(
-        params, cfg, jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(seed),
-        max_new=max_new_tokens, cache_len=cache_len, sampling=sampling, unroll=unroll,
-    )
-    advance = lambda st: _decode_chunk_jit(params, cfg, st, max_new=max_new_tokens, sampling=sampling, n_steps=chunk, unroll=unroll)
-    for tokens, _ in stream_row0(state, advance):
-        yield tokens
 
 
 def stream_row0(state, advance) -> Iterator[tuple[list[int], Any]]:

@@ -28,6 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
+from .checkpoint.gguf_io import load_gguf
+from .checkpoint.hf import load_hf
+from .checkpoint.orbax_io import is_orbax_dir, restore_params
+from .model import cast_params
+from .tokenizer import ORBAX_TOKENIZER_DIR, load_tokenizer
 
 PRESET_FILE = "preset.json"
 DEFAULT_DTYPES = {"cpu": "float32", "gpu": "bfloat16", "tpu": "bfloat16"}
@@ -37,9 +42,7 @@ def models_dir() -> Path:
     env = os.environ.get("JSPEC_MODELS_DIR")
     if env:
         return Path(env)
-    import jspec
-
-    return Path(jspec.__file__).resolve().parent.parent / "models"
+    return Path(__file__).resolve().parent.parent / "models"
 
 
 def cache_dir() -> Path:
@@ -131,8 +134,6 @@ def load_preset(name: str) -> Preset:
 
 def checkpoint_kind(path: Path) -> str:
     """'gguf', 'orbax' or 'hf' for an existing checkpoint path."""
-    from .checkpoint.orbax_io import is_orbax_dir
-
     if path.is_file() and path.suffix == ".gguf":
         return "gguf"
     if path.is_dir() and is_orbax_dir(path):
@@ -173,16 +174,9 @@ def hf_checkpoint(name_or_path: str | os.PathLike) -> tuple[str, str | None]:
 def load_checkpoint(path: Path, kind: str, dtype) -> tuple:
     """(cfg, params) from a checkpoint of a known kind."""
     if kind == "gguf":
-        from .checkpoint.gguf_io import load_gguf
-
         return load_gguf(path, dtype)
     if kind == "hf":
-        from .checkpoint.hf import load_hf
-
         return load_hf(path, dtype)
-    from .checkpoint.orbax_io import restore_params
-    from .model import cast_params
-
     cfg, params = restore_params(path)
     return cfg, cast_params(params, dtype)
 
@@ -208,8 +202,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def load_tokenizer_if_any(path: Path, kind: str):
-    from .tokenizer import ORBAX_TOKENIZER_DIR, load_tokenizer
-
     if kind == "orbax" and not (path / ORBAX_TOKENIZER_DIR).is_dir():
         return None
     if kind == "hf" and not any((path / f).is_file() for f in TOKENIZER_FILES):

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from .checkpoint.errors import CheckpointNotFoundError
+from .checkpoint.gguf_io import fast_gguf_parsing
 
 # Where `jspec convert` stores the source's tokenizer inside an Orbax checkpoint directory.
 ORBAX_TOKENIZER_DIR = "tokenizer"
@@ -21,8 +22,6 @@ def load_tokenizer(source: str | os.PathLike):
 
     path = Path(source)
     if path.is_file() and path.suffix == ".gguf":
-        from .checkpoint.gguf_io import fast_gguf_parsing
-
         with fast_gguf_parsing():
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if path.is_dir() and (path / ORBAX_TOKENIZER_DIR).is_dir():

@@ -1,19 +1,28 @@
-"""Profile jspec's jitted AR decode on a model of SmolLM2-135M's shape (random weights, no EOS).
+"""Profile jspec's jitted decode and verify forwards on a model of SmolLM2-135M's shape (random weights).
 
-Side by side in one run:
-  * tokens/s of whole jitted generations (prefill + while_loop) at batch 1 and 16, layers under
-    `scan` vs unrolled;
-  * a differential profile of one decode step: the same step with 0, 15 and 30 layers gives the
-    per-layer cost and the fixed cost (embedding, final norm, LM head, argmax, loop);
-  * the kernel count per decode step, read from the compiled HLO (fusions, library calls, copies);
-  * optionally transformers `generate` on the same shape (--hf).
-Prints a table; writes JSON to $OUT when set.
+Side by side in one process, for each attention implementation (model.ATTENTION_IMPLS: the portable
+"xla" einsum path, the fused "pallas" kernel, "cudnn"):
+  * correctness: logits of decode (T=1), chain (T=8) and tree (T=60, random ancestor mask) forwards
+    against the "xla" path on the same cache (max |diff|, relative norm, argmax agreement);
+  * the AR decode step (forward + LM head + argmax + cursor advance) timed inside one jitted
+    fori_loop, at batch 1 and 16;
+  * the kernel count of that step, read from the compiled HLO (per computation: the layer scan's
+    while body is the per-layer count), with the layer body's op list;
+  * the verify forward's cost as a function of block size T (1 .. 64, and a 60-node tree) at batch
+    1 and 16: forward of T tokens + LM head on all of them + argmax, cursor not moved;
+  * a differential profile (0 / 15 / 30 layers) giving per-layer and fixed cost;
+  * whole jitted generations (jspec.decode.generate_ar_jit, prefill + while_loop) in tokens/s.
+Prints a table; writes JSON (and each variant's compiled HLO) to $OUT when set.
+--quick times only the batch-1 decode step and counts kernels (for XLA-flag variants, which need a
+process each).
 """
 import argparse
+import functools
 import json
 import os
 import re
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -21,123 +30,258 @@ import numpy as np
 
 from jspec import model as M
 from jspec.config import ModelConfig
-from jspec.generate import DecodeState, decode_step, generate_ar_jit, plan_cache_len
-from jspec.sampling import GREEDY
 
 SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                       num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
                       max_position_embeddings=8192, tie_word_embeddings=True, eos_token_ids=())
 
-KERNEL_OPS = ("fusion", "custom-call", "copy", "scatter", "dynamic-update-slice", "gather", "sort", "dot",
-              "reduce", "convolution", "all-reduce", "copy-start")
+KERNEL_OPS = ("fusion", "custom-call", "copy", "scatter", "dynamic-update-slice", "dynamic-slice", "gather", "sort",
+              "dot", "reduce", "convolution", "all-reduce", "copy-start", "transpose", "pad", "concatenate", "slice")
+CACHE_LEN = 640  # prompt 64 + 256 new, rounded as plan_cache_len does
+COMMITTED = 192  # committed slots when timing steps (mid-generation)
+OUT = os.environ.get("OUT")
+LAYERS = SMOLLM2.num_layers
 
 
-def time_generation(params, cfg, batch, prompt_len, new, unroll, reps=3):
-    toks = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (batch, prompt_len)), jnp.int32)
-    lens = jnp.full((batch,), prompt_len, jnp.int32)
-    kw = dict(max_new=new, cache_len=plan_cache_len(prompt_len, new), sampling=GREEDY, unroll=unroll)
-    run = lambda: jax.block_until_ready(generate_ar_jit(params, cfg, toks, lens, jax.random.PRNGKey(0), **kw))
-    t0 = time.perf_counter(); run(); compile_s = time.perf_counter() - t0
+def timed(f, *args, reps=3):
+    jax.block_until_ready(f(*args))  # compile + warm up
     ts = []
     for _ in range(reps):
-        t0 = time.perf_counter(); run(); ts.append(time.perf_counter() - t0)
-    t = float(np.median(ts))
-    return dict(kind="generate", batch=batch, unroll=str(unroll), compile_s=round(compile_s, 2), wall_s=t,
-                tokens_per_s=batch * new / t, ms_per_step=1000 * t / new)
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
 
 
-def step_fn(cfg, unroll):
-    def steps(params, state, n):
-        return jax.lax.fori_loop(0, n, lambda i, s: decode_step(params, cfg, GREEDY, 10**6, s, unroll=unroll), state)
-    return jax.jit(steps, static_argnums=2, donate_argnums=1)
+def filled_cache(params, cfg, batch, impl, committed=COMMITTED, key=1):
+    """A cache with `committed` random tokens already run through the model (same for every impl)."""
+    cache = M.init_cache(cfg, batch, CACHE_LEN, params["embed"].dtype)
+    toks = jax.random.randint(jax.random.PRNGKey(key), (batch, committed), 0, cfg.vocab_size)
+    out = _prefill_cache(params, cfg, toks, cache)
+    return out.replace(lengths=jnp.full((batch,), committed, jnp.int32))
 
 
-def make_state(params, cfg, batch, cache_len):
-    cache = M.init_cache(cfg, batch, cache_len, params["embed"].dtype)
-    cache = cache.replace(lengths=jnp.full((batch,), 64, jnp.int32))
-    z = lambda: jnp.zeros((batch,), jnp.int32)  # distinct buffers: the state is donated
-    return DecodeState(cache=cache, out=jnp.zeros((batch, 1), jnp.int32), n_out=z(), last=z(), done=jnp.zeros((batch,), bool),
-                       steps=z(), key=jax.random.PRNGKey(0))
+@functools.partial(jax.jit, static_argnums=1)
+def _prefill_cache(params, cfg, toks, cache):
+    return M.forward(params, cfg, toks, cache, attention="xla").cache
 
 
-def time_steps(params, cfg, batch, unroll, n=200, cache_len=640):
-    f = step_fn(cfg, unroll)
-    s = f(params, make_state(params, cfg, batch, cache_len), n)
-    jax.block_until_ready(s)
-    t0 = time.perf_counter()
-    s = f(params, make_state(params, cfg, batch, cache_len), n)
-    jax.block_until_ready(s)
-    return 1000 * (time.perf_counter() - t0) / n
+def tree_mask(T, batch, key=0):
+    """A random tree of T nodes: node i's parent is a random earlier node; mask = ancestors-or-self."""
+    rng = np.random.RandomState(key)
+    parent = [-1] + [int(rng.randint(0, i)) for i in range(1, T)]
+    anc = np.zeros((T, T), bool)
+    for i in range(T):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = parent[j]
+    depth = anc.sum(1) - 1
+    return jnp.asarray(np.broadcast_to(anc, (batch, T, T))), jnp.asarray(depth, jnp.int32)
 
 
-def kernel_count(params, cfg, batch, unroll, cache_len=640):
-    """Kernel-launching HLO instructions per decode step, from the compiled module."""
-    f = jax.jit(lambda p, s: decode_step(p, cfg, GREEDY, 10**6, s, unroll=unroll))
-    text = f.lower(params, make_state(params, cfg, batch, cache_len)).compile().as_text()
+def make_verify(cfg, impl, T, n, tree=None):
+    """n verify forwards of T tokens (+ LM head on all, argmax) in one jitted loop; cursor fixed."""
+    mask, depth = (None, None) if tree is None else tree
+
+    @jax.jit
+    def run(params, cache, toks):
+        pos = cache.lengths[:, None] + (jnp.arange(T, dtype=jnp.int32)[None] if depth is None else depth[None])
+
+        def body(i, c):
+            cache, toks = c
+            out = M.forward(params, cfg, toks, cache, positions=pos, new_mask=mask, attention=impl)
+            nxt = jnp.argmax(M.lm_head(params, cfg, out.hidden), -1).astype(jnp.int32)
+            return out.cache, nxt
+
+        return jax.lax.fori_loop(0, n, body, (cache, toks))
+
+    return run
+
+
+def make_decode(cfg, impl, n):
+    """n AR decode steps (forward of 1 token, LM head, argmax, advance) in one jitted loop."""
+
+    def run(params, cache, tok):
+        def body(i, c):
+            cache, tok = c
+            out = M.forward(params, cfg, tok[:, None], cache, attention=impl)
+            nxt = jnp.argmax(M.lm_head(params, cfg, out.hidden[:, 0]), -1).astype(jnp.int32)
+            return M.advance(out.cache, jnp.ones_like(nxt)), nxt
+
+        return jax.lax.fori_loop(0, n, body, (cache, tok))
+
+    return jax.jit(run, donate_argnums=1)
+
+
+def step_ms(params, cfg, impl, batch, n=200):
+    f = make_decode(cfg, impl, n)
+    fresh = lambda: filled_cache(params, cfg, batch, impl)
+    tok = jnp.zeros((batch,), jnp.int32)
+    jax.block_until_ready(f(params, fresh(), tok))
+    ts = []
+    for _ in range(3):
+        c = fresh(); jax.block_until_ready(c)
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(params, c, tok))
+        ts.append(time.perf_counter() - t0)
+    return 1000 * float(np.median(ts)) / n
+
+
+def hlo_kernels(text):
+    """Kernel-launching instructions per computation of a compiled module, and each while body."""
     comps, cur = {}, None
     for line in text.splitlines():
         m = re.match(r"^(ENTRY )?%?([\w.\-]+) ", line)
         if m and line.rstrip().endswith("{"):
             cur = m.group(2); comps[cur] = []
-        elif cur and "=" in line:
+        elif cur and "=" in line and not line.lstrip().startswith("ROOT %tuple") :
             op = re.search(r"=\s*[^ ]+\s+([a-z\-]+)\(", line)
-            if op:
-                comps[cur].append(op.group(1))
-    entry = [c for c in comps if c.startswith("main")] or list(comps)[-1:]
-    count = lambda ops: sum(o in KERNEL_OPS for o in ops)
-    # scan over layers compiles to a while loop whose body runs once per layer
-    bodies = re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", text)
-    body_k = max((count(comps.get(c, [])) for c in bodies), default=0)
-    return dict(entry_kernels=count(comps[entry[0]]) if entry else None, layer_body_kernels=body_k)
+            if op and op.group(1) in KERNEL_OPS:
+                name = op.group(1)
+                tgt = re.search(r'custom_call_target="([^"]+)"', line)
+                kind = re.search(r"kind=(k\w+)", line)
+                calls = re.search(r"calls=%?([\w.\-]+)", line)
+                label = name + (":" + tgt.group(1) if tgt else "") + (":" + kind.group(1) if kind else "")
+                if calls:
+                    label += ":" + calls.group(1)
+                comps[cur].append(label)
+    bodies = re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)(.*)", text)
+    body_counts = {b: len(comps.get(b, [])) for b, _ in bodies}
+    trips = {b: int(m.group(1)) for b, rest in bodies if (m := re.search(r'known_trip_count":\{"n":"(\d+)"', rest))}
+    entry = [c for c in comps if c.startswith("main")]
+    # the layer scan's body is the while with num_layers trips (else the one with the most kernels)
+    by_trip = [b for b, n in trips.items() if n == LAYERS]
+    layer_body = by_trip[0] if by_trip else (max(body_counts, key=body_counts.get) if body_counts else None)
+    return dict(entry_kernels=len(comps[entry[0]]) if entry else None, while_bodies=body_counts, while_trips=trips,
+                layer_body_kernels=body_counts.get(layer_body), layer_body_ops=comps.get(layer_body, []))
+
+
+def kernel_report(params, cfg, impl, batch=1):
+    f = make_decode(cfg, impl, 8)
+    cache = filled_cache(params, cfg, batch, impl)
+    text = f.lower(params, cache, jnp.zeros((batch,), jnp.int32)).compile().as_text()
+    if OUT:
+        open(os.path.join(OUT, f"hlo_decode_{impl}.txt"), "w").write(text)
+    return hlo_kernels(text)
+
+
+def compare(params, cfg, impl, batch):
+    """Logits of impl vs xla on the same cache: decode, chain and tree blocks."""
+    cache = filled_cache(params, cfg, batch, impl, key=7)
+    res = {}
+    for name, T, tree in (("decode", 1, None), ("chain8", 8, None), ("tree60", 60, tree_mask(60, batch, 3))):
+        toks = jax.random.randint(jax.random.PRNGKey(T), (batch, T), 0, cfg.vocab_size)
+        mask, depth = (None, None) if tree is None else tree
+        pos = cache.lengths[:, None] + (jnp.arange(T, dtype=jnp.int32)[None] if depth is None else depth[None])
+
+        def f(p, c, t, impl_):
+            out = M.forward(p, cfg, t, c, positions=pos, new_mask=mask, attention=impl_)
+            return M.lm_head(p, cfg, out.hidden), out.cache.k, out.cache.v
+
+        ref = jax.jit(lambda p, c, t: f(p, c, t, "xla"))(params, cache, toks)
+        got = jax.jit(lambda p, c, t: f(p, c, t, impl))(params, cache, toks)
+        a, b = np.asarray(ref[0], np.float32), np.asarray(got[0], np.float32)
+        res[name] = dict(max_abs=float(np.abs(a - b).max()), rel=float(np.linalg.norm(a - b) / np.linalg.norm(a)),
+                         argmax_agree=float((a.argmax(-1) == b.argmax(-1)).mean()),
+                         k_cache_max_abs=float(jnp.max(jnp.abs(ref[1].astype(jnp.float32) - got[1].astype(jnp.float32)))),
+                         v_cache_max_abs=float(jnp.max(jnp.abs(ref[2].astype(jnp.float32) - got[2].astype(jnp.float32)))))
+    return res
+
+
+def verify_sweep(params, cfg, impl, batch, Ts=(1, 2, 4, 8, 16, 32, 64), n=50):
+    cache = filled_cache(params, cfg, batch, impl)
+    rows = []
+    for T in (*Ts, "tree60"):
+        tree = tree_mask(60, batch) if T == "tree60" else None
+        t = 60 if tree is not None else T
+        f = make_verify(cfg, impl, t, n, tree)
+        toks = jnp.zeros((batch, t), jnp.int32)
+        us = 1e6 * timed(f, params, cache, toks) / n
+        rows.append(dict(kind="verify", impl=impl, batch=batch, T=T, verify_us=round(us, 1)))
+        print(rows[-1], flush=True)
+    base = rows[0]["verify_us"]
+    for r in rows:
+        r["vs_T1"] = round(r["verify_us"] / base, 3)
+    return rows
+
+
+def generation(params, cfg, impl, batch, prompt=64, new=256):
+    from jspec.decode import generate_ar_jit, plan_cache_len
+    from jspec.sampling import GREEDY
+
+    os.environ["JSPEC_ATTENTION"] = impl  # read at trace time: clear jit caches between impls
+    jax.clear_caches()
+    toks = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (batch, prompt)), jnp.int32)
+    lens = jnp.full((batch,), prompt, jnp.int32)
+    kw = dict(max_new=new, cache_len=plan_cache_len(prompt, new), sampling=GREEDY)
+    t = timed(lambda: generate_ar_jit(params, cfg, toks, lens, jax.random.PRNGKey(0), **kw))
+    del os.environ["JSPEC_ATTENTION"]
+    return dict(kind="generate", impl=impl, batch=batch, wall_s=round(t, 4), tokens_per_s=round(batch * new / t, 1),
+                ms_per_token_step=round(1000 * t / new, 4))
+
+
+def attempt(rows, fn, *a, **kw):
+    try:
+        r = fn(*a, **kw)
+    except Exception as e:  # one failing variant must not cost the others' numbers
+        traceback.print_exc()
+        r = dict(kind="error", fn=fn.__name__, args=[str(x) for x in a[2:]], error=f"{type(e).__name__}: {e}"[:2000])
+    if isinstance(r, list):
+        rows.extend(r)
+    else:
+        rows.append(r)
+        print(r, flush=True)
+    return r
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--hf", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="skip the layer-count sweep")
+    ap.add_argument("--impls", default="xla,pallas,cudnn")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tag", default="", help="suffix of the JSON file (e.g. the XLA flags)")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke test of this script)")
     a = ap.parse_args()
+    impls = a.impls.split(",")
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     card = jax.devices()[0].device_kind
-    params = M.init_params(SMOLLM2, jax.random.PRNGKey(0), dtype)
+    cfg = SMOLLM2
+    if a.tiny:
+        global LAYERS
+        LAYERS = 2
+        cfg = cfg.replace(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=3,
+                          num_kv_heads=1, head_dim=64)
+    params = M.init_params(cfg, jax.random.PRNGKey(0), dtype)
     rows = []
-    for batch in (1, 16):
-        for unroll in (1, True):
-            r = time_generation(params, SMOLLM2, batch, a.prompt, a.new, unroll); r["method"] = "jspec"; rows.append(r); print(r, flush=True)
-    for unroll in (1, True):
-        r = dict(kind="kernels", unroll=str(unroll), **kernel_count(params, SMOLLM2, 1, unroll)); rows.append(r); print(r, flush=True)
+    for impl in impls:
+        attempt(rows, lambda p, c, i: dict(kind="kernels", impl=i, **kernel_report(p, c, i)), params, cfg, impl)
+        for batch in ((1,) if a.quick else (1, 16)):
+            attempt(rows, lambda p, c, i, b: dict(kind="decode_step", impl=i, batch=b, committed=COMMITTED,
+                                                  ms_per_step=round(step_ms(p, c, i, b), 4)), params, cfg, impl, batch)
     if not a.quick:
-        for L in (0, 15, 30):  # differential profile: fixed cost + L x per-layer cost
-            cfg = SMOLLM2.replace(num_layers=L)
-            p = {**params, "layers": jax.tree.map(lambda x: x[:L], params["layers"])}
-            r = dict(kind="step", layers=L, batch=1, ms_per_step=time_steps(p, cfg, 1, 1)); rows.append(r); print(r, flush=True)
-    if a.hf:
-        import torch
-        import transformers
-
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-        hcfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                        num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
-                                        max_position_embeddings=8192, tie_word_embeddings=True)
-        m = transformers.LlamaForCausalLM(hcfg).to(dev, torch.bfloat16 if dev == "cuda" else torch.float32).eval()
-        for batch in (1, 16):
-            ids = torch.randint(0, 49152, (batch, a.prompt), device=dev)
-            kw = dict(max_new_tokens=a.new, min_new_tokens=a.new, do_sample=False, pad_token_id=0)
-            m.generate(ids, **kw)
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter(); m.generate(ids, **kw)
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter() - t0
-            r = dict(kind="generate", method="hf", batch=batch, wall_s=t, tokens_per_s=batch * a.new / t, ms_per_step=1000 * t / a.new)
-            rows.append(r); print(r, flush=True)
-    print(f"card: {card}, jax {jax.__version__}, dtype {jnp.dtype(dtype).name}")
+        for impl in [i for i in impls if i != "xla"]:
+            for batch in (1, 16):
+                attempt(rows, lambda p, c, i, b: dict(kind="compare", impl=i, batch=b, **compare(p, c, i, b)),
+                        params, cfg, impl, batch)
+        for impl in impls:
+            for batch in (1, 16):
+                attempt(rows, generation, params, cfg, impl, batch)
+        for impl in impls[:2]:
+            for L in (0, 15, 30):  # differential profile: fixed cost + L x per-layer cost
+                c = cfg.replace(num_layers=L)
+                p = {**params, "layers": jax.tree.map(lambda x: x[:L], params["layers"])}
+                attempt(rows, lambda p, c, i, L=L: dict(kind="layers", impl=i, layers=L, batch=1,
+                                                        ms_per_step=round(step_ms(p, c, i, 1), 4)), p, c, impl)
+        for impl in impls[:2]:
+            for batch in (1, 16):
+                attempt(rows, verify_sweep, params, cfg, impl, batch)
+    print(f"card: {card}, jax {jax.__version__}, dtype {jnp.dtype(dtype).name}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
     for r in rows:
-        print(r)
-    if os.environ.get("OUT"):
-        json.dump(dict(card=card, jax=jax.__version__, rows=rows), open(os.path.join(os.environ["OUT"], "profile_decode.json"), "w"), indent=1)
+        print({k: v for k, v in r.items() if k != "layer_body_ops"})
+    if OUT:
+        name = "profile_decode" + (f"_{a.tag}" if a.tag else "") + ".json"
+        json.dump(dict(card=card, jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""), rows=rows),
+                  open(os.path.join(OUT, name), "w"), indent=1)
 
 
 if __name__ == "__main__":

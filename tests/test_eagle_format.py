@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jspec import heads
+from jspec.heads import eagle as H
 from jspec.checkpoint import eagle_format
 from jspec.model import init_params
 from jspec.train.testing import numpy_params, tiny_target_config
@@ -19,10 +19,10 @@ TARGET = tiny_target_config(num_layers=6)
 
 @pytest.mark.parametrize("kind,draft_vocab,capture", [("eagle1", 0, ()), ("eagle3", 48, (1, 3, 5))])
 def test_round_trip_identical_logits(tmp_path, kind, draft_vocab, capture):
-    hcfg = heads.HeadConfig(kind, TARGET, capture, draft_vocab)
-    hparams = numpy_params(heads.init_head, hcfg, seed=3, scale=0.1)
+    hcfg = H.HeadConfig(kind, TARGET, capture, draft_vocab)
+    hparams = numpy_params(H.init_head, hcfg, seed=3, scale=0.1)
     hparams["layer"]["mlp_norm"] = hparams["layer"]["mlp_norm"] * 1.5  # norms not all-ones
-    hparams = heads.with_draft_vocab(hcfg, hparams, np.random.default_rng(0).integers(0, 99, 128))
+    hparams = H.with_draft_vocab(hcfg, hparams, np.random.default_rng(0).integers(0, 99, 128))
     tparams = numpy_params(init_params, TARGET, seed=4, scale=0.1)
 
     path = os.path.join(tmp_path, kind)
@@ -53,16 +53,16 @@ def test_round_trip_identical_logits(tmp_path, kind, draft_vocab, capture):
     rng = np.random.default_rng(5)
     tokens = jnp.asarray(rng.integers(0, TARGET.vocab_size, (B, T)), jnp.int32)
     feats = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
-    run = jax.jit(heads.head_forward, static_argnums=0)
-    h1, lg1, _ = run(hcfg, hparams, tparams, tokens, feats, heads.init_head_cache(hcfg, B, 8))
-    h2, lg2, _ = run(hcfg2, hparams2, tparams, tokens, feats, heads.init_head_cache(hcfg2, B, 8))
+    run = jax.jit(H.head_forward, static_argnums=0)
+    h1, lg1, _ = run(hcfg, hparams, tparams, tokens, feats, H.init_head_cache(hcfg, B, 8))
+    h2, lg2, _ = run(hcfg2, hparams2, tparams, tokens, feats, H.init_head_cache(hcfg2, B, 8))
     np.testing.assert_array_equal(np.asarray(lg1), np.asarray(lg2))
     np.testing.assert_array_equal(np.asarray(h1), np.asarray(h2))
 
 
 def test_bf16_export_and_default_capture_not_written(tmp_path):
-    hcfg = heads.default_head_config("eagle3", TARGET)  # full vocab, default layers
-    hparams = numpy_params(heads.init_head, hcfg, seed=3)
+    hcfg = H.default_head_config("eagle3", TARGET)  # full vocab, default layers
+    hparams = numpy_params(H.init_head, hcfg, seed=3)
     eagle_format.save_eagle_head(str(tmp_path), hcfg, hparams, dtype="bfloat16")
     cfg = json.load(open(os.path.join(tmp_path, "config.json")))
     assert "eagle_config" not in cfg and cfg["draft_vocab_size"] == TARGET.vocab_size

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec import heads
+from jspec.heads import eagle as H
 from jspec.model import advance, forward, init_cache, init_params
 from jspec.train.testing import numpy_params, tiny_target_config
 
@@ -16,18 +16,18 @@ B, T = 2, 6
 
 
 _forward = jax.jit(forward, static_argnames=("cfg", "capture"))
-_features = jax.jit(heads.head_features, static_argnums=0)
-_head = jax.jit(heads.head_forward, static_argnums=0)
+_features = jax.jit(H.head_features, static_argnums=0)
+_head = jax.jit(H.head_forward, static_argnums=0)
 
 
 @functools.lru_cache(maxsize=None)
 def _setup(kind, draft_vocab=0):
-    hcfg = heads.default_head_config(kind, TARGET, draft_vocab)
+    hcfg = H.default_head_config(kind, TARGET, draft_vocab)
     tparams = numpy_params(init_params, TARGET, seed=0, scale=0.1)
-    hparams = numpy_params(heads.init_head, hcfg, seed=1, scale=0.2)
+    hparams = numpy_params(H.init_head, hcfg, seed=1, scale=0.2)
     if hcfg.reduced_vocab:  # a non-trivial (non-prefix) draft vocab
         counts = np.random.default_rng(0).integers(0, 1000, TARGET.vocab_size)
-        hparams = heads.with_draft_vocab(hcfg, hparams, counts)
+        hparams = H.with_draft_vocab(hcfg, hparams, counts)
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, TARGET.vocab_size, (B, T + 1)), jnp.int32)
     out = _forward(tparams, TARGET, tokens[:, :T], init_cache(TARGET, B, T), capture=hcfg.capture_layers)
     feats = _features(hcfg, hparams, out)
@@ -56,10 +56,10 @@ CAUSAL3 = np.tril(np.ones((3, 3), bool))
 @pytest.mark.parametrize("kind,draft_vocab", [("eagle1", 0), ("eagle3", 32)])
 def test_shapes_block_and_tree_equal_sequential(kind, draft_vocab):
     hcfg, tparams, hparams, nxt, feats = _setup(kind, draft_vocab)
-    h_seq, _ = _run_sequential(hcfg, hparams, tparams, nxt, feats, heads.init_head_cache(hcfg, B, 16))
+    h_seq, _ = _run_sequential(hcfg, hparams, tparams, nxt, feats, H.init_head_cache(hcfg, B, 16))
 
     # a causal block of 3 == the first 3 sequential steps
-    cache = heads.init_head_cache(hcfg, B, 16)
+    cache = H.init_head_cache(hcfg, B, 16)
     h, logits, cache = _run3(hcfg, hparams, tparams, nxt[:, :3], feats[:, :3], cache, [0, 1, 2], CAUSAL3)
     assert h.shape == (B, 3, TARGET.hidden_size)
     assert logits.shape == (B, 3, TARGET.vocab_size) and logits.dtype == jnp.float32
@@ -86,7 +86,7 @@ def test_shapes_block_and_tree_equal_sequential(kind, draft_vocab):
 
 def test_draft_vocab_from_counts_picks_most_frequent():
     counts = np.array([5, 0, 9, 9, 1, 7])
-    d2t, t2d = heads.draft_vocab_from_counts(counts, 3)
+    d2t, t2d = H.draft_vocab_from_counts(counts, 3)
     assert d2t.tolist() == [2, 3, 5]
     assert t2d.tolist() == [False, False, True, True, False, True]
 
@@ -101,15 +101,15 @@ def test_training_time_test_matches_inference_chain():
     def unroll(hparams, tparams, nxt, feats):
         f, first, later, out = feats[:, :L], None, None, []
         for j in range(steps):  # at step j, position t reads x_{t+j+1} = nxt[:, t + j]
-            emb = heads.embed_tokens(tparams, TARGET, nxt[:, j : j + L])
-            f, first, later = heads.ttt_step(hcfg, hparams, emb, f, j, first, later)
+            emb = H.embed_tokens(tparams, TARGET, nxt[:, j : j + L])
+            f, first, later = H.ttt_step(hcfg, hparams, emb, f, j, first, later)
             out.append(f)
         return out
 
     ttt_h = unroll(hparams, tparams, nxt, feats)
     for t in (0, L - 1):
         h, cache = _run_sequential(hcfg, hparams, tparams, nxt[:, : t + 1], feats[:, : t + 1],
-                                   heads.init_head_cache(hcfg, B, 16))
+                                   H.init_head_cache(hcfg, B, 16))
         np.testing.assert_allclose(h[:, t], ttt_h[0][:, t], atol=2e-5)
         h = h[:, t : t + 1]
         for j in range(1, steps):

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.ldlp import (
+from jspec.speculative.policies.ldlp import (
     asymmetric_l1,
     init_ldlp,
     label_from_drafts,

@@ -6,14 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.spec.policies import (
-    ADLPolicy,
-    POLICY_NAMES,
-    TAPOUT_ARMS,
-    length_from_prediction,
-    make_policy,
-    softmax_entropy,
-)
+from jspec.speculative.policies import POLICY_NAMES, make_policy
+from jspec.speculative.policies.adl import ADLPolicy
+from jspec.speculative.policies.base import softmax_entropy
+from jspec.speculative.policies.ldlp import length_from_prediction
+from jspec.speculative.policies.tapout import TAPOUT_ARMS
 
 KEY = jax.random.key(0)
 

@@ -10,7 +10,7 @@ from jspec.config import ModelConfig
 from jspec.generate import generate
 from jspec.sampling import Sampling
 from jspec.sharding import make_mesh, param_shardings, shard_params, spec_for, verify_shardings
-from jspec.spec.verify import verify_greedy, verify_sampling
+from jspec.speculative.verify.chain import verify_greedy, verify_sampling
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
 

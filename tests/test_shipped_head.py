@@ -4,7 +4,7 @@ import pytest
 
 from jspec.generate import generate
 from jspec.presets import resolve_model
-from jspec.spec.factory import build_drafter, shipped_head_path
+from jspec.speculative.factory import build_drafter, shipped_head_path
 from jspec.tokenizer import apply_chat
 
 pytestmark = pytest.mark.slow

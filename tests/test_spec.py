@@ -9,13 +9,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from jspec import heads as H
 from jspec import model as M
 from jspec.config import ModelConfig
-from jspec.generate import PromptError, generate
+from jspec.decode import PromptError
+from jspec.generate import generate
+from jspec.heads import eagle as H
 from jspec.sampling import Sampling, probs
-from jspec.spec.drafters import DrafterError, EagleDrafter, EarlyExitDrafter, ModelDrafter, NgramDrafter
-from jspec.spec.policies import POLICY_NAMES, make_policy
+from jspec.speculative.drafters.base import DrafterError
+from jspec.speculative.drafters.eagle import EagleDrafter
+from jspec.speculative.drafters.early_exit import EarlyExitDrafter
+from jspec.speculative.drafters.model import ModelDrafter
+from jspec.speculative.drafters.ngram import NgramDrafter
+from jspec.speculative.policies import POLICY_NAMES, make_policy
 
 CFG = ModelConfig(
     arch="llama", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=4,
@@ -51,7 +56,7 @@ def _drafters(tparams):
 def _policy_params(name):
     if name != "ldlp":
         return None
-    from jspec.ldlp import init_ldlp
+    from jspec.speculative.policies.ldlp import init_ldlp
 
     return init_ldlp(CFG.hidden_size, jax.random.PRNGKey(5), hidden=16)
 
@@ -149,7 +154,7 @@ def test_sampling_is_lossless(target, drafter_name):
 @pytest.mark.parametrize("with_q", [False, True])
 def test_verify_sampling_first_token_law(with_q):
     """The first emitted token is distributed as p, for point-mass (q=1) and sampled drafts."""
-    from jspec.spec.verify import verify_sampling
+    from jspec.speculative.verify.chain import verify_sampling
 
     n, V = 40000, 5
     logits = jnp.log(jnp.asarray([0.1, 0.4, 0.2, 0.25, 0.05]))

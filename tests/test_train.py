@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from jspec import heads
+from jspec.heads import eagle as H
 from jspec.model import init_params
 from jspec.train import step as S
 from jspec.train.config import RunConfig, TrainConfig, load_recipe
@@ -26,8 +26,8 @@ TC3 = TrainConfig(kind="eagle3", ttt_steps=3, batch_size=BATCH, seq_len=SEQ, ste
 TC1 = TrainConfig(kind="eagle1", ttt_steps=1, batch_size=BATCH, seq_len=SEQ, steps=STEPS, lr=1e-2,
                   warmup_steps=2, compute_dtype="float32", logits_chunk=8, feature_noise_std=0.2)
 RUN = RunConfig(ckpt_every=4, keep_checkpoints=2, log_every=4)
-HCFG3 = heads.default_head_config("eagle3", TARGET, draft_vocab_size=48)
-HCFG1 = heads.default_head_config("eagle1", TARGET)
+HCFG3 = H.default_head_config("eagle3", TARGET, draft_vocab_size=48)
+HCFG1 = H.default_head_config("eagle1", TARGET)
 
 
 def _mesh8():
@@ -43,7 +43,7 @@ def _target():
 
 
 def _head(hcfg):
-    return numpy_params(heads.init_head, hcfg, seed=1, scale=0.05)
+    return numpy_params(H.init_head, hcfg, seed=1, scale=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +124,8 @@ def test_kill_and_resume_reproduces_losses(straight_run, data_dir, tmp_path):
 
 def test_sharded_step_matches_single_device(data_dir):
     target, head = _target(), _head(HCFG3)
-    head = heads.with_draft_vocab(HCFG3, head, token_counts(data_dir, TARGET.vocab_size))
-    trainable, fixed = heads.split_trainable(head)
+    head = H.with_draft_vocab(HCFG3, head, token_counts(data_dir, TARGET.vocab_size))
+    trainable, fixed = H.split_trainable(head)
     local = ShardedLoader(data_dir, BATCH, seed=0).batch(0)
     results = []
     for mesh in (_mesh1(), _mesh8()):

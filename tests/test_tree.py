@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from jspec import model as M
 from jspec.generate import generate
 from jspec.sampling import Sampling
-from jspec.spec.policies import make_policy
-from jspec.spec.tree import Tree, TreeConfig, ancestor_mask, build_tree, path_of, verify_tree_greedy, verify_tree_sampling
+from jspec.speculative.engines.tree import TreeConfig, build_tree
+from jspec.speculative.policies import make_policy
+from jspec.speculative.verify.tree import Tree, ancestor_mask, path_of, verify_tree_greedy, verify_tree_sampling
 from test_spec import CFG, _drafters, _prompts, assert_two_token_law
 
 TC = TreeConfig(top_k=3, depth=4, num_nodes=12)
@@ -25,8 +26,8 @@ def target():
 def test_tree_structure_invariants(target):
     drafter, dparams = _drafters(target)["eagle"]
     prompts = _prompts(1)
-    from jspec.generate import pack_prompts
-    from jspec.spec.engine import start_spec
+    from jspec.decode import pack_prompts
+    from jspec.speculative.engines.chain import start_spec
 
     tokens, lens, cache_len = pack_prompts(CFG, prompts, 8, TC.num_nodes + 1)
     policy = make_policy("static", k_max=TC.depth)

@@ -7,9 +7,14 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from jspec import presets
 from jspec.bench.harness import RunContext, batches_of, benchmark_group
 from jspec.bench.methods import HFGenerateMethod, JspecMethod, canonical_dtype, load_hf_model
+from jspec.bench.prompts import encode_questions
 from jspec.bench.protocol import MethodSpec, parse_method_specs
+from jspec.bench.report import bench_dir, write_benchmarks_md, write_rows
+from jspec.model import cast_params
+from jspec.speculative.factory import build_drafter
 from jspec.tasks import Question, load_questions_file, load_task
 
 
@@ -67,9 +72,7 @@ def default_dtype_name() -> str:
 
 
 def resolve_model(name_or_path: str):
-    from jspec.presets import resolve_model as resolve  # lazy: written alongside this harness
-
-    return resolve(name_or_path)
+    return presets.resolve_model(name_or_path)
 
 
 def hf_checkpoint(args: argparse.Namespace) -> tuple[str, str | None]:
@@ -80,12 +83,7 @@ def hf_checkpoint(args: argparse.Namespace) -> tuple[str, str | None]:
         return str(path.parent), path.name
     if path.is_dir():
         return str(path), None
-    import jspec.presets as presets
-
-    lookup = getattr(presets, "hf_checkpoint", None)
-    if lookup is None:
-        raise SystemExit(f"cannot tell where preset {source!r} lives on disk for the HF peer: pass --hf-checkpoint")
-    return lookup(source)
+    return presets.hf_checkpoint(source)
 
 
 def reproduce_command(args: argparse.Namespace, dtypes: list[str]) -> str:
@@ -119,8 +117,6 @@ class MethodFactory:
         if dtype not in self._cast:
             import jax.numpy as jnp
 
-            from jspec.model import cast_params
-
             self._cast = {dtype: cast_params(self.params, jnp.dtype(dtype))}  # keep one copy on device
         return self._cast[dtype]
 
@@ -145,8 +141,6 @@ class MethodFactory:
             )
         extra = {"k_max": a.k_max} if spec.method == "spec" and a.k_max is not None else {}
         if spec.method == "spec":
-            from jspec.spec.factory import build_drafter
-
             params = self.jax_params(dtype)
             extra["drafter"], extra["drafter_params"] = build_drafter(spec.drafter, self.cfg, params, model_name=self.args.model)
         return JspecMethod(self.jax_params(dtype), self.cfg, spec, dtype=dtype, batch=batch,
@@ -165,9 +159,6 @@ def _total_batches(prompts: dict[str, list], specs, batches, dtypes, factory) ->
 
 def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tqdm import tqdm
-
-    from jspec.bench.prompts import encode_questions
-    from jspec.bench.report import bench_dir, write_benchmarks_md, write_rows
 
     specs = parse_method_specs(args.methods)
     batches = _int_list(args.batch)
@@ -195,7 +186,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     out_dir = bench_dir(args.models_dir, ctx.target)
     print(f"rows: {write_rows(out_dir / f'{args.out}.json', rows)}")
     if not args.no_plots:
-        from jspec.bench.plots import plot_all
+        from jspec.bench.plots import plot_all  # here, not at the top: matplotlib is slow to import
 
         for path in plot_all(rows, out_dir / "plots"):
             print(f"plot: {path}")

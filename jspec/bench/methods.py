@@ -13,6 +13,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from jspec.bench.protocol import MethodSpec, RowResult
+from jspec.decode import bucket
+from jspec.generate import generate
 
 TORCH_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                 "float16": "float16", "fp16": "float16"}
@@ -78,8 +80,6 @@ class JspecMethod:
 
     def _generate(self) -> Callable[..., Any]:
         if self._generate_fn is None:
-            from jspec.generate import generate  # lazy: the bench CLI must import without a model stack
-
             self._generate_fn = generate
         return self._generate_fn
 
@@ -99,8 +99,6 @@ class JspecMethod:
     def _warmup_batches(self, example_prompts: Sequence[Sequence[int]]) -> list[list[list[int]]]:
         """One batch per prompt-length bucket among the examples: generate compiles once per bucket,
         so warming each keeps every compile out of the timed region."""
-        from jspec.generate import bucket
-
         by_bucket: dict[int, list[list[int]]] = {}
         for i in range(0, len(example_prompts), self.batch):
             group = [list(p) for p in example_prompts[i : i + self.batch]]

@@ -11,6 +11,11 @@ import os
 import sys
 from pathlib import Path
 
+from ..presets import load_checkpoint, load_tokenizer_if_any, resolve_checkpoint
+from ..tokenizer import ORBAX_TOKENIZER_DIR
+from .hf import export_hf
+from .orbax_io import save_params
+
 FORMATS = ("orbax", "hf")
 DTYPES = ("float32", "bfloat16")
 
@@ -32,8 +37,6 @@ def convert(
     """Convert `src` (preset name, HF dir, .gguf file or Orbax dir) to `fmt` at `dst`."""
     import jax.numpy as jnp
 
-    from ..presets import load_checkpoint, resolve_checkpoint
-
     src_path, src_kind, _ = resolve_checkpoint(src)
     fmt = fmt or default_format(src_kind)
     if fmt not in FORMATS:
@@ -46,12 +49,8 @@ def convert(
 
     cfg, params = load_checkpoint(src_path, src_kind, jnp.dtype(dtype))
     if fmt == "orbax":
-        from .orbax_io import save_params
-
         out = save_params(out, params, cfg, overwrite=overwrite)
     else:
-        from .hf import export_hf
-
         out = export_hf(params, cfg, out)
     if tokenizer:
         _copy_tokenizer(src_path, src_kind, out, fmt)
@@ -59,9 +58,6 @@ def convert(
 
 
 def _copy_tokenizer(src_path: Path, src_kind: str, out: Path, fmt: str) -> None:
-    from ..presets import load_tokenizer_if_any
-    from ..tokenizer import ORBAX_TOKENIZER_DIR
-
     try:
         tok = load_tokenizer_if_any(src_path, src_kind)
     except Exception as e:  # noqa: BLE001 - the weights are converted; say why the tokenizer is not

@@ -49,8 +49,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import ModelConfig, rope_inv_freq
-from .model import (
+from ..config import ModelConfig, rope_inv_freq
+from ..model import (
     NEG_INF,
     ForwardOut,
     KVCache,

@@ -11,8 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..checkpoint.eagle_format import load_eagle_head
 from ..config import ModelConfig
-from .drafters import DRAFTER_NAMES, DrafterError, EagleDrafter, EarlyExitDrafter, ModelDrafter, NgramDrafter
+from ..presets import list_presets, load_preset, resolve_model
+from .drafters.base import DrafterError
+from .drafters.eagle import EagleDrafter
+from .drafters.early_exit import EarlyExitDrafter
+from .drafters.model import ModelDrafter
+from .drafters.ngram import NgramDrafter
+
+DRAFTER_NAMES = ("ngram", "early-exit", "model", "eagle", "eagle3")
 
 
 def _split(spec: str) -> tuple[str, str | None]:
@@ -24,8 +32,6 @@ def shipped_head_path(model_name: str | None, kind: str):
     """The head a preset ships for `kind` ("eagle" or "eagle3"), or None."""
     if not model_name:
         return None
-    from ..presets import list_presets, load_preset
-
     if model_name not in list_presets():
         return None
     path = load_preset(model_name).drafter_path(kind)
@@ -46,8 +52,6 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
     if name == "model":
         if not arg:
             raise DrafterError("model drafter needs a path or preset: --drafter model:PATH")
-        from ..presets import resolve_model
-
         dcfg, dparams, _ = resolve_model(arg, dtype=dtype or params["embed"].dtype, tokenizer=False)
         drafter = ModelDrafter(dcfg)
         drafter.check(cfg)
@@ -60,8 +64,6 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
                 f"no {kind} head given and none shipped for model {model_name!r}; "
                 f"train one with `jspec train-head` or pass --drafter {kind}:PATH"
             )
-        from ..checkpoint.eagle_format import load_eagle_head
-
         hcfg, hparams = load_eagle_head(str(path), cfg, dtype=dtype or params["embed"].dtype)
         drafter = EagleDrafter(hcfg)
         drafter.check(cfg)

@@ -58,7 +58,7 @@ def _apply_overrides(recipe, args):
 
 
 def _head_config(recipe, target_cfg):
-    from ..heads import HeadConfig, default_capture_layers
+    from ..heads.eagle import HeadConfig, default_capture_layers
 
     h = recipe.head
     capture = ()

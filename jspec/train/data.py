@@ -29,6 +29,11 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from .. import tasks
+from ..generate import generate
+from ..sampling import Sampling
+from ..tokenizer import has_chat_template, prompt_ids
+
 FORMAT = "jspec-distill-v1"
 META_FILE = "meta.json"
 
@@ -235,8 +240,6 @@ def self_prompt_instructions(n: int, seed: int = 0) -> list[str]:
 
 def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> list[int]:
     """Token ids of a user turn, through the tokenizer's chat template when it has one."""
-    from ..tokenizer import has_chat_template, prompt_ids
-
     return prompt_ids(tokenizer, text, chat=chat_template and has_chat_template(tokenizer))
 
 
@@ -268,16 +271,11 @@ def distill_dataset(target_params, target_cfg, tokenizer, out_dir: str, *, data_
                     progress: bool = True) -> dict:
     """Build a self-distillation dataset: prompts (chitchat + optional self-written) answered by
     the target with greedy decoding, packed into shards. Returns meta."""
-    from .. import tasks
-    from ..generate import generate
-
     def gen(prompts, max_new_tokens, sampling=None, seed=0):
         return generate(target_params, target_cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
 
     texts = list(tasks.training_prompts(data_cfg.num_prompts, data_cfg.prompt_seed))
     if data_cfg.self_prompts:
-        from ..sampling import Sampling
-
         instructions = self_prompt_instructions(data_cfg.self_prompts, data_cfg.prompt_seed)
         ids = [encode_prompt(tokenizer, t, data_cfg.chat_template) for t in instructions]
         n = data_cfg.self_prompt_samples

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .. import heads as H
+from ..heads import eagle as H
 from ..config import ModelConfig
 from ..model import forward, init_cache, lm_head
 from .config import TrainConfig

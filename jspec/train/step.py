@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .. import heads as H
+from ..heads import eagle as H
 from ..model import cast_params
 from . import losses
 from .config import TrainConfig

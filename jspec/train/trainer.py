@@ -20,7 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
-from .. import heads as H
+from ..heads import eagle as H
 from ..model import cast_params
 from . import step as S
 from .config import RunConfig, TrainConfig

@@ -16,47 +16,23 @@ Everything a round needs lives in `SpecState`, so the same `spec_round` serves t
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
-from .. import model as M
-from ..config import ModelConfig
-from ..generate import GenerationResult, emit, prefill, stream_row0
-from ..sampling import Sampling, probs, sample
-from .drafters import DrafterError, _take_row
-from .verify import verify_consultant, verify_greedy, verify_sampling
+from ... import model as M
+from ...config import ModelConfig
+from ...decode import GenerationResult, emit, prefill, stream_row0
+from ...sampling import Sampling, probs, sample
+from ..drafters.base import DrafterError
+from ..policies import resolve_policy
+from ..state import SpecState, record_call, result_from_device, round_features, take_row
+from ..verify.chain import verify_greedy, verify_sampling
+from ..verify.consultant import verify_consultant
+
 
 VERIFY_RULES = ("lossless", "consultant")
-
-
-@struct.dataclass
-class SpecState:
-    cache: M.KVCache
-    dstate: Any
-    pstate: Any
-    out: jax.Array  # [B, max_new]
-    n_out: jax.Array  # [B]
-    last: jax.Array  # [B] last emitted token, not yet in the target cache
-    feature: jax.Array  # [B, D] target feature at the last committed position (LDLP input)
-    done: jax.Array  # [B]
-    key: jax.Array
-    target_calls: jax.Array  # [B] (prefill counts as one)
-    drafted: jax.Array  # [B]
-    accepted: jax.Array  # [B]
-    trace_drafted: jax.Array  # [B, max_new + 1] draft tokens behind each target call (0 for the prefill)
-    trace_tokens: jax.Array  # [B, max_new + 1] tokens each target call added (bonus included)
-
-
-def record_call(state: SpecState, active, n_drafted, n_out_before, n_out_after):
-    """Per-call traces for the report's accepted-length histograms and draft-length plots."""
-    b = jnp.arange(state.n_out.shape[0])
-    i = jnp.where(active, state.target_calls, state.trace_drafted.shape[1])  # finished rows: dropped
-    return (state.trace_drafted.at[b, i].set(n_drafted, mode="drop"),
-            state.trace_tokens.at[b, i].set(n_out_after - n_out_before, mode="drop"))
 
 
 @struct.dataclass
@@ -64,10 +40,6 @@ class Draft:
     tokens: jax.Array  # [B, K]
     valid: jax.Array  # [B, K]
     probs: jax.Array | None  # [B, K, V] processed draft distributions, or None (point mass)
-
-
-def _features(state: SpecState, tparams) -> dict:
-    return {"target_feature": state.feature, "token_embedding": tparams["embed"][state.last]}
 
 
 def draft_autoregressive(drafter, dparams, tparams, tcfg, state, pstate, policy, limit, k_max, sampling, key, keep_probs):
@@ -111,7 +83,7 @@ def draft_autoregressive(drafter, dparams, tparams, tcfg, state, pstate, policy,
 
 def spec_round(tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling, verify, unroll, state: SpecState) -> SpecState:
     key, k_draft, k_verify = jax.random.split(state.key, 3)
-    pstate, limit = policy.start_round(state.pstate, k_max, _features(state, tparams))
+    pstate, limit = policy.start_round(state.pstate, k_max, round_features(state, tparams))
     limit = jnp.clip(limit, 1, k_max)
     keep_probs = not sampling.greedy and not drafter.deterministic and verify == "lossless"
     if drafter.parallel:
@@ -151,7 +123,7 @@ def spec_round(tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling
         out=out,
         n_out=n_out,
         last=jnp.where(active, nxt, state.last),
-        feature=jnp.where(active[:, None], _take_row(vout.hidden, n), state.feature),
+        feature=jnp.where(active[:, None], take_row(vout.hidden, n), state.feature),
         done=done,
         key=key,
         target_calls=state.target_calls + step,
@@ -173,7 +145,7 @@ def start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, ma
     out, n_out, done = emit(tcfg, out, zeros, jnp.zeros((B,), bool), first[:, None], jnp.ones_like(zeros), max_new)
     return SpecState(
         cache=cache, dstate=dstate, pstate=pstate, out=out, n_out=n_out, last=first,
-        feature=_take_row(pout.hidden, lens - 1), done=done, key=key,
+        feature=take_row(pout.hidden, lens - 1), done=done, key=key,
         target_calls=jnp.ones_like(zeros), drafted=zeros, accepted=zeros,
         trace_drafted=jnp.zeros((B, max_new + 1), jnp.int32),
         trace_tokens=jnp.zeros((B, max_new + 1), jnp.int32).at[:, 0].set(n_out),
@@ -189,18 +161,6 @@ def speculative_generate_jit(tparams, dparams, policy_params, tokens, lens, key,
     body = functools.partial(spec_round, tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling, verify, unroll)
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     return state.out, state.n_out, state.target_calls, state.drafted, state.accepted, state.trace_drafted, state.trace_tokens
-
-
-def result_from_device(outputs) -> GenerationResult:
-    out, n_out, calls, drafted, accepted, tr_d, tr_t = (np.asarray(x) for x in jax.device_get(outputs))
-    return GenerationResult(out, n_out, calls, drafted, accepted, calls, draft_lengths=tr_d, step_tokens=tr_t)
-
-
-def resolve_policy(policy, k_max: int):
-    """A Policy object from None (static K), a policy name, or a Policy (returned as is)."""
-    from .policies import make_policy
-
-    return make_policy(policy or "static", k_max=k_max) if policy is None or isinstance(policy, str) else policy
 
 
 def check_compatible(drafter, policy, tcfg: ModelConfig, k_max: int, verify: str):
@@ -228,12 +188,12 @@ def speculative_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_p
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _start_spec_jit(tparams, dparams, policy_params, tokens, lens, key, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll):
+def start_spec_jit(tparams, dparams, policy_params, tokens, lens, key, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll):
     return start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, max_new, cache_len, sampling, unroll, tokens, lens, key)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("n_rounds",), donate_argnames=("state",))
-def _spec_chunk_jit(tparams, dparams, state, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll, n_rounds):
+def spec_chunk_jit(tparams, dparams, state, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll, n_rounds):
     body = functools.partial(spec_round, tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling, verify, unroll)
 
     def cond(c):
@@ -248,6 +208,6 @@ def speculative_stream(tparams, tcfg, tokens, lens, key, *, drafter, drafter_par
     check_compatible(drafter, policy, tcfg, k_max, verify)
     static = dict(tcfg=tcfg, drafter=drafter, policy=policy, k_max=k_max, max_new=max_new, cache_len=cache_len,
                   sampling=sampling, verify=verify, unroll=unroll)
-    state = _start_spec_jit(tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key, **static)
-    advance = lambda st: _spec_chunk_jit(tparams, drafter_params, st, n_rounds=rounds_per_chunk, **static)
+    state = start_spec_jit(tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key, **static)
+    advance = lambda st: spec_chunk_jit(tparams, drafter_params, st, n_rounds=rounds_per_chunk, **static)
     yield from stream_row0(state, advance)

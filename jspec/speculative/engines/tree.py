@@ -27,18 +27,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
-from .. import heads as H
-from .. import model as M
-from ..generate import GenerationResult, emit
-from ..sampling import Sampling, logprobs
-from .drafters import EagleDrafter, _take_row
-from .engine import SpecState, _features, check_compatible, record_call, resolve_policy, result_from_device, start_spec
+from ... import model as M
+from ...decode import GenerationResult, emit
+from ...heads import eagle as H
+from ..drafters.eagle import EagleDrafter
+from ..policies import resolve_policy
+from ..state import SpecState, record_call, result_from_device, round_features, take_row
+from ..verify.tree import Tree, ancestor_mask, path_of, verify_tree_greedy, verify_tree_sampling
+from .chain import check_compatible, start_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,26 +55,6 @@ class TreeConfig:
         cands = self.top_k + (self.depth - 1) * self.top_k**2
         if not 1 <= self.num_nodes <= cands:
             raise ValueError(f"num_nodes must be in [1, {cands}] for top_k={self.top_k}, depth={self.depth}")
-
-
-@struct.dataclass
-class Tree:
-    tokens: jax.Array  # [B, N+1]
-    parent: jax.Array  # [B, N+1] (root: 0)
-    depth: jax.Array  # [B, N+1] (root: 0)
-    ancestors: jax.Array  # [B, N+1, N+1] bool, ancestor-or-self
-    valid: jax.Array  # [B, N+1] bool (root: True)
-
-
-def ancestor_mask(parent: jax.Array, max_depth: int) -> jax.Array:
-    """Ancestor-or-self mask [B, N, N] from parent indices [B, N] (root is its own parent)."""
-    N = parent.shape[1]
-    anc = jnp.broadcast_to(jnp.eye(N, dtype=bool), parent.shape + (N,))
-    hop = parent
-    for _ in range(max_depth):  # add the ancestor `hop` levels up
-        anc = anc | jax.nn.one_hot(hop, N, dtype=bool)
-        hop = jnp.take_along_axis(parent, hop, axis=1)
-    return anc
 
 
 def build_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: TreeConfig, policy, pstate, limit):
@@ -135,57 +117,6 @@ def build_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: 
     return Tree(tree_tok, parent, depth, ancestor_mask(parent, D), valid), pstate
 
 
-def path_of(tree: Tree, node: jax.Array, max_depth: int) -> jax.Array:
-    """Node indices [B, max_depth+1] along the root->node path, by depth (padded with the node)."""
-    on_path = jnp.take_along_axis(tree.ancestors, node[:, None, None], axis=1)[:, 0]  # [B, N+1]
-    d = jnp.arange(max_depth + 1)
-    hit = on_path[:, None, :] & (tree.depth[:, None, :] == d[None, :, None])  # [B, D+1, N+1]
-    return jnp.where(hit.any(-1), jnp.argmax(hit, -1), node[:, None]).astype(jnp.int32)
-
-
-def verify_tree_greedy(tree: Tree, logits: jax.Array, max_depth: int):
-    """Deepest node whose path equals the target's argmax. Returns (best node, n accepted, next token)."""
-    tgt = jnp.argmax(logits, -1).astype(jnp.int32)  # [B, N+1]
-    ok = (tree.tokens == jnp.take_along_axis(tgt, tree.parent, 1)) & tree.valid
-    ok = ok.at[:, 0].set(True)
-    acc = ok
-    for _ in range(max_depth):
-        acc = acc & jnp.take_along_axis(acc, tree.parent, 1)
-    best = jnp.argmax(jnp.where(acc, tree.depth + 1, 0), axis=1).astype(jnp.int32)
-    return best, _take_row(tree.depth, best), _take_row(tgt, best)
-
-
-def verify_tree_sampling(key, tree: Tree, logits: jax.Array, sampling: Sampling, max_depth: int, top_k: int):
-    """EAGLE-2's lossless rule for deterministic top-k children. Returns (best, n, next token)."""
-    B, N1, V = logits.shape
-    probs = jnp.exp(logprobs(logits, sampling))  # [B, N+1, V]
-    node = jnp.zeros((B,), jnp.int32)
-    moving = jnp.ones((B,), bool)
-    p = probs[:, 0]
-    idx = jnp.arange(N1)[None]
-    for d in range(max_depth):
-        children = (tree.parent == node[:, None]) & (idx > 0) & tree.valid  # [B, N+1]
-        rank = jnp.cumsum(children, 1) - 1
-        moved = jnp.zeros((B,), bool)
-        for r in range(top_k):
-            is_r = children & (rank == r)
-            has = is_r.any(1) & moving & ~moved
-            child = jnp.argmax(is_r, 1)
-            x = _take_row(tree.tokens, child)
-            px = jnp.take_along_axis(p, x[:, None], 1)[:, 0] / jnp.maximum(p.sum(-1), 1e-30)
-            key, sub = jax.random.split(key)
-            take = has & (jax.random.uniform(sub, (B,)) < px)
-            p = jnp.where((has & ~take)[:, None], p * (1 - jax.nn.one_hot(x, V, dtype=p.dtype)), p)
-            node = jnp.where(take, child, node)
-            moved = moved | take
-        p = jnp.where(moved[:, None], _take_row(probs, node), p)
-        moving = moving & moved
-    key, sub = jax.random.split(key)
-    p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
-    nxt = jax.random.categorical(sub, jnp.log(p), axis=-1).astype(jnp.int32)
-    return node, _take_row(tree.depth, node), nxt
-
-
 def gather_out(out: M.ForwardOut, path: jax.Array) -> M.ForwardOut:
     take = lambda x: jnp.take_along_axis(x, path[:, :, None], axis=1)
     return M.ForwardOut(take(out.hidden), tuple(take(c) for c in out.captured), out.cache)
@@ -194,7 +125,7 @@ def gather_out(out: M.ForwardOut, path: jax.Array) -> M.ForwardOut:
 def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new, sampling, unroll, state: SpecState) -> SpecState:
     D = tc.depth
     key, k_verify = jax.random.split(state.key)
-    pstate, limit = policy.start_round(state.pstate, D, _features(state, tparams))
+    pstate, limit = policy.start_round(state.pstate, D, round_features(state, tparams))
     limit = jnp.clip(limit, 1, D)
     tree, pstate = build_tree(drafter, dparams, tparams, tcfg, state.dstate, state.last, tc, policy, pstate, limit)
     positions = state.cache.lengths[:, None] + tree.depth
@@ -223,7 +154,7 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
         trace_drafted=trace_drafted, trace_tokens=trace_tokens,
         cache=cache, dstate=dstate, pstate=pstate, out=out, n_out=n_out,
         last=jnp.where(active, nxt, state.last),
-        feature=jnp.where(active[:, None], _take_row(vout.hidden, best), state.feature),
+        feature=jnp.where(active[:, None], take_row(vout.hidden, best), state.feature),
         done=done, key=key, target_calls=state.target_calls + step,
         drafted=state.drafted + n_nodes * step,
         accepted=state.accepted + n * step,

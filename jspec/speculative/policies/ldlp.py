@@ -31,11 +31,16 @@ in a policy state (``jspec.spec.policies.LDLPPolicy``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import struct
+
+from .base import Features, Policy, clip_limit, draft_log_probs, full_limit, never_stop
 
 DEFAULT_HIDDEN = 256
 DEFAULT_NUM_LAYERS = 3
@@ -176,3 +181,127 @@ def _fit(params, emb, feat, labels, key, lr, weight_decay, steps, batch, under_w
         step, (params, optimizer.init(params)), jax.random.split(key, steps)
     )
     return params
+
+
+# ------------------------------------------------------------------------------------------------
+# The policy: AdaEAGLE (LDLP length before drafting) and AdaEAGLE-DDD
+# ------------------------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class LDLPState:
+    params: Any  # LDLP weights, shared by all rows (no batch dim)
+    predicted_len: jax.Array  # [B] int32: this round's LDLP length (DDD mode)
+    cum_logprob: jax.Array  # [B] float32: this round's draft log-prob so far (DDD mode)
+    rounds: jax.Array  # [B] int32
+
+
+def length_from_prediction(prediction: jax.Array, k_max: int) -> jax.Array:
+    """``clip(round(prediction), 1, k_max)``; a non-finite prediction drafts k_max.
+
+    The paper allows a length of 0 (skip drafting); jspec always drafts at least one token, since
+    the engine's round is built around one draft + verify step.
+    """
+    safe = jnp.where(jnp.isfinite(prediction), prediction, k_max)
+    return clip_limit(jnp.round(jnp.clip(safe, 0, k_max)), k_max)
+
+
+@dataclasses.dataclass(frozen=True)
+class LDLPPolicy(Policy):
+    """AdaEAGLE: draft ``clip(round(LDLP(e, f)), 1, k_max)`` tokens, predicted before drafting
+    from the last accepted token's embedding ``e`` and final-normed target feature ``f``
+    (``features["token_embedding"]``, ``features["target_feature"]``); see ``jspec.ldlp``.
+
+    Predictor weights are data, not configuration, so they live in the state (shared by all rows,
+    without a batch dim): ``policy.init(batch, key, params=trained)``. Without ``params``, init
+    draws random (untrained) weights of width ``d_model``, which is only useful for smoke tests.
+
+    ``ddd=True``: AdaEAGLE-DDD (OPEN-POINTS section 3): keep drafting past the LDLP length while
+    the draft sequence's cumulative log-prob is >= ``ddd_threshold`` (-0.6, the paper's value);
+    stop only when both ``step + 1 >= predicted length`` and ``cum_logprob < ddd_threshold``. So
+    the longer of the two lengths is drafted, up to k_max. This needs in-round state: use
+    ``start_round`` / ``observe`` (``observe`` adds log q(draft_token), or the top log-prob when
+    no token is given, i.e. greedy drafting as in the paper); the plain calls raise.
+    """
+
+    name = "ldlp"
+
+    ddd: bool = False
+    ddd_threshold: float = -0.6
+    d_model: int | None = None
+    hidden: int = DEFAULT_HIDDEN
+    num_layers: int = DEFAULT_NUM_LAYERS
+
+    @property
+    def needs_draft_logits(self) -> bool:  # type: ignore[override]
+        return self.ddd
+
+    @property
+    def needs_in_round_state(self) -> bool:  # type: ignore[override]
+        return self.ddd
+
+    def init(self, batch, key, params=None):
+        if params is None:
+            if self.d_model is None:
+                raise ValueError(
+                    "ldlp needs predictor weights: init(batch, key, params=...) "
+                    "(or set d_model for random, untrained weights)"
+                )
+            params = init_ldlp(
+                self.d_model, key, hidden=self.hidden, num_layers=self.num_layers
+            )
+        return LDLPState(
+            params=jax.tree_util.tree_map(jnp.asarray, params),
+            predicted_len=jnp.ones((batch,), jnp.int32),
+            cum_logprob=jnp.zeros((batch,), jnp.float32),
+            rounds=jnp.zeros((batch,), jnp.int32),
+        )
+
+    def _predicted_length(self, state: LDLPState, k_max: int, features: Features) -> jax.Array:
+        if not features or "token_embedding" not in features or "target_feature" not in features:
+            raise ValueError("ldlp needs features['token_embedding'] and features['target_feature']")
+        prediction = ldlp_apply(
+            state.params, features["token_embedding"], features["target_feature"]
+        )
+        return length_from_prediction(prediction, k_max)
+
+    def _plain_calls_unsupported(self) -> None:
+        if self.ddd:
+            raise ValueError(
+                "ldlp with ddd=True keeps in-round state: call start_round(...) and observe(...) "
+                "instead of round_limit(...) and stop(...)"
+            )
+
+    def round_limit(self, state, k_max, features=None):
+        self._plain_calls_unsupported()
+        self._check_k_max(k_max)
+        return self._predicted_length(state, k_max, features)
+
+    def stop(self, state, step, draft_logits):
+        self._plain_calls_unsupported()
+        return never_stop(draft_logits)
+
+    def start_round(self, state, k_max, features=None):
+        if not self.ddd:
+            return super().start_round(state, k_max, features)
+        self._check_k_max(k_max)
+        predicted = self._predicted_length(state, k_max, features)
+        state = state.replace(
+            predicted_len=predicted, cum_logprob=jnp.zeros_like(state.cum_logprob)
+        )
+        return state, full_limit(predicted.shape[0], k_max)
+
+    def observe(self, state, step, draft_logits, draft_token=None):
+        if not self.ddd:
+            return super().observe(state, step, draft_logits, draft_token)
+        log_probs = draft_log_probs(draft_logits)
+        if draft_token is None:
+            token_logprob = jnp.max(log_probs, axis=-1)
+        else:
+            token_logprob = jnp.take_along_axis(
+                log_probs, draft_token[:, None].astype(jnp.int32), axis=-1
+            )[:, 0]
+        cum_logprob = state.cum_logprob + token_logprob
+        reached_length = step + 1 >= state.predicted_len
+        stop = reached_length & (cum_logprob < self.ddd_threshold)
+        return state.replace(cum_logprob=cum_logprob), stop

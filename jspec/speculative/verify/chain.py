@@ -12,9 +12,6 @@ Rows emit n_accepted + 1 tokens per target call.
   tokens deterministically (n-grams, argmax drafters) pass `draft_probs=None`: q is then a point
   mass on the drafted token (q = 1), the convention EAGLE-2 uses, and the residual is p with the
   rejected token removed. Both are exactly lossless.
-* `verify_consultant`: Consultant Decoding's rule, LOSSY: accept while the target's NLL of the
-  draft token is <= eps (default 2.0, OPEN-POINTS §4), correct from the target's own distribution.
-  It does not preserve the target distribution; it is offered only as an explicit opt-in.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..sampling import Sampling, logprobs
+from ...sampling import Sampling, logprobs
 
 
 def accepted_prefix(ok: jax.Array) -> jax.Array:
@@ -74,25 +71,4 @@ def verify_sampling(
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
     dist = jnp.where(rejected[:, None], residual, p_n)
     next_token = jax.random.categorical(k_resample, jnp.log(dist), axis=-1).astype(jnp.int32)
-    return n, next_token
-
-
-def verify_consultant(
-    key: jax.Array,
-    target_logits: jax.Array,
-    draft_tokens: jax.Array,
-    valid: jax.Array,
-    sampling: Sampling,
-    eps: float = 2.0,
-):
-    """LOSSY Consultant Decoding: accept while -log p(x) <= eps under the (processed) target."""
-    K = draft_tokens.shape[1]
-    lp = logprobs(target_logits, sampling)
-    nll = -jnp.take_along_axis(lp[:, :K], draft_tokens[..., None], axis=-1)[..., 0]
-    n = accepted_prefix((nll <= eps) & valid)
-    lp_n = jnp.take_along_axis(lp, n[:, None, None], axis=1)[:, 0]
-    if sampling.greedy:
-        next_token = jnp.argmax(lp_n, axis=-1).astype(jnp.int32)
-    else:
-        next_token = jax.random.categorical(key, lp_n, axis=-1).astype(jnp.int32)
     return n, next_token

@@ -1,0 +1,30 @@
+"""Drafters: who proposes the tokens the target verifies.
+
+Two shapes of drafter, both frozen (hashable) dataclasses whose weights travel separately as a
+pytree (`dparams`), so the whole speculative loop is one jitted function:
+
+* Autoregressive drafters (EAGLE heads, a small draft model, the target's early exit) produce one
+  distribution per step. The engine drives them through
+      begin(dparams, tparams, tcfg, dstate, tcache, last_token) -> (logits [B, V], carry)
+      step(dparams, tparams, tcfg, carry, token [B])             -> (logits [B, V], carry)
+      finish(carry)                                               -> (dstate, tcache)
+  so the engine owns the loop, the policy's stop decisions and the sampling. While drafting, a
+  drafter may advance its cache cursor as if its drafts were committed (chain attention is then
+  plain causal attention); `finish` rewinds it.
+* Parallel drafters (n-gram prompt lookup) propose all K tokens at once:
+      propose(dstate, last_token, k) -> (tokens [B, K], valid [B, K])
+
+After verification every drafter gets
+      commit(dparams, tparams, tcfg, dstate, block_tokens [B, K+1], n_accepted [B], next_token [B], verify_out)
+with the verified block ([last_token, d_1..d_K]) and the target's ForwardOut over it, and returns
+its state for the next round. `init(...)` builds the state after the target's prefill.
+
+One file per drafter: ngram.py, model.py, early_exit.py, eagle.py. `factory.build_drafter` builds
+one from a spec string.
+"""
+
+from __future__ import annotations
+
+
+class DrafterError(ValueError):
+    """The drafter cannot serve this target (vocabulary mismatch, missing weights, bad option)."""

@@ -1,0 +1,68 @@
+"""An independent small draft model sharing the target's vocabulary."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ... import model as M
+from ...config import ModelConfig
+from ..state import take_row
+from .base import DrafterError
+
+
+@struct.dataclass
+class ModelDraftState:
+    cache: M.KVCache  # cursor = position of prev_token (its K/V gets rewritten each round)
+    prev_token: jax.Array  # [B] the token before the pending one
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDrafter:
+    """An independent small draft model sharing the target's vocabulary (dparams: its weights)."""
+
+    cfg: ModelConfig
+    name = "model"
+    parallel = False
+    deterministic = False
+    capture_layers = ()
+
+    def check(self, tcfg: ModelConfig):
+        if self.cfg.vocab_size != tcfg.vocab_size:
+            raise DrafterError(
+                f"draft model vocabulary ({self.cfg.vocab_size} tokens) does not match the target's "
+                f"({tcfg.vocab_size} tokens); speculative decoding needs a shared tokenizer"
+            )
+
+    def init(self, dparams, tparams, tcfg, prompt, lens, first_token, prefill_out, cache_len):
+        B = prompt.shape[0]
+        cache = M.init_cache(self.cfg, B, cache_len, dparams["embed"].dtype)
+        out = M.forward(dparams, self.cfg, prompt, cache)
+        cache = out.cache.replace(lengths=(lens - 1).astype(jnp.int32))
+        return ModelDraftState(cache=cache, prev_token=take_row(prompt[:, :, None], lens - 1)[:, 0])
+
+    def begin(self, dparams, tparams, tcfg, dstate, tcache, last_token):
+        # Rewrite prev_token (harmless if already cached) and feed the pending token: a static
+        # 2-token block covers both "n < K" and "all K accepted" rounds.
+        base = dstate.cache.lengths
+        block = jnp.stack([dstate.prev_token, last_token], axis=1)
+        out = M.forward(dparams, self.cfg, block, dstate.cache)
+        logits = M.lm_head(dparams, self.cfg, out.hidden[:, 1])
+        return logits, (M.advance(out.cache, jnp.full_like(base, 2)), base, dstate, tcache)
+
+    def step(self, dparams, tparams, tcfg, carry, token):
+        cache, base, dstate, tcache = carry
+        out = M.forward(dparams, self.cfg, token[:, None], cache)
+        logits = M.lm_head(dparams, self.cfg, out.hidden[:, 0])
+        return logits, (M.advance(out.cache, jnp.ones_like(base)), base, dstate, tcache)
+
+    def finish(self, carry):
+        cache, base, dstate, tcache = carry
+        return dstate.replace(cache=cache.replace(lengths=base)), tcache
+
+    def commit(self, dparams, tparams, tcfg, dstate, block_tokens, n_accepted, next_token, verify_out):
+        prev = take_row(block_tokens[:, :, None], n_accepted)[:, 0]
+        return ModelDraftState(cache=M.advance(dstate.cache, n_accepted + 1), prev_token=prev)

@@ -1,0 +1,1 @@
+"""Speculative engines, each one jitted `lax.while_loop` over rounds: chain, tree (EAGLE-2)."""

@@ -1,0 +1,55 @@
+"""What the speculative engines carry through their `lax.while_loop`: `SpecState`, the per-call
+traces, the features a policy reads at the start of a round, and the conversion to a host-side
+GenerationResult. Shared by every engine; imports nothing above `decode`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from .. import model as M
+from ..decode import GenerationResult
+
+
+@struct.dataclass
+class SpecState:
+    cache: M.KVCache
+    dstate: Any
+    pstate: Any
+    out: jax.Array  # [B, max_new]
+    n_out: jax.Array  # [B]
+    last: jax.Array  # [B] last emitted token, not yet in the target cache
+    feature: jax.Array  # [B, D] target feature at the last committed position (LDLP input)
+    done: jax.Array  # [B]
+    key: jax.Array
+    target_calls: jax.Array  # [B] (prefill counts as one)
+    drafted: jax.Array  # [B]
+    accepted: jax.Array  # [B]
+    trace_drafted: jax.Array  # [B, max_new + 1] draft tokens behind each target call (0 for the prefill)
+    trace_tokens: jax.Array  # [B, max_new + 1] tokens each target call added (bonus included)
+
+
+def record_call(state: SpecState, active, n_drafted, n_out_before, n_out_after):
+    """Per-call traces for the report's accepted-length histograms and draft-length plots."""
+    b = jnp.arange(state.n_out.shape[0])
+    i = jnp.where(active, state.target_calls, state.trace_drafted.shape[1])  # finished rows: dropped
+    return (state.trace_drafted.at[b, i].set(n_drafted, mode="drop"),
+            state.trace_tokens.at[b, i].set(n_out_after - n_out_before, mode="drop"))
+
+
+def round_features(state: SpecState, tparams) -> dict:
+    return {"target_feature": state.feature, "token_embedding": tparams["embed"][state.last]}
+
+
+def result_from_device(outputs) -> GenerationResult:
+    out, n_out, calls, drafted, accepted, tr_d, tr_t = (np.asarray(x) for x in jax.device_get(outputs))
+    return GenerationResult(out, n_out, calls, drafted, accepted, calls, draft_lengths=tr_d, step_tokens=tr_t)
+
+
+def take_row(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x [B, T, ...], idx [B] -> x[b, idx[b]]."""
+    return jnp.take_along_axis(x, idx.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]

@@ -1,0 +1,1 @@
+"""Verification rules: chain (greedy identity, lossless sampling), tree (EAGLE-2), consultant (lossy)."""
