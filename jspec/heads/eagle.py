@@ -5,10 +5,10 @@ x_{t+1} that follows it (callers pass tokens already shifted by one), and produc
 h_out from which the distribution of x_{t+2} is read. Later draft steps feed h_out back as the
 feature. The embedding table (and, for EAGLE-1, the LM head) is the target's, frozen.
 
-EAGLE-1 (ALGORITHMS.md §1.1):  f = the target's final-normed hidden (what its LM head reads)
+EAGLE-1 (docs/methods.md §2.1):  f = the target's final-normed hidden (what its LM head reads)
     x = W_fc [e; f] + b  ->  Llama layer with NO input norm  ->  h_out  ->  target lm_head(h_out)
     h_out is the predicted feature f̂_{t+1}; there is no final norm because f is already normed.
-EAGLE-3 (§1.3):  f = W_fc [captured layer inputs low; mid; high]  (3D -> D, no bias)
+EAGLE-3 (§2.2):  f = W_fc [captured layer inputs low; mid; high]  (3D -> D, no bias)
     a = [RMSNorm(e); RMSNorm(f)] (2D) -> attention (q, k, v read 2D) ; residual carries f
     -> MLP -> h_out (pre-final-norm hidden, fed back at later steps)
     -> final RMSNorm -> own lm_head over a reduced draft vocabulary -> scattered to target ids.

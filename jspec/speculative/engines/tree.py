@@ -1,6 +1,6 @@
 """EAGLE-2 context-aware dynamic draft trees with static shapes, verified in one target call.
 
-Per round and per row (ALGORITHMS.md §1.2), all inside `jit`:
+Per round and per row (docs/methods.md §2.3), all inside `jit`:
   1. Level 1: the head's distribution after the last token gives the top_k first tokens, scored
      by log q. Each further level feeds the whole top_k frontier through the head in ONE batched
      call (tree attention over the committed cache plus the frontier's ancestors), expands every

@@ -28,7 +28,7 @@ class AdaEDLState:
 class AdaEDLPolicy(Policy):
     """AdaEDL: stop after a draft token with ``1 - sqrt(gamma * H) < lambda``; lambda adapts per row.
 
-    [I] reconstruction. Source: docs/OPEN-POINTS.md section 1 (no primary text; three independent
+    [I] reconstruction. Source: docs/methods.md §3.5 (no primary text; three independent
     reimplementations agree on the stop rule and gamma = 0.2). After each round, with
     ``n_drafted`` drafted and ``n_acc`` accepted::
 

@@ -25,7 +25,7 @@ ADL_PAPER_DEFAULTS = {"k_min": 20, "k_max_adl": 30, "delta": 10, "rho": 0.5}
 
 @dataclasses.dataclass(frozen=True)
 class ADLPolicy(Policy):
-    """DiffuSpec's adaptive draft length (docs/ALGORITHMS.md section 9), per row::
+    """DiffuSpec's adaptive draft length (docs/methods.md §3.8), per row::
 
         G <- (1 - rho) G + rho * n_drafted,   A <- (1 - rho) A + rho * n_accepted   (both start 0)
         k_next = clip(floor(G) + delta * [A >= G], k_min, k_upper),   k_1 = k_upper

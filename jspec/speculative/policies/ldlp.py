@@ -1,7 +1,7 @@
 """AdaEAGLE's Learnable Draft Length Predictor (LDLP): a tiny MLP that predicts, before drafting,
 how many tokens the drafter should propose this round.
 
-Source: Zhang et al., "AdaEAGLE" (arXiv 2412.18910), read in full (docs/OPEN-POINTS.md section 3):
+Source: Zhang et al., "AdaEAGLE" (arXiv 2412.18910), read in full (docs/methods.md §3.7):
 
 * inputs: the embedding ``e`` of the last accepted token and the target's last hidden state ``f``
   at that token, taken after the target's final norm;
@@ -216,7 +216,7 @@ class LDLPPolicy(Policy):
     without a batch dim): ``policy.init(batch, key, params=trained)``. Without ``params``, init
     draws random (untrained) weights of width ``d_model``, which is only useful for smoke tests.
 
-    ``ddd=True``: AdaEAGLE-DDD (OPEN-POINTS section 3): keep drafting past the LDLP length while
+    ``ddd=True``: AdaEAGLE-DDD (docs/methods.md §3.7): keep drafting past the LDLP length while
     the draft sequence's cumulative log-prob is >= ``ddd_threshold`` (-0.6, the paper's value);
     stop only when both ``step + 1 >= predicted length`` and ``cum_logprob < ddd_threshold``. So
     the longer of the two lengths is drafted, up to k_max. This needs in-round state: use

@@ -34,9 +34,9 @@ class StaticPolicy(Policy):
 class ConfidencePolicy(Policy):
     """Max-confidence stop: stop after a draft token whose top softmax probability is < threshold.
 
-    Default threshold 0.5: the same constant as TapOut's parameter-free max-confidence arm
-    (docs/ALGORITHMS.md section 5); for comparison Hugging Face transformers' assistant
-    confidence threshold defaults to 0.4. Tuned baselines sweep it per task.
+    Default threshold 0.5, [I] reconstruction (docs/methods.md §3.2): the same constant as TapOut's
+    reconstructed max-confidence arm; for comparison Hugging Face transformers' assistant
+    confidence threshold defaults to 0.4. Tuned baselines sweep it per task (``threshold=``).
     """
 
     name = "confidence"

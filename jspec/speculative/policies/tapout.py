@@ -59,7 +59,7 @@ class TapOutPolicy(Policy):
     """TapOut: a per-row bandit picks, for each round, one parameter-free stop rule ("arm"); the
     chosen arm makes that round's token-by-token stop decisions.
 
-    [I] reconstruction. Source: docs/ALGORITHMS.md section 5 and OPEN-POINTS.md section 2 (only
+    [I] reconstruction. Source: docs/methods.md §3.6 (only
     the abstract and secondary summaries were available: sequence-level UCB1 by default, Thompson
     as an alternative, a blended length/rate reward, a logit-margin arm). Everything below is a
     configurable choice:

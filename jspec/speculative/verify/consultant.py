@@ -1,7 +1,7 @@
 """Consultant Decoding's chain rule (same return convention as `verify.chain`).
 
 `verify_consultant`: Consultant Decoding's rule, LOSSY: accept while the target's NLL of the
-  draft token is <= eps (default 2.0, OPEN-POINTS §4), correct from the target's own distribution.
+  draft token is <= eps (default 2.0, docs/methods.md §4), correct from the target's own distribution.
   It does not preserve the target distribution; it is offered only as an explicit opt-in.
 """
 
