@@ -20,7 +20,10 @@ import argparse
 import dataclasses
 import json
 import os
+import time
 from pathlib import Path
+
+_T0 = time.perf_counter()  # the time budget counts from when the command started
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -43,6 +46,15 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     over.add_argument("--ckpt-every", type=int)
     over.add_argument("--log-every", type=int)
     over.add_argument("--stop-at", type=int, help="stop after this step as if killed (resume testing)")
+    over.add_argument("--warmup-ratio", type=float)
+    over.add_argument("--ckpt-every-s", type=float, help="also checkpoint every this many seconds")
+    budget = parser.add_argument_group("time budget")
+    budget.add_argument("--time-budget-s", type=float, default=None,
+                        help="this process stops cleanly (checkpoint, no export) before this many seconds; "
+                             "--resume continues")
+    budget.add_argument("--fit-steps-to-budget", action="store_true",
+                        help="on a fresh run, set the total steps (and the schedule's end) to what fits the "
+                             "budget after measuring the step time (at most the recipe's steps)")
     return parser
 
 
@@ -51,9 +63,11 @@ def _apply_overrides(recipe, args):
 
     pick = lambda **kw: {k: v for k, v in kw.items() if v is not None}  # noqa: E731
     train = dataclasses.replace(recipe.train, **pick(
-        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seed=args.seed))
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
+        warmup_ratio=getattr(args, "warmup_ratio", None)))
     data = dataclasses.replace(recipe.data, **pick(num_prompts=args.num_prompts))
-    run = dataclasses.replace(recipe.run, **pick(fsdp=args.fsdp, ckpt_every=args.ckpt_every, log_every=args.log_every))
+    run = dataclasses.replace(recipe.run, **pick(fsdp=args.fsdp, ckpt_every=args.ckpt_every, log_every=args.log_every,
+                                                 ckpt_every_s=getattr(args, "ckpt_every_s", None)))
     return Recipe(head=recipe.head, data=data, train=train, run=run, description=recipe.description)
 
 
@@ -84,6 +98,8 @@ def _ensure_data(data_dir: str, recipe, cfg, params, tokenizer, progress: bool) 
 
     if os.path.exists(os.path.join(data_dir, META_FILE)):
         meta = read_meta(data_dir)
+        if "seq_len" not in meta:  # jspec-distill-v2 (jspec distill): rows are packed to the recipe's seq_len
+            return
         if meta["seq_len"] != recipe.train.seq_len:
             raise SystemExit(f"{data_dir} holds seq_len {meta['seq_len']}, the recipe asks {recipe.train.seq_len}")
         return
@@ -131,13 +147,55 @@ def train_from_args(args: argparse.Namespace):
     if args.distill_only:
         return None
     hcfg = _head_config(recipe, cfg)
+    budget = getattr(args, "time_budget_s", None)
+    deadline = _T0 + budget if budget else None
+    if first_host:
+        _write_data_report(out, data_dir, recipe.train.seq_len)
     result = train(hcfg, recipe.train, params, data_dir, out, run=recipe.run, resume=args.resume,
-                   stop_at=args.stop_at, progress=progress)
-    if first_host and result.last_step == recipe.train.steps:
+                   stop_at=args.stop_at, progress=progress, deadline=deadline,
+                   fit_to_deadline=getattr(args, "fit_steps_to_budget", False), lm_head_init=recipe.head.lm_head_init)
+    if first_host and hcfg.reduced_vocab:
+        _write_vocab_report(out, data_dir, cfg, result.head_params)
+    if first_host and result.finished:
         export = args.export or os.path.join(out, "eagle")
         save_eagle_head(export, hcfg, result.head_params, dtype=recipe.run.export_dtype)
         print(f"exported {hcfg.kind} head to {export}")
     return result
+
+
+def _write_data_report(out: str, data_dir: str, seq_len: int) -> None:
+    """data_report.json: the dataset's rows and tokens by split and source, and what packing to
+    seq_len cuts (v2 datasets)."""
+    from . import shards
+
+    meta = shards.read_meta(data_dir)
+    if meta.get("format") != shards.FORMAT:
+        return
+    report = {"summary": shards.dataset_summary(data_dir), "packing": shards.length_stats(data_dir, seq_len)}
+    with open(os.path.join(out, "data_report.json"), "w") as fh:
+        json.dump(report, fh, indent=1)
+    p = report["packing"]
+    print(f"data: {p['rows']:,} training rows; {p['truncated_rows']:,} longer than seq_len {seq_len} are cut "
+          f"({p['truncated_tokens']:,} tokens), padding {p['padding_share']:.0%} of a batch")
+
+
+def _write_vocab_report(out: str, data_dir: str, cfg, head_params: dict) -> None:
+    """vocab_coverage.json: the draft vocabulary's coverage of the target's greedy answers to the
+    evaluation prompts (when the dataset holds reference answers), also for other vocab sizes."""
+    from . import shards, vocab
+    from .data import token_counts
+
+    meta = shards.read_meta(data_dir)
+    if meta.get("format") != shards.FORMAT or not meta.get("eval_shards"):
+        return
+    counts = token_counts(data_dir, cfg.vocab_size)
+    report = {"draft_vocab_size": int(len(head_params["d2t"])),
+              "coverage": vocab.coverage_report(data_dir, head_params["t2d"]),
+              "coverage_by_size": vocab.coverage_by_size(data_dir, counts)}
+    with open(os.path.join(out, "vocab_coverage.json"), "w") as fh:
+        json.dump(report, fh, indent=1)
+    print("draft vocab coverage of greedy eval answers: " + ", ".join(
+        f"{k} {v['coverage']:.3f} (6 in a row {v['full_windows_6']:.3f})" for k, v in report["coverage"].items()))
 
 
 def main(argv: list[str] | None = None):

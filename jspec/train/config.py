@@ -6,7 +6,8 @@ because the jitted step takes it as a static argument. `DataConfig` (self-distil
 `training/` with one object per section:
 
     {"description": "...",
-     "head":  {"kind": "eagle3", "draft_vocab_size": 32000, "capture_layers": null, "intermediate_size": null},
+     "head":  {"kind": "eagle3", "draft_vocab_size": 32000, "capture_layers": null, "intermediate_size": null,
+               "lm_head_init": "target"},
      "data":  {DataConfig fields},
      "train": {TrainConfig fields except kind / draft vocab, which come from "head"},
      "run":   {RunConfig fields}}
@@ -36,6 +37,7 @@ class TrainConfig:
     steps: int = 2000
     lr: float = 6e-4
     warmup_steps: int = 100
+    warmup_ratio: float = 0.0  # > 0: warm-up is this share of the run's total steps (overrides warmup_steps)
     final_lr_fraction: float = 0.1  # cosine decays to lr * this
     weight_decay: float = 0.0
     b1: float = 0.9
@@ -51,6 +53,8 @@ class TrainConfig:
             raise ValueError("ttt_steps must be >= 1")
         if self.seq_len <= self.ttt_steps + 1:
             raise ValueError("seq_len must exceed ttt_steps + 1")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class RunConfig:
     ckpt_every: int = 250
+    ckpt_every_s: float = 0.0  # also checkpoint when this many seconds passed since the last one (0: off)
     keep_checkpoints: int = 3
     log_every: int = 10
     fsdp: int = 1  # devices per fsdp group; the rest of the devices form the data axis
@@ -81,6 +86,13 @@ class HeadSpec:
     draft_vocab_size: int = 0
     capture_layers: tuple[int, ...] | None = None  # None = EAGLE-3 default (2, L//2, L-3)
     intermediate_size: int | None = None
+    # EAGLE-3's own LM head: "target" = the target's output-embedding rows of the draft vocabulary
+    # (through d2t) and the target's final norm, "random" = N(0, 0.02^2) and ones
+    lm_head_init: str = "random"
+
+    def __post_init__(self):
+        if self.lm_head_init not in ("random", "target"):
+            raise ValueError(f"head.lm_head_init must be 'random' or 'target', got {self.lm_head_init!r}")
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from . import shards as shards_v2
+
 from .. import tasks
 from ..generate import generate
 from ..sampling import Sampling
@@ -101,10 +103,11 @@ def write_dataset(out_dir: str, examples: Iterable[tuple[Sequence[int], Sequence
 
 
 def read_meta(data_dir: str) -> dict:
+    """meta.json of a jspec-distill-v1 (fixed-length rows) or -v2 (jspec.train.shards) dataset."""
     with open(os.path.join(data_dir, META_FILE)) as fh:
         meta = json.load(fh)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{data_dir}: not a {FORMAT} dataset")
+    if meta.get("format") not in (FORMAT, shards_v2.FORMAT):
+        raise ValueError(f"{data_dir}: not a {FORMAT} or {shards_v2.FORMAT} dataset")
     return meta
 
 
@@ -114,7 +117,10 @@ def load_shard(data_dir: str, name: str) -> dict[str, np.ndarray]:
 
 
 def token_counts(data_dir: str, vocab_size: int) -> np.ndarray:
-    """How often each target token occurs as a response token: picks EAGLE-3's draft vocab."""
+    """How often each target token occurs as a response token (of the training split): picks
+    EAGLE-3's draft vocab."""
+    if read_meta(data_dir)["format"] == shards_v2.FORMAT:
+        return shards_v2.response_token_counts(data_dir, vocab_size, "train")
     counts = np.zeros((vocab_size,), np.int64)
     for shard in read_meta(data_dir)["shards"]:
         s = load_shard(data_dir, shard["file"])
@@ -129,20 +135,36 @@ def token_counts(data_dir: str, vocab_size: int) -> np.ndarray:
 
 @dataclass
 class ShardedLoader:
-    """Local batches of a global batch, a pure function of (seed, step)."""
+    """Local batches of a global batch, a pure function of (seed, step).
+
+    v2 datasets (variable-length rows) are packed to `seq_len` as shards load: prompt + response
+    cut at seq_len (counted by `shards.length_stats`), loss on response tokens; only the `split`
+    shards are read ("train" by default, "holdout" for held-out evaluation).
+    """
 
     data_dir: str
     global_batch: int
     seed: int = 0
     process_index: int = 0
     process_count: int = 1
+    seq_len_override: int | None = None  # required for v2 datasets
+    split: str = "train"
 
     def __post_init__(self):
         if self.global_batch % self.process_count:
             raise ValueError("global batch must divide evenly over processes")
         self.meta = read_meta(self.data_dir)
+        self._v2 = self.meta["format"] == shards_v2.FORMAT
+        if self._v2:
+            if not self.seq_len_override:
+                raise ValueError(f"{self.data_dir} holds variable-length rows: pass seq_len_override")
+            self._files = shards_v2.shard_files(self.meta, self.split)
+        else:
+            self._files = self.meta["shards"]
+        if not self._files:
+            raise ValueError(f"{self.data_dir}: no {self.split} shards")
         self.local_batch = self.global_batch // self.process_count
-        self._rows_per_shard = [s["rows"] for s in self.meta["shards"]]
+        self._rows_per_shard = [s["rows"] for s in self._files]
         self._by_shard = len(self._rows_per_shard) >= self.process_count
         self._cache: dict[str, dict[str, np.ndarray]] = {}
         self._epoch_rows: dict[int, np.ndarray] = {}
@@ -151,7 +173,7 @@ class ShardedLoader:
 
     @property
     def seq_len(self) -> int:
-        return self.meta["seq_len"]
+        return self.seq_len_override if self._v2 else self.meta["seq_len"]
 
     def _assignment(self, epoch: int, host: int) -> list[tuple[int, int]]:
         """(shard, row) pairs owned by `host` in `epoch`, before shuffling."""
@@ -187,11 +209,16 @@ class ShardedLoader:
         return self._epoch_rows[epoch]
 
     def _shard(self, index: int) -> dict[str, np.ndarray]:
-        name = self.meta["shards"][index]["file"]
+        name = self._files[index]["file"]
         if name not in self._cache:
             if len(self._cache) >= 64:  # bounded: a host streams through its shards
                 self._cache.pop(next(iter(self._cache)))
-            self._cache[name] = load_shard(self.data_dir, name)
+            if self._v2:
+                rows = shards_v2.load_rows(self.data_dir, name)
+                tokens, mask, lengths = shards_v2.pack_rows(rows, self.seq_len, self.meta["pad_id"])
+                self._cache[name] = {"tokens": tokens, "loss_mask": mask, "lengths": lengths}
+            else:
+                self._cache[name] = load_shard(self.data_dir, name)
         return self._cache[name]
 
     def batch(self, step: int) -> dict[str, np.ndarray]:

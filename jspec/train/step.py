@@ -86,28 +86,48 @@ def global_batch(mesh: Mesh, local: dict[str, np.ndarray]) -> dict[str, jax.Arra
 # ---------------------------------------------------------------------------------------------
 
 
+def learning_rate(tc: TrainConfig, step, total_steps):
+    """Linear warm-up to tc.lr, then cosine decay to tc.lr * final_lr_fraction at `total_steps`.
+
+    `total_steps` is a value, not a constant of the compiled step: it lives in the train state, so a
+    run whose length is fitted to a time budget after its first steps (`fit_total_steps`) keeps one
+    compiled step and a schedule that ends where the run ends. Warm-up is tc.warmup_ratio of the
+    total when set, else tc.warmup_steps.
+    """
+    step = jnp.asarray(step, jnp.float32)
+    total = jnp.maximum(jnp.asarray(total_steps, jnp.float32), 1.0)
+    warm = jnp.maximum(tc.warmup_ratio * total if tc.warmup_ratio > 0 else jnp.float32(tc.warmup_steps), 1.0)
+    warm = jnp.minimum(warm, jnp.maximum(total - 1.0, 1.0))
+    frac = jnp.clip((step - warm) / jnp.maximum(total - warm, 1.0), 0.0, 1.0)
+    end = tc.final_lr_fraction
+    cosine = end + (1.0 - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
+    return tc.lr * jnp.where(step < warm, step / warm, cosine)
+
+
 def lr_schedule(tc: TrainConfig) -> optax.Schedule:
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=tc.lr, warmup_steps=max(tc.warmup_steps, 1),
-        decay_steps=max(tc.steps, tc.warmup_steps + 1), end_value=tc.lr * tc.final_lr_fraction,
-    )
+    """The schedule of a run of exactly tc.steps steps."""
+    return lambda step: learning_rate(tc, step, tc.steps)
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    """AdamW (decay on matrices only) after global-norm clipping, warmup + cosine schedule."""
+    """AdamW's direction (decay on matrices only) after global-norm clipping; the step multiplies
+    it by -learning_rate(...) itself, which is exactly optax.adamw with that schedule."""
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
     return optax.chain(
         optax.clip_by_global_norm(tc.grad_clip),
-        optax.adamw(lr_schedule(tc), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay, mask=decay_mask),
+        optax.scale_by_adam(b1=tc.b1, b2=tc.b2),
+        optax.add_decayed_weights(tc.weight_decay, mask=decay_mask),
     )
 
 
 def init_state(tc: TrainConfig, trainable: dict) -> dict:
-    """{step, params (float32 master), opt_state, rng}: everything a checkpoint must restore."""
+    """{step, total_steps, params (float32 master), opt_state, rng}: everything a checkpoint must
+    restore."""
     # a copy: the step donates its state, which must not delete the caller's arrays
     params = jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True), trainable)
     return {
         "step": jnp.zeros((), jnp.int32),
+        "total_steps": jnp.asarray(tc.steps, jnp.int32),
         "params": params,
         "opt_state": make_optimizer(tc).init(params),
         "rng": jax.random.PRNGKey(tc.seed),
@@ -140,16 +160,19 @@ def _train_step(hcfg: H.HeadConfig, tc: TrainConfig, mesh: Mesh, state: dict, fi
         return losses.ttt_loss(hcfg, tc, head_params, target_params, batch, target, key)
 
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-    updates, opt_state = make_optimizer(tc).update(grads, state["opt_state"], state["params"])
+    direction, opt_state = make_optimizer(tc).update(grads, state["opt_state"], state["params"])
+    lr = learning_rate(tc, state["step"], state["total_steps"])
+    updates = jax.tree.map(lambda d: -lr * d, direction)
     new_state = {
         "step": state["step"] + 1,
+        "total_steps": state["total_steps"],
         "params": optax.apply_updates(state["params"], updates),
         "opt_state": opt_state,
         "rng": state["rng"],
     }
     new_state = jax.lax.with_sharding_constraint(new_state, tree_shardings(mesh, new_state))
     metrics["grad_norm"] = optax.tree.norm(grads)
-    metrics["lr"] = lr_schedule(tc)(state["step"])
+    metrics["lr"] = lr
     metrics["tokens"] = jnp.sum(batch["lengths"])
     return new_state, metrics
 

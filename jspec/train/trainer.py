@@ -65,18 +65,25 @@ class TrainResult:
     head_params: dict  # float32, fixed leaves included; host numpy
     losses: dict[int, float] = field(default_factory=dict)  # step (1-based, after update) -> loss
     last_step: int = 0
+    total_steps: int = 0  # where the run (and its learning-rate schedule) ends
+    stopped_by_budget: bool = False  # the time budget ended this process before total_steps
+
+    @property
+    def finished(self) -> bool:
+        return self.last_step >= self.total_steps
 
 
 class MetricsLog:
     """Interval means of the step metrics, to a JSONL file and a tqdm bar (process 0 only).
 
     Row keys: step, loss (the weighted TTT sum), loss_j / acc_j per TTT step j (acc = top-1 of
-    the head == the target's argmax on response tokens), grad_norm, lr, and tokens_per_s
-    (non-padding tokens through the train step per wall-clock second).
+    the head == the target's argmax on response tokens), grad_norm, lr, tokens_per_s (non-padding
+    tokens through the train step per wall-clock second), tokens_per_s_per_device, elapsed_s.
     """
 
-    def __init__(self, path: str | None, bar):
-        self.path, self.bar = path, bar
+    def __init__(self, path: str | None, bar, n_devices: int = 1):
+        self.path, self.bar, self.n_devices = path, bar, n_devices
+        self.start = time.perf_counter()
         self.pending: list[tuple[int, dict]] = []
         self.t0 = time.perf_counter()
         self.losses: dict[int, float] = {}
@@ -96,6 +103,8 @@ class MetricsLog:
         row = {"step": rows[-1][0], **{k: float(np.mean([m[k] for _, m in rows])) for k in keys}}
         row["lr"] = float(rows[-1][1]["lr"])
         row["tokens_per_s"] = float(sum(m["tokens"] for _, m in rows) / max(now - self.t0, 1e-9))
+        row["tokens_per_s_per_device"] = row["tokens_per_s"] / self.n_devices
+        row["elapsed_s"] = round(now - self.start, 2)
         self.t0 = now
         if self.path:
             with open(self.path, "a") as fh:
@@ -119,13 +128,23 @@ def train(
     mesh: Mesh | None = None,
     head_params: dict | None = None,
     progress: bool = True,
+    deadline: float | None = None,
+    fit_to_deadline: bool = False,
+    lm_head_init: str = "random",
+    log_fn=print,
 ) -> TrainResult:
     """Train a draft head for tc.steps. `stop_at` ends the run after that step as a kill would
     (no extra checkpoint), for resume tests.
 
     head_params: initial parameters (default: init_head with tc.seed); a reduced EAGLE-3 vocab is
-    chosen from the data's response-token counts. Checkpoints go to out_dir/checkpoints, metrics
-    to out_dir/metrics.jsonl.
+    chosen from the data's response-token counts; lm_head_init="target" starts EAGLE-3's LM head
+    from the target's output rows (jspec.train.vocab). Checkpoints go to out_dir/checkpoints,
+    metrics to out_dir/metrics.jsonl.
+
+    deadline (a time.perf_counter() value): the process stops before it, with a checkpoint, when
+    the next step would not fit (resume continues exactly). fit_to_deadline: on a fresh run, after
+    measuring the step time (steps 5..25 after the start), set the run's total steps to what fits
+    before the deadline (at most tc.steps); the learning-rate schedule then ends where the run ends.
     """
     from tqdm import tqdm
 
@@ -136,36 +155,76 @@ def train(
         head_params = jax.jit(H.init_head, static_argnums=0)(hcfg, jax.random.PRNGKey(tc.seed))
     if hcfg.reduced_vocab:
         head_params = H.with_draft_vocab(hcfg, head_params, token_counts(data_dir, hcfg.target.vocab_size))
+    if lm_head_init == "target":
+        from .vocab import init_lm_head_from_target
+
+        head_params = init_lm_head_from_target(hcfg, jax.device_get(head_params), jax.device_get(target_params))
     trainable, fixed = H.split_trainable(head_params)
     state = S.place(mesh, S.init_state(tc, trainable))
     fixed = S.place_replicated(mesh, fixed)
     target_params = S.place(mesh, cast_params(target_params, jnp.dtype(tc.compute_dtype)))
 
     ckpt = Checkpointer(os.path.join(out_dir, "checkpoints"), run.keep_checkpoints)
+    fitted = False
     if resume and ckpt.latest_step() is not None:
         state, fixed, meta = ckpt.restore(ckpt.latest_step(), state, fixed)
         assert meta["data_position"] == int(state["step"]), "checkpoint data position != step"
+        fitted = bool(meta.get("total_fitted"))
 
-    loader = ShardedLoader(data_dir, tc.batch_size, tc.seed, jax.process_index(), jax.process_count())
+    loader = ShardedLoader(data_dir, tc.batch_size, tc.seed, jax.process_index(), jax.process_count(),
+                           seq_len_override=tc.seq_len)
     start = int(state["step"])
-    end = min(tc.steps, stop_at) if stop_at is not None else tc.steps
-    bar = tqdm(total=tc.steps, initial=start, desc=f"train {hcfg.kind}", disable=not (progress and first_host))
-    log = MetricsLog(os.path.join(out_dir, "metrics.jsonl") if first_host else None, bar if progress else None)
+    total = int(state["total_steps"])
+    bar = tqdm(total=total, initial=start, desc=f"train {hcfg.kind}", disable=not (progress and first_host))
+    log = MetricsLog(os.path.join(out_dir, "metrics.jsonl") if first_host else None, bar if progress else None,
+                     n_devices=mesh.size)
     meta = {"kind": hcfg.kind, "seed": tc.seed, "data_dir": os.path.abspath(data_dir)}
+    fit_pending = fit_to_deadline and deadline is not None and not fitted and start == 0
+    measure_from, measure_to = start + 5, start + 25
+    t_measure = step_seconds = None
+    t_ckpt = time.perf_counter()
+    stopped = False
+    reserve = 20.0  # seconds kept for the last checkpoint and the export
+    step = start
     try:
-        for step in range(start, end):
+        while step < total and (stop_at is None or step < stop_at):
+            if deadline is not None and step_seconds is not None and time.perf_counter() + 1.5 * step_seconds + reserve > deadline:
+                stopped = True
+                break
             batch = S.global_batch(mesh, loader.batch(step))
             state, metrics = S.train_step(hcfg, tc, mesh, state, fixed, target_params, batch)
             log.add(step + 1, metrics)
             bar.update(1)
-            done = step + 1
-            if done % run.log_every == 0 or done == end:
+            step += 1
+            if step in (measure_from, measure_to) and (fit_pending or deadline is not None):
+                jax.block_until_ready(state["step"])
+                if step == measure_from:
+                    t_measure = time.perf_counter()
+                elif t_measure is not None:
+                    step_seconds = (time.perf_counter() - t_measure) / (measure_to - measure_from)
+                    if fit_pending:
+                        room = deadline - time.perf_counter() - reserve
+                        total = int(min(tc.steps, max(step + 1, step + room / step_seconds)))
+                        state["total_steps"] = jax.device_put(jnp.asarray(total, jnp.int32), state["total_steps"].sharding)
+                        fitted, fit_pending = True, False
+                        bar.total = total
+                        bar.refresh()
+                        log_fn(f"fitted the run to the time budget: {total} steps at {step_seconds:.3f} s/step")
+            if step % run.log_every == 0 or step == total:
                 log.flush()
-            if done % run.ckpt_every == 0 or done == tc.steps:  # stop_at acts like a kill
-                ckpt.save(done, state, fixed, {**meta, "data_position": done})
+            ckpt_due = step % run.ckpt_every == 0 or step == total  # stop_at acts like a kill
+            if run.ckpt_every_s and time.perf_counter() - t_ckpt > run.ckpt_every_s:
+                ckpt_due = True
+            if ckpt_due:
+                ckpt.save(step, state, fixed, {**meta, "data_position": step, "total_fitted": fitted})
+                t_ckpt = time.perf_counter()
+        if stopped and ckpt.latest_step() != step:
+            ckpt.save(step, state, fixed, {**meta, "data_position": step, "total_fitted": fitted})
+        if stopped:
+            log_fn(f"stopped by the time budget at step {step} of {total}; resume continues from here")
     finally:
         log.flush()
         bar.close()
         ckpt.close()
     params = jax.device_get({**state["params"], **fixed})
-    return TrainResult(hcfg, params, log.losses, int(state["step"]))
+    return TrainResult(hcfg, params, log.losses, int(state["step"]), total, stopped)

@@ -3,8 +3,14 @@ how many tokens the drafter should propose this round.
 
 Source: Zhang et al., "AdaEAGLE" (arXiv 2412.18910), read in full (docs/methods.md §3.7):
 
-* inputs: the embedding ``e`` of the last accepted token and the target's last hidden state ``f``
-  at that token, taken after the target's final norm;
+* inputs: a token embedding ``e`` and the target's last hidden state ``f`` after its final norm;
+  jspec fixes the alignment to the one a round can see before drafting (EAGLE's draft-head input
+  pair, used identically by the engine and by the training data of jspec.train.ldlp): the target
+  has read x_0..x_t, verification has just emitted x_{t+1} (the correction or bonus token, not yet
+  read by the target); ``f = f_t`` is the final-normed hidden state at position t (the one whose
+  distribution gave x_{t+1}) and ``e`` is the raw embedding row ``embed[x_{t+1}]`` (no embed
+  scale). The paper's "the last validated token and its hidden state" cannot both be read at the
+  start of a round: x_{t+1} has no target hidden state until the next verification;
 * a three-layer MLP with residual connections, then a linear map to one real number;
 * training label: with the target's own greedy continuation as reference, the drafter drafts
   ``k_max`` tokens from each position; the label is the length of the longest common prefix
@@ -25,8 +31,9 @@ What the paper leaves open, chosen here; each is an argument with a default.
     ``lambda / (1 + lambda)`` quantile of the labels, which is the constant that minimises the
     asymmetric L1 loss, so training starts from the best constant predictor.
 
-Params are a plain dict of float32 arrays, so they can be saved with any checkpointer and carried
-in a policy state (``jspec.spec.policies.LDLPPolicy``).
+Params are a plain dict of float32 arrays, carried in a policy state (``LDLPPolicy``) and saved
+beside the EAGLE head they were trained for (``save_ldlp`` / ``load_ldlp``: ldlp.safetensors +
+ldlp.json; written by ``jspec train-ldlp``).
 """
 
 from __future__ import annotations
@@ -81,9 +88,10 @@ def _rms_normalize(x: jax.Array) -> jax.Array:
 def ldlp_apply(params: dict, emb: jax.Array, feat: jax.Array) -> jax.Array:
     """Predicted draft length (a real number) for each row.
 
-    emb: ``[..., d]`` embedding of the last accepted token; feat: ``[..., d]`` final-normed target
-    hidden state at that token. Returns ``[...]`` float32. Rounding and clipping to a usable draft
-    length is the caller's job (see ``LDLPPolicy``).
+    emb: ``[..., d]`` raw embedding row of the round's first token x_{t+1}; feat: ``[..., d]``
+    final-normed target hidden state at position t, whose distribution gave x_{t+1} (module doc).
+    Returns ``[...]`` float32. Rounding and clipping to a usable draft length is the caller's job
+    (see ``LDLPPolicy``).
     """
     x = jnp.concatenate(
         [_rms_normalize(emb.astype(jnp.float32)), _rms_normalize(feat.astype(jnp.float32))], axis=-1
@@ -209,8 +217,9 @@ def length_from_prediction(prediction: jax.Array, k_max: int) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class LDLPPolicy(Policy):
     """AdaEAGLE: draft ``clip(round(LDLP(e, f)), 1, k_max)`` tokens, predicted before drafting
-    from the last accepted token's embedding ``e`` and final-normed target feature ``f``
-    (``features["token_embedding"]``, ``features["target_feature"]``); see ``jspec.ldlp``.
+    from ``features["token_embedding"]`` = ``embed[x_{t+1}]`` (the token verification just emitted)
+    and ``features["target_feature"]`` = the final-normed target feature ``f_t`` of the last
+    position the target read (module doc: the alignment jspec.train.ldlp trains on).
 
     Predictor weights are data, not configuration, so they live in the state (shared by all rows,
     without a batch dim): ``policy.init(batch, key, params=trained)``. Without ``params``, init
@@ -305,3 +314,42 @@ class LDLPPolicy(Policy):
         reached_length = step + 1 >= state.predicted_len
         stop = reached_length & (cum_logprob < self.ddd_threshold)
         return state.replace(cum_logprob=cum_logprob), stop
+
+
+# ------------------------------------------------------------------------------------------------
+# Weights on disk (beside the EAGLE head they were trained for)
+# ------------------------------------------------------------------------------------------------
+
+WEIGHTS_FILE = "ldlp.safetensors"
+CONFIG_FILE = "ldlp.json"
+
+
+def save_ldlp(directory: str, params: dict, config: dict) -> None:
+    """Write predictor weights (float32 safetensors) and a JSON config (d_model, hidden,
+    num_layers, k_max, under_weight, alignment, metrics...)."""
+    import json
+    import os
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    save_file({k: np.asarray(v, np.float32) for k, v in params.items()}, os.path.join(directory, WEIGHTS_FILE))
+    with open(os.path.join(directory, CONFIG_FILE), "w") as fh:
+        json.dump(config, fh, indent=1)
+
+
+def load_ldlp(directory: str) -> tuple[dict, dict]:
+    """(params, config) saved by ``save_ldlp``; raises FileNotFoundError naming the file."""
+    import json
+    import os
+
+    from safetensors.numpy import load_file
+
+    path = os.path.join(directory, WEIGHTS_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no LDLP predictor weights at {path} (train them with `jspec train-ldlp`)")
+    with open(os.path.join(directory, CONFIG_FILE)) as fh:
+        config = json.load(fh)
+    params = {k: jnp.asarray(v) for k, v in load_file(path).items()}
+    return params, config

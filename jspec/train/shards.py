@@ -1,0 +1,238 @@
+"""The distilled-data format written on the device: variable-length rows, compact and resumable.
+
+Directory (FORMAT "jspec-distill-v2"):
+
+    meta.json        {"format", "vocab_size", "pad_id", "eos_token_ids", "token_dtype",
+                      "sources": [names], "shards": [{"file", "rows", "response_tokens", "split"}],
+                      "eval_shards": [...same...], ...provenance}
+    shard-00000.npz  np.savez_compressed:
+                       tokens       [N]     uint16 (uint32 for vocabularies over 65,536 ids):
+                                            prompt + response of every row, concatenated
+                       offsets      [n + 1] int64
+                       prompt_lens  [n]     int32  the response starts there
+                       items        [n]     int32  which prompt (corpus index, or the self-written /
+                                                   evaluation numbering of meta["item_spaces"])
+                       source       [n]     uint8  index into meta["sources"]
+                       temperature  [n]     float16 0 = greedy
+                       ended        [n]     bool   the response ends with EOS (not cut at max_new)
+    eval-00000.npz   the same layout: reference answers to evaluation prompts (never trained on)
+
+Writes are atomic (a shard is written under a temporary name, then renamed; meta.json likewise),
+so a killed writer leaves a readable dataset and a resumed one appends shard numbers after the
+last one listed. Shards alternate between splits: every `holdout_every`-th shard is "holdout"
+(for the LDLP predictor and held-out metrics), the rest "train".
+
+Training reads rows through `pack_rows`: prompt + response cut to the training sequence length
+(counted, never silent: `PackStats`), right-padded, loss on response tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FORMAT = "jspec-distill-v2"
+META_FILE = "meta.json"
+
+
+def token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size <= 65536 else np.uint32
+
+
+def _atomic_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1)
+    os.replace(tmp, path)
+
+
+def read_meta(data_dir: str) -> dict:
+    path = os.path.join(data_dir, META_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{data_dir}: no {META_FILE}")
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def load_rows(data_dir: str, name: str) -> dict[str, np.ndarray]:
+    with np.load(os.path.join(data_dir, name)) as z:
+        return {k: z[k] for k in z.files}
+
+
+def row_tokens(rows: dict[str, np.ndarray], r: int) -> np.ndarray:
+    return rows["tokens"][rows["offsets"][r] : rows["offsets"][r + 1]]
+
+
+class RowWriter:
+    """Appends distilled rows to a v2 directory; resumable (see module doc)."""
+
+    def __init__(self, out_dir: str, *, vocab_size: int, pad_id: int, eos_token_ids, sources: list[str],
+                 rows_per_shard: int = 2048, holdout_every: int = 25, provenance: dict | None = None):
+        os.makedirs(out_dir, exist_ok=True)
+        self.out_dir, self.rows_per_shard, self.holdout_every = out_dir, rows_per_shard, holdout_every
+        self.dtype = token_dtype(vocab_size)
+        if os.path.isfile(os.path.join(out_dir, META_FILE)):
+            self.meta = read_meta(out_dir)
+            if self.meta.get("format") != FORMAT:
+                raise ValueError(f"{out_dir} holds a {self.meta.get('format')} dataset, not {FORMAT}")
+            if self.meta["vocab_size"] != vocab_size or self.meta["sources"] != list(sources):
+                raise ValueError(f"{out_dir} was written for another target or corpus (vocab / sources differ)")
+        else:
+            self.meta = {"format": FORMAT, "vocab_size": int(vocab_size), "pad_id": int(pad_id),
+                         "eos_token_ids": [int(t) for t in eos_token_ids], "token_dtype": np.dtype(self.dtype).name,
+                         "sources": list(sources), "shards": [], "eval_shards": []}
+        self.meta.update(provenance or {})
+        self._pending: dict[str, list] = {"train": [], "eval": []}
+
+    # ---- what is already there -------------------------------------------------------------
+    def done_items(self, which: str = "shards") -> set[int]:
+        done: set[int] = set()
+        for s in self.meta[which]:
+            with np.load(os.path.join(self.out_dir, s["file"])) as z:
+                done.update(int(i) for i in z["items"])
+        return done
+
+    # ---- appending ----------------------------------------------------------------------------
+    def add(self, prompt, response, *, item: int, source: int, temperature: float, ended: bool,
+            split: str = "train") -> None:
+        self._pending[split].append((np.asarray(prompt), np.asarray(response), item, source, temperature, ended))
+        if len(self._pending[split]) >= self.rows_per_shard:
+            self.flush(split)
+
+    def flush(self, split: str | None = None) -> None:
+        for sp in ([split] if split else list(self._pending)):
+            rows = self._pending[sp]
+            if not rows:
+                continue
+            key = "eval_shards" if sp == "eval" else "shards"
+            prefix = "eval" if sp == "eval" else "shard"
+            index = len(self.meta[key])
+            name = f"{prefix}-{index:05d}.npz"
+            seqs = [np.concatenate([p, r]).astype(self.dtype) for p, r, *_ in rows]
+            lengths = np.asarray([len(s) for s in seqs], np.int64)
+            arrays = {
+                "tokens": np.concatenate(seqs) if seqs else np.zeros((0,), self.dtype),
+                "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                "prompt_lens": np.asarray([len(p) for p, *_ in rows], np.int32),
+                "items": np.asarray([it for _, _, it, *_ in rows], np.int32),
+                "source": np.asarray([s for *_, s, _, _ in rows], np.uint8),
+                "temperature": np.asarray([t for *_, t, _ in rows], np.float16),
+                "ended": np.asarray([e for *_, e in rows], bool),
+            }
+            tmp = os.path.join(self.out_dir, name + ".tmp.npz")
+            np.savez_compressed(tmp, **arrays)
+            os.replace(tmp, os.path.join(self.out_dir, name))
+            entry = {"file": name, "rows": len(rows), "response_tokens": int(sum(len(r) for _, r, *_ in rows))}
+            if sp != "eval":
+                entry["split"] = "holdout" if self.holdout_every and index % self.holdout_every == self.holdout_every - 1 else "train"
+            self.meta[key].append(entry)
+            self._pending[sp] = []
+            self.write_meta()
+
+    def write_meta(self, **extra) -> None:
+        self.meta.update(extra)
+        _atomic_json(os.path.join(self.out_dir, META_FILE), self.meta)
+
+
+def shard_files(meta: dict, split: str = "train") -> list[dict]:
+    """Shards of a split: "train", "holdout", "eval" or "all" (train + holdout)."""
+    if split == "eval":
+        return list(meta.get("eval_shards", []))
+    shards = meta["shards"]
+    if split == "all":
+        return list(shards)
+    return [s for s in shards if s.get("split", "train") == split]
+
+
+@dataclass
+class PackStats:
+    rows: int = 0
+    truncated: int = 0  # rows longer than seq_len (prompt + response cut at seq_len)
+    no_response: int = 0  # rows whose prompt alone fills seq_len (nothing to learn from)
+    dropped_tokens: int = 0
+    by_shard: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"rows": self.rows, "truncated": self.truncated, "no_response": self.no_response,
+                "dropped_tokens": self.dropped_tokens}
+
+
+def pack_rows(rows: dict[str, np.ndarray], seq_len: int, pad_id: int, stats: PackStats | None = None):
+    """(tokens [n, T] int32, loss_mask [n, T] bool, lengths [n] int32) of a v2 shard."""
+    n = len(rows["prompt_lens"])
+    tokens = np.full((n, seq_len), pad_id, np.int32)
+    mask = np.zeros((n, seq_len), bool)
+    lengths = np.zeros((n,), np.int32)
+    offs, plen = rows["offsets"], rows["prompt_lens"]
+    for r in range(n):
+        seq = rows["tokens"][offs[r] : offs[r + 1]]
+        L = min(len(seq), seq_len)
+        tokens[r, :L] = seq[:L]
+        mask[r, min(int(plen[r]), L) : L] = True
+        lengths[r] = L
+        if stats is not None:
+            stats.rows += 1
+            if len(seq) > seq_len:
+                stats.truncated += 1
+                stats.dropped_tokens += len(seq) - seq_len
+            if plen[r] >= seq_len:
+                stats.no_response += 1
+    return tokens, mask, lengths
+
+
+def response_token_counts(data_dir: str, vocab_size: int, split: str = "train") -> np.ndarray:
+    """How often each target token occurs in the responses of a split (picks the draft vocab)."""
+    meta = read_meta(data_dir)
+    counts = np.zeros((vocab_size,), np.int64)
+    for s in shard_files(meta, split):
+        rows = load_rows(data_dir, s["file"])
+        offs, plen = rows["offsets"], rows["prompt_lens"]
+        starts = offs[:-1] + plen
+        keep = np.zeros(len(rows["tokens"]) + 1, np.int64)  # +1 at response start, -1 at row end
+        np.add.at(keep, starts, 1)
+        np.add.at(keep, offs[1:], -1)
+        in_response = np.cumsum(keep[:-1]) > 0
+        counts += np.bincount(rows["tokens"][in_response].astype(np.int64), minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def dataset_summary(data_dir: str) -> dict:
+    """Rows and response tokens per split and per source."""
+    meta = read_meta(data_dir)
+    out: dict = {"splits": {}, "sources": {}}
+    for split in ("train", "holdout", "eval"):
+        files = shard_files(meta, split)
+        out["splits"][split] = {"shards": len(files), "rows": sum(s["rows"] for s in files),
+                                "response_tokens": sum(s["response_tokens"] for s in files)}
+    for s in shard_files(meta, "all"):
+        rows = load_rows(data_dir, s["file"])
+        resp = np.diff(rows["offsets"]) - rows["prompt_lens"]
+        for src, n_resp, temp, ended in zip(rows["source"], resp, rows["temperature"], rows["ended"]):
+            name = meta["sources"][int(src)]
+            row = out["sources"].setdefault(name, {"rows": 0, "response_tokens": 0, "sampled": 0, "ended": 0})
+            row["rows"] += 1
+            row["response_tokens"] += int(n_resp)
+            row["sampled"] += int(temp > 0)
+            row["ended"] += int(ended)
+    return out
+
+
+def length_stats(data_dir: str, seq_len: int, split: str = "train") -> dict:
+    """What packing to `seq_len` does to a split: rows cut (and tokens lost), rows with no response
+    left, and the share of a packed batch that is padding. Reads only the offsets."""
+    meta = read_meta(data_dir)
+    rows = cut = lost = empty = tokens = 0
+    for s in shard_files(meta, split):
+        with np.load(os.path.join(data_dir, s["file"])) as z:
+            lengths = np.diff(z["offsets"])
+            plen = z["prompt_lens"]
+        rows += len(lengths)
+        cut += int((lengths > seq_len).sum())
+        lost += int(np.maximum(lengths - seq_len, 0).sum())
+        empty += int((plen >= seq_len).sum())
+        tokens += int(np.minimum(lengths, seq_len).sum())
+    return {"rows": rows, "seq_len": seq_len, "truncated_rows": cut, "truncated_tokens": lost,
+            "rows_without_response": empty, "padding_share": round(1 - tokens / max(rows * seq_len, 1), 4)}
