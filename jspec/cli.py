@@ -1,4 +1,4 @@
-"""`jspec` command line: generate, convert, info, bench, train-head, build-corpus, distill, train-ldlp."""
+"""`jspec` command line: generate, convert, info, bench, train-head."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from .decode import pack_prompts
 from .generate import generate, generate_stream
 from .presets import list_presets, resolve_model
 from .sampling import Sampling
+from .sharding import parse_mesh
 from .speculative.engines.chain import speculative_stream
 from .speculative.factory import build_drafter
 from .speculative.policies import make_policy
@@ -47,9 +48,18 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--verify", default="lossless", choices=["lossless", "consultant"],
                    help="'consultant' is Consultant Decoding's LOSSY rule (output differs from the target's)")
     p.add_argument("--no-stream", action="store_true", help="print only when generation finishes")
+    p.add_argument("--mesh", default=None,
+                   help="run on several devices: data=N (rows split, each device loops on its own) or "
+                        "model=N (tensor-parallel target); implies --no-stream")
 
 
 def cmd_generate(a) -> int:
+    if a.mesh:
+        try:
+            a.mesh, a.no_stream = parse_mesh(a.mesh), True  # a bad spec fails here, before loading
+        except ValueError as e:
+            print(f"jspec generate: {e}", file=sys.stderr)
+            return 2
     t0 = time.perf_counter()
     cfg, params, tok = resolve_model(a.model, dtype=_dtype_arg(a.dtype))
     prompts = [prompt_ids(tok, text, a.chat) for text in a.prompt]
@@ -76,7 +86,7 @@ def cmd_generate(a) -> int:
     if a.drafter:
         drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)
         policy = make_policy(a.policy, k_max=a.k_max)
-    kw = dict(max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed)
+    kw = dict(max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed, mesh=a.mesh)
     if drafter is not None:
         kw.update(drafter=drafter, drafter_params=dparams, policy=policy, k_max=a.k_max, verify=a.verify)
     t0 = time.perf_counter()
@@ -150,19 +160,10 @@ def main(argv=None) -> int:
     from .bench.cli import add_bench_args
 
     add_bench_args(bench)
-    corpus = sub.add_parser("build-corpus", help="prompt corpus for self-distillation (ShareGPT + chitchat, decontaminated)")
-    distill = sub.add_parser("distill", help="the target answers the prompt corpus on every local device")
-    ldlp = sub.add_parser("train-ldlp", help="train AdaEAGLE's draft-length predictor for an EAGLE head")
     try:
         from .train.cli import add_train_args
-        from .train.corpus import add_corpus_args
-        from .train.distill import add_distill_args
-        from .train.ldlp import add_ldlp_args
 
         add_train_args(train)
-        add_corpus_args(corpus)
-        add_distill_args(distill)
-        add_ldlp_args(ldlp)
     except ImportError:  # training extras absent
         pass
 
@@ -183,18 +184,6 @@ def main(argv=None) -> int:
         from .train.cli import run_train
 
         return run_train(a) or 0
-    if a.cmd == "build-corpus":
-        from .train.corpus import run_corpus
-
-        return run_corpus(a)
-    if a.cmd == "distill":
-        from .train.distill import run_distill
-
-        return run_distill(a)
-    if a.cmd == "train-ldlp":
-        from .train.ldlp import run_train_ldlp
-
-        return run_train_ldlp(a)
     return 1
 
 

@@ -5,23 +5,38 @@ None, speculative decoding otherwise, with chains (jspec.speculative.engines.cha
 trees (jspec.speculative.engines.tree). All paths share the prompt handling, the output buffer and
 the stopping rules, so their greedy outputs can be compared token for token.
 
+`mesh=` runs the same call on several devices (a `Mesh` with axes "data" and/or "model", or a spec
+string such as "data=2" or "data=2,model=2"):
+  - data: rows are split over the data axis with `shard_map`; each device runs its own rows'
+    while_loop to its own end, so no device waits for another's acceptance between rounds;
+  - model: the target's weights are split over the model axis (jspec.sharding rules) and GSPMD
+    partitions every forward pass and the vocab-wide acceptance arithmetic (tensor parallelism).
+Greedy outputs equal one device's; sampled outputs are lossless but follow other random streams.
+
 This module sits above every engine; engines import jspec.decode, never this module.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
 
 from .config import ModelConfig
 from .decode import GenerationResult, decode_chunk_jit, generate_ar_jit, pack_prompts, start_decode_jit, stream_row0
 from .sampling import GREEDY, Sampling
-from .speculative.engines.chain import speculative_generate
-from .speculative.engines.tree import TreeConfig, tree_generate
+from .sharding import axis_size, parse_mesh, replicate, shard_params
+from .speculative.drafters.eagle import EagleDrafter
+from .speculative.engines.chain import check_compatible, speculative_generate, speculative_generate_jit
+from .speculative.engines.tree import TreeConfig, tree_generate, tree_generate_jit
 from .speculative.factory import build_drafter
+from .speculative.policies import resolve_policy
+from .speculative.state import result_from_device
 
 
 def generate(
@@ -41,6 +56,7 @@ def generate(
     seed: int = 0,
     cache_len: int | None = None,
     unroll: int | bool = 1,
+    mesh: Mesh | str | None = None,
 ) -> GenerationResult:
     """Generate up to max_new_tokens per prompt (token-id lists), batched.
 
@@ -50,8 +66,11 @@ def generate(
     (greedy identity / lossless sampling) or "consultant" (lossy, opt-in).
     `tree` (a jspec.speculative.engines.tree.TreeConfig, or True for EAGLE-2's defaults) drafts EAGLE-2 dynamic
     trees with an EAGLE head instead of chains.
+    `mesh` spreads the call over devices (see the module docstring); a batch that does not divide
+    the data axis is padded with repeated rows whose results are dropped.
     """
     sampling = sampling or GREEDY
+    mesh = parse_mesh(mesh)
     if isinstance(drafter, str):
         drafter, drafter_params = build_drafter(drafter, cfg, params)
     if tree is True:
@@ -59,6 +78,16 @@ def generate(
     extra = (tree.num_nodes + 1 if tree is not None else k_max + 1) if drafter is not None else 0
     tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new_tokens, extra, cache_len)
     key = jax.random.PRNGKey(seed)
+    if mesh is not None:
+        params = shard_params(params, mesh)  # model axis: tensor parallel; data axis: replicated
+        drafter_params = None if drafter_params is None else replicate(drafter_params, mesh)
+        policy_params = None if policy_params is None else replicate(policy_params, mesh)
+    if axis_size(mesh, "data") > 1:
+        return _generate_data_parallel(
+            mesh, params, cfg, tokens, lens, key, drafter=drafter, drafter_params=drafter_params, policy=policy,
+            policy_params=policy_params, k_max=k_max, verify=verify, tree=tree, max_new=max_new_tokens,
+            cache_len=cache_len, sampling=sampling, unroll=unroll,
+        )
     if drafter is None:
         out, n_out, steps = generate_ar_jit(
             params, cfg, jnp.asarray(tokens), jnp.asarray(lens), key,
@@ -78,6 +107,62 @@ def generate(
         drafter=drafter, drafter_params=drafter_params, policy=policy, policy_params=policy_params,
         k_max=k_max, max_new=max_new_tokens, cache_len=cache_len, sampling=sampling, verify=verify, unroll=unroll,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _data_parallel(fn, mesh: Mesh, shared_names: tuple[str, ...], static_items: tuple):
+    """`fn` (a jitted engine taking tokens, lens, key) with the batch's rows split over the mesh's
+    data axis by `shard_map`. Inside, each device runs the engine's while_loop on its own rows, so
+    its iteration count is its own (no cross-device sync per round); the model axis, if any, stays
+    automatic, so GSPMD still partitions the target within each data shard. Cached: one compile
+    per (engine, mesh, static arguments)."""
+    static = dict(static_items)
+
+    def per_shard(shared, tokens, lens, key):
+        # Independent random streams per shard: the same prompt on two shards samples differently.
+        key = jax.random.fold_in(key, jax.lax.axis_index("data"))
+        return fn(**dict(zip(shared_names, shared)), tokens=tokens, lens=lens, key=key, **static)
+
+    mapped = jax.shard_map(
+        per_shard, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()), out_specs=P("data"),
+        axis_names=frozenset({"data"}), check_vma=False,
+    )
+    return jax.jit(mapped)
+
+
+def _items(static: dict) -> tuple:
+    """Static keyword arguments as a hashable cache key."""
+    return tuple(sorted(static.items(), key=lambda kv: kv[0]))
+
+
+def _generate_data_parallel(mesh, params, cfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params,
+                            k_max, verify, tree, max_new, cache_len, sampling, unroll) -> GenerationResult:
+    B = tokens.shape[0]
+    rows = np.arange(-(-B // axis_size(mesh, "data")) * axis_size(mesh, "data")) % B  # pad to a multiple
+    tokens, lens = tokens[rows], lens[rows]
+    common = dict(max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll)
+    if drafter is None:
+        fn = _data_parallel(generate_ar_jit, mesh, ("params",), _items(dict(cfg=cfg, **common)))
+        out, n_out, steps = jax.device_get(fn((params,), tokens, lens, key))
+        zeros = np.zeros_like(n_out)
+        return GenerationResult(out[:B], n_out[:B], steps[:B], zeros[:B], zeros[:B], steps[:B])
+    shared = ("tparams", "dparams", "policy_params")
+    if tree is not None:
+        if not isinstance(drafter, EagleDrafter):
+            raise ValueError(f"tree drafting needs an EAGLE head drafter, got {getattr(drafter, 'name', drafter)!r}")
+        policy = resolve_policy(policy, tree.depth)
+        check_compatible(drafter, policy, cfg, tree.depth, "lossless")
+        static = dict(tcfg=cfg, drafter=drafter, policy=policy, tree=tree, **common)
+        fn = _data_parallel(tree_generate_jit, mesh, shared, _items(static))
+    else:
+        policy = resolve_policy(policy, k_max)
+        check_compatible(drafter, policy, cfg, k_max, verify)
+        static = dict(tcfg=cfg, drafter=drafter, policy=policy, k_max=k_max, verify=verify, **common)
+        fn = _data_parallel(speculative_generate_jit, mesh, shared, _items(static))
+    res = result_from_device(fn((params, drafter_params, policy_params), tokens, lens, key))
+    return dataclasses.replace(res, **{  # drop the padding rows
+        f.name: getattr(res, f.name)[:B] for f in dataclasses.fields(res) if isinstance(getattr(res, f.name), np.ndarray)
+    })
 
 
 def generate_stream(

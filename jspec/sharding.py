@@ -63,6 +63,56 @@ def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(data, model), ("data", "model"))
 
 
+MESH_AXES = ("data", "model")
+
+
+def parse_mesh(mesh: "Mesh | str | None", devices=None) -> Mesh | None:
+    """A generation mesh from what a caller passed: None (one device), a Mesh with axes named
+    "data" and/or "model", or a spec string "data=2", "model=2", "data=2,model=2" that takes the
+    first data x model devices. Raises ValueError naming the problem.
+
+    One axis at a time may have more than one device: each data shard's while_loop runs its own
+    number of rounds, so tensor-parallel collectives inside it could not pair up across shards."""
+    if mesh is None:
+        return None
+    if isinstance(mesh, Mesh):
+        if not set(mesh.axis_names) <= set(MESH_AXES):
+            raise ValueError(f"mesh axes {mesh.axis_names} not supported for generation; use 'data' and/or 'model'")
+        return _one_axis(mesh)
+    sizes = {"data": 1, "model": 1}
+    for part in str(mesh).replace(" ", "").split(","):
+        name, eq, value = part.partition("=")
+        if name not in sizes or not eq or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"mesh spec {mesh!r}: expected comma-separated data=N and/or model=N with N >= 1")
+        sizes[name] = int(value)
+    devices = list(jax.devices() if devices is None else devices)
+    need = sizes["data"] * sizes["model"]
+    if need > len(devices):
+        raise ValueError(f"mesh {mesh!r} needs {need} devices, have {len(devices)}")
+    return _one_axis(make_mesh(sizes["data"], sizes["model"], devices[:need]))
+
+
+def _one_axis(mesh: Mesh) -> Mesh:
+    if axis_size(mesh, "data") > 1 and axis_size(mesh, "model") > 1:
+        raise ValueError(f"mesh {mesh_label(mesh)}: generation shards over data or over model, not both; "
+                         "use data=N or model=N")
+    return mesh
+
+
+def axis_size(mesh: Mesh | None, name: str) -> int:
+    return 1 if mesh is None or name not in mesh.axis_names else int(mesh.shape[name])
+
+
+def mesh_label(mesh: Mesh | None) -> str:
+    """"data=2,model=1"-style label for result rows ("" for no mesh: one device)."""
+    return "" if mesh is None else ",".join(f"{a}={axis_size(mesh, a)}" for a in MESH_AXES)
+
+
+def replicate(tree: Any, mesh: Mesh) -> Any:
+    """Every leaf on every device of the mesh (drafter heads, policy weights)."""
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
 def spec_for(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh: Mesh, rules=RULES) -> P:
     """PartitionSpec for an array with logical `axes`; non-dividing or reused mesh axes replicate."""
     used: set[str] = set()

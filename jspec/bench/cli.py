@@ -14,6 +14,7 @@ from jspec.bench.prompts import encode_questions
 from jspec.bench.protocol import MethodSpec, parse_method_specs
 from jspec.bench.report import bench_dir, write_benchmarks_md, write_rows
 from jspec.model import cast_params
+from jspec.sharding import parse_mesh
 from jspec.speculative.factory import build_drafter
 from jspec.tasks import Question, load_questions_file, load_task
 
@@ -43,6 +44,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--models-dir", default="models")
     parser.add_argument("--benchmarks-md", default="BENCHMARKS.md")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--mesh", default=None,
+                        help="jspec methods run on several devices: data=N (rows split) or model=N (tensor parallel)")
     return parser
 
 
@@ -98,6 +101,8 @@ def reproduce_command(args: argparse.Namespace, dtypes: list[str]) -> str:
         parts += ["--k-max", str(args.k_max)]
     if args.no_chat_template:
         parts.append("--no-chat-template")
+    if getattr(args, "mesh", None):
+        parts += ["--mesh", args.mesh]
     return shlex.join(parts)
 
 
@@ -111,6 +116,7 @@ class MethodFactory:
     def __init__(self, args: argparse.Namespace, cfg: Any, params: Any, tokenizer: Any):
         self.args, self.cfg, self.params, self.tokenizer = args, cfg, params, tokenizer
         self._cast: dict[str, Any] = {}
+        self.mesh = parse_mesh(getattr(args, "mesh", None))
         self._hf: dict[str, Any] = {}
 
     def jax_params(self, dtype: str) -> Any:
@@ -140,6 +146,7 @@ class MethodFactory:
                 prompt_lookup_num_tokens=a.prompt_lookup_num_tokens if spec.drafter == "prompt_lookup" else None,
             )
         extra = {"k_max": a.k_max} if spec.method == "spec" and a.k_max is not None else {}
+        extra["mesh"] = self.mesh
         if spec.method == "spec":
             params = self.jax_params(dtype)
             extra["drafter"], extra["drafter_params"] = build_drafter(spec.drafter, self.cfg, params, model_name=self.args.model)
@@ -164,6 +171,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     batches = _int_list(args.batch)
     dtypes = [canonical_dtype(d) for d in _str_list(args.dtype or default_dtype_name())]
     questions = load_questions(args)
+    parse_mesh(args.mesh)  # a bad --mesh fails here, before the model loads
     cfg, params, tokenizer = resolve_model(args.model)
     chat = False if args.no_chat_template else None
     prompts = {task: encode_questions(tokenizer, qs, chat=chat) for task, qs in questions.items()}

@@ -121,6 +121,8 @@ def make_row(
         "tree": bool(m.tree),
         "dtype": m.dtype,
         "batch": m.batch,
+        "devices": getattr(m, "devices", 1),  # HF peers run on one device
+        "mesh": getattr(m, "mesh", ""),  # "data=2,model=1"; "" = one device, no mesh
         "task": task,
         "n_prompts": len(run.outputs),
         "max_new_tokens": ctx.max_new_tokens,

@@ -15,6 +15,7 @@ import numpy as np
 from jspec.bench.protocol import MethodSpec, RowResult
 from jspec.decode import bucket
 from jspec.generate import generate
+from jspec.sharding import mesh_label, parse_mesh, replicate, shard_params
 
 TORCH_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                 "float16": "float16", "fp16": "float16"}
@@ -77,6 +78,14 @@ class JspecMethod:
         self.dtype, self.batch, self.max_new_tokens = dtype, batch, max_new_tokens
         self._generate_fn = generate_fn
         self._kwargs = self._generate_kwargs(generate_kwargs or {})
+        mesh = parse_mesh(self._kwargs.pop("mesh", None))
+        self.mesh, self.devices = mesh_label(mesh), (1 if mesh is None else mesh.size)  # recorded in rows
+        if mesh is not None:
+            # Placed once here, so the timed calls find the weights already on the mesh.
+            self.params = shard_params(params, mesh)
+            if self._kwargs.get("drafter_params") is not None:
+                self._kwargs["drafter_params"] = replicate(self._kwargs["drafter_params"], mesh)
+            self._kwargs["mesh"] = mesh
 
     def _generate(self) -> Callable[..., Any]:
         if self._generate_fn is None:

@@ -87,8 +87,9 @@ TABLE_HEADER = (
 
 
 def table_line(row: dict[str, Any]) -> str:
+    mesh = f" @ {row['mesh']}" if row.get("mesh") else ""  # multi-device rows name their mesh
     cells = [
-        row["task"], f"`{method_label(row)}`", str(row["batch"]), row["dtype"], str(row["n_prompts"]),
+        row["task"], f"`{method_label(row)}`{mesh}", str(row["batch"]), row["dtype"], str(row["n_prompts"]),
         str(row["max_new_tokens"]), _fmt(row["tokens_per_s"], ".1f"), _fmt(row["speedup_vs_ar"], ".2f", "×"),
         _fmt(row["mean_accepted_tokens"], ".2f"), _fmt(row["acceptance_rate"], ".2f"),
         _fmt(row["draft_tokens_per_round"], ".2f"), _fmt(row["greedy_identical_to_ar"], ".2f"),
@@ -102,7 +103,7 @@ def _latest_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     latest: dict[tuple, dict[str, Any]] = {}
     for row in rows:
         key = tuple(row.get(k) for k in ("target", "card", "jax_version", "task", "method", "drafter",
-                                         "policy", "tree", "dtype", "batch", "max_new_tokens"))
+                                         "policy", "tree", "dtype", "batch", "max_new_tokens")) + (row.get("mesh") or "",)
         if key not in latest or row["timestamp"] >= latest[key]["timestamp"]:
             latest[key] = row
     return list(latest.values())

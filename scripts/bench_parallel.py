@@ -1,0 +1,10 @@
+#!/usr/bin/env python
+"""Multi-device throughput: one device vs data- and tensor-parallel meshes (jspec.bench.parallel).
+
+    python scripts/bench_parallel.py --out-dir OUT [options of jspec.bench.parallel]
+"""
+
+from jspec.bench.parallel import main
+
+if __name__ == "__main__":
+    main()
