@@ -90,3 +90,28 @@ def test_sampled_shards_draw_independent_streams(target):
     out = generate(target, CFG, [[5, 6, 7]] * 4, max_new_tokens=MAX_NEW, mesh="data=2",
                    sampling=Sampling(temperature=1.0), seed=3)
     assert (out.lengths >= 1).all() and out.row(0) != out.row(2)
+
+
+class _ByteTokenizer:
+    """Text -> ids inside the tiny vocab (no chat template)."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [4 + b % (CFG.vocab_size - 4) for b in text.encode()][:12]}
+
+
+def test_parallel_bench_writes_rows_with_devices_and_mesh(target, tmp_path):
+    import json
+
+    from jspec.bench import parallel
+
+    args = parallel.add_parallel_args(__import__("argparse").ArgumentParser()).parse_args(
+        ["--model", "tiny", "--out-dir", str(tmp_path), "--n-prompts", "4", "--batch", "4", "--max-new-tokens", "6",
+         "--dtype", "float32", "--meshes", "data", "--no-fp32-tp-check"])
+    rows = parallel.run_parallel_bench(args, resolve=lambda name: (CFG, target, _ByteTokenizer()))
+    # no EAGLE-3 head for this model: the script falls back to the next method in --spec
+    assert [(r["name"], r["devices"], r["mesh"]) for r in rows] == [
+        ("ar", 1, ""), ("spec:ngram:heuristic", 1, ""),
+        ("ar", 2, "data=2,model=1"), ("spec:ngram:heuristic", 2, "data=2,model=1")]
+    assert all(r["identical_to_1_device"] == 1.0 and r["speedup_vs_1_device"] > 0 for r in rows)
+    on_disk = json.loads((tmp_path / "parallel.json").read_text())
+    assert [(r["name"], r["mesh"], r["tokens_per_s"]) for r in on_disk] == [(r["name"], r["mesh"], r["tokens_per_s"]) for r in rows]
