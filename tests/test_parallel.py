@@ -107,7 +107,7 @@ def test_parallel_bench_writes_rows_with_devices_and_mesh(target, tmp_path):
     args = parallel.add_parallel_args(__import__("argparse").ArgumentParser()).parse_args(
         ["--model", "tiny", "--out-dir", str(tmp_path), "--n-prompts", "4", "--batch", "4", "--max-new-tokens", "6",
          "--dtype", "float32", "--meshes", "data", "--no-fp32-tp-check"])
-    rows = parallel.run_parallel_bench(args, resolve=lambda name: (CFG, target, _ByteTokenizer()))
+    rows = parallel.run_parallel_bench(args, resolve=lambda name, dtype: (CFG, target, _ByteTokenizer()))
     # no EAGLE-3 head for this model: the script falls back to the next method in --spec
     assert [(r["name"], r["devices"], r["mesh"]) for r in rows] == [
         ("ar", 1, ""), ("spec:ngram:heuristic", 1, ""),

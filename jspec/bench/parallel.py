@@ -103,7 +103,7 @@ def run_parallel_bench(args: argparse.Namespace, resolve=presets.resolve_model) 
     groups = _groups(args)
     for _, mesh, _ in groups:
         parse_mesh(mesh or None)  # too few devices fails here, before the model loads
-    cfg, params, tokenizer = resolve(args.model)
+    cfg, params, tokenizer = resolve(args.model, dtype="float32")  # cast per group below
     questions = load_task(args.task)
     prompts = encode_questions(tokenizer, questions)
     prompts = [prompts[i % len(prompts)] for i in range(args.n_prompts)]
