@@ -2,7 +2,9 @@
 
     ngram[:N]          prompt lookup with n-grams of length N..1 (default 3)
     early-exit[:E]     the target's first E layers + its LM head (default L // 4)
-    model:PATH         an independent draft model (preset, HF dir, GGUF or Orbax dir)
+    model:PATH         an independent draft model (preset, HF dir, GGUF or Orbax dir), or a
+                       tied draft model distilled from the target (jspec.train.draft_model),
+                       whose embeddings and LM head are the target's
     eagle[:PATH]       EAGLE-1 head (default: the head shipped with the preset)
     eagle3[:PATH]      EAGLE-3 head (default: the head shipped with the preset)
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..checkpoint.draft_format import is_draft_model_dir, load_draft_model
 from ..checkpoint.eagle_format import load_eagle_head
 from ..config import ModelConfig
 from ..presets import list_presets, load_preset, resolve_model
@@ -52,7 +55,10 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
     if name == "model":
         if not arg:
             raise DrafterError("model drafter needs a path or preset: --drafter model:PATH")
-        dcfg, dparams, _ = resolve_model(arg, dtype=dtype or params["embed"].dtype, tokenizer=False)
+        if is_draft_model_dir(arg):
+            dcfg, dparams = load_draft_model(arg, cfg, params, dtype=dtype)
+        else:
+            dcfg, dparams, _ = resolve_model(arg, dtype=dtype or params["embed"].dtype, tokenizer=False)
         drafter = ModelDrafter(dcfg)
         drafter.check(cfg)
         return drafter, dparams

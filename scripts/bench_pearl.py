@@ -1,0 +1,209 @@
+"""AR vs plain speculative decoding vs PEARL (two devices, and one) with one draft model, greedy.
+
+    python scripts/bench_pearl.py --model smollm2-135m-instruct --drafter model:DRAFT_DIR \
+        --out OUT --time-budget-s 240
+
+Per MT-Bench first turn (batch 1; all 80 unless --n-prompts or the budget cuts the list), every
+method runs on the same prompt before the next prompt starts, so a budget cut leaves the same
+prompts for all methods. Timings exclude compilation (each method first runs a warm-up prompt).
+Plain speculative decoding drafts k = γ tokens per round with the same drafter, so
+`speedup_vs_spec` isolates what PEARL's overlap adds. γ = round(t_target / t_draft) is measured
+on the devices used unless --gamma is given.
+
+Writes OUT/parallel_rows.json: one row per method (method, devices, dtype, kernels, prompts,
+tokens, time_s, tok_per_s, speedup_vs_ar, speedup_vs_spec, mean_accepted_tokens = tokens per
+target call, acceptance, rollback_rate, gamma, greedy_identity = share of prompts whose output
+equals AR's in the same dtype) plus, with --fp32-prompts N, float32 rows on N prompts whose
+greedy_identity must be 1.0. --drafter cut:N uses the target's layers without training (a
+plumbing check; acceptance is low).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--drafter", required=True, help="model:PATH (a draft-model dir) or cut:N")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--methods", default="ar,spec,pearl", help="of ar, spec, pearl (2 devices), pearl1 (1 device)")
+    ap.add_argument("--n-prompts", type=int, default=80)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--gamma", type=int, default=0, help="0: measure")
+    ap.add_argument("--time-budget-s", type=float, default=240.0)
+    ap.add_argument("--fp32-prompts", type=int, default=4)
+    ap.add_argument("--fp32-max-new-tokens", type=int, default=48)
+    ap.add_argument("--kernels", default=None, help="JSPEC_KERNELS for every method (default: pallas on GPU)")
+    ap.add_argument("--prompts-file", default=None, help="JSON list of token-id lists instead of MT-Bench (tests)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = _args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in ("ar", "spec", "pearl", "pearl1")]
+    if bad:
+        raise SystemExit(f"unknown methods {bad}; choose from ar, spec, pearl, pearl1")
+    import jax
+
+    if args.kernels or jax.default_backend() == "gpu":
+        os.environ["JSPEC_KERNELS"] = args.kernels or "pallas"
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jspec import model as M
+    from jspec.decode import bucket, plan_cache_len
+    from jspec.generate import generate
+    from jspec.heads import draft_model as DM
+    from jspec.presets import resolve_model
+    from jspec.sampling import GREEDY
+    from jspec.speculative.drafters.model import ModelDrafter
+    from jspec.speculative.engines.pearl import measure_gamma, pearl_generate, pearl_mesh, place_on_mesh
+    from jspec.speculative.factory import build_drafter
+
+    t_start = time.perf_counter()
+    deadline = t_start + args.time_budget_s
+    os.makedirs(args.out, exist_ok=True)
+    devices = jax.devices()
+    two = len(devices) >= 2
+    if "pearl" in methods and not two:
+        print("one device only: the two-device PEARL row is skipped")
+        methods = [m for m in methods if m != "pearl"]
+
+    tcfg, tparams32, tok = resolve_model(args.model, dtype="float32", tokenizer=args.prompts_file is None)
+    if args.prompts_file:
+        with open(args.prompts_file) as fh:
+            prompts = json.load(fh)[: args.n_prompts]
+    else:
+        from jspec.bench.prompts import encode_questions
+        from jspec.presets import list_presets, load_preset
+        from jspec.tasks import load_task
+
+        chat = load_preset(args.model).chat if args.model in list_presets() else None
+        prompts = encode_questions(tok, load_task("mt_bench")[: args.n_prompts], chat=chat)
+
+    def load(dtype):
+        tparams = M.cast_params(tparams32, dtype)
+        if args.drafter.startswith("cut:"):
+            n = int(args.drafter[4:])
+            dcfg, dparams = DM.init_from_target(tparams, tcfg, DM.default_layers_from(tcfg.num_layers, n))
+            return tparams, ModelDrafter(dcfg), dparams
+        drafter, dparams = build_drafter(args.drafter, tcfg, tparams, dtype=dtype)
+        return tparams, drafter, dparams
+
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    tparams, drafter, dparams = load(dtype)
+    dcfg = drafter.cfg
+    mesh = pearl_mesh(devices[:2]) if two else None
+    W = bucket(max(len(p) for p in prompts))
+
+    def pack(p, max_new, extra):
+        cache_len = plan_cache_len(W, max_new, extra)
+        tokens = np.full((1, W), tcfg.pad_token_id, np.int32)
+        tokens[0, : len(p)] = p
+        return tokens, np.asarray([len(p)], np.int32), cache_len
+
+    gamma_info = {}
+    if args.gamma:
+        gamma = args.gamma
+    else:
+        gamma, gamma_info = measure_gamma(tparams, tcfg, dparams, dcfg, batch=1, cache_len=plan_cache_len(W, args.max_new_tokens, 64),
+                                          devices=devices[:2] if two else devices[:1])
+    print(f"gamma {gamma} {gamma_info}", flush=True)
+    extra = 2 * gamma + 2
+
+    def run(method, tparams, dparams, p, max_new):
+        """(tokens list, target calls, drafted, accepted, rolled back, seconds)."""
+        tokens, lens, cache_len = pack(p, max_new, extra)
+        key = jax.random.PRNGKey(0)
+        t0 = time.perf_counter()
+        if method == "ar":
+            r = generate(tparams, tcfg, [p], max_new_tokens=max_new, cache_len=cache_len)
+            # generate packs to the prompt's own bucket; identical work across methods otherwise
+        elif method == "spec":
+            r = generate(tparams, tcfg, [p], max_new_tokens=max_new, drafter=drafter, drafter_params=dparams,
+                         k_max=gamma, cache_len=cache_len)
+        else:
+            if method == "pearl":
+                tparams, dparams = placed[id(tparams)]
+            r = pearl_generate(tparams, tcfg, dparams, dcfg, tokens, lens, key, gamma=gamma, max_new=max_new,
+                               cache_len=cache_len, sampling=GREEDY, mesh=mesh if method == "pearl" else None)
+        dt = time.perf_counter() - t0
+        rolled = int(r.rolled_back[0]) if getattr(r, "rolled_back", None) is not None else 0
+        return r.row(0), int(r.target_calls[0]), int(r.drafted[0]), int(r.accepted[0]), rolled, dt
+
+    placed = {}  # id(target params) -> both models replicated on the PEARL mesh, placed once
+
+    def table(dt_name, tparams, dparams, prompt_list, max_new, budget_end):
+        if mesh is not None and "pearl" in methods:
+            placed[id(tparams)] = place_on_mesh(mesh, tparams, dparams)
+        acc = {m: {"tokens": 0, "time_s": 0.0, "calls": 0, "drafted": 0, "accepted": 0, "rolled": 0, "same": 0,
+                   "prompts": 0, "error": None} for m in methods}
+        outs = {}
+        for m in methods:  # warm-up / compile on the first prompt, untimed
+            try:
+                run(m, tparams, dparams, prompt_list[0], max_new)
+            except Exception as e:  # noqa: BLE001 - reported in the row
+                acc[m]["error"] = f"{type(e).__name__}: {e}"[:500]
+                traceback.print_exc()
+        for i, p in enumerate(prompt_list):
+            if time.perf_counter() > budget_end:
+                break
+            for m in methods:
+                if acc[m]["error"]:
+                    continue
+                toks, calls, drafted, accepted, rolled, dt = run(m, tparams, dparams, p, max_new)
+                a = acc[m]
+                a["tokens"] += len(toks); a["time_s"] += dt; a["calls"] += calls; a["drafted"] += drafted
+                a["accepted"] += accepted; a["rolled"] += rolled; a["prompts"] += 1
+                outs[(m, i)] = toks
+                a["same"] += int(toks == outs.get(("ar", i), toks))
+            print(f"[{dt_name}] prompt {i + 1}/{len(prompt_list)} " + " ".join(
+                f"{m} {acc[m]['tokens'] / max(acc[m]['time_s'], 1e-9):.0f} tok/s" for m in methods if not acc[m]["error"]), flush=True)
+        rows = []
+        base = {m: acc[m]["time_s"] / max(acc[m]["tokens"], 1) for m in methods}  # s per token
+        for m in methods:
+            a = acc[m]
+            spt = base[m]
+            rows.append({
+                "method": "pearl" if m.startswith("pearl") else m, "variant": m,
+                "devices": 2 if m == "pearl" else 1, "dtype": dt_name, "kernels": os.environ.get("JSPEC_KERNELS", "default"),
+                "device": str(devices[0].device_kind), "prompts": a["prompts"], "tokens": a["tokens"],
+                "time_s": a["time_s"], "tok_per_s": a["tokens"] / max(a["time_s"], 1e-9),
+                "speedup_vs_ar": (base["ar"] / spt) if "ar" in base and a["tokens"] else None,
+                "speedup_vs_spec": (base["spec"] / spt) if "spec" in base and a["tokens"] else None,
+                "mean_accepted_tokens": a["tokens"] / max(a["calls"], 1),
+                "acceptance": a["accepted"] / max(a["drafted"], 1) if m != "ar" else None,
+                "rollback_rate": a["rolled"] / max(a["drafted"], 1) if m.startswith("pearl") else None,
+                "gamma": gamma if m != "ar" else None, "k_max": gamma if m == "spec" else None,
+                "greedy_identity": a["same"] / max(a["prompts"], 1) if "ar" in methods else None,
+                "max_new_tokens": max_new, "batch": 1, "error": a["error"],
+            })
+        return rows
+
+    rows = []
+    fp32_reserve = 45.0 if args.fp32_prompts and dtype != jnp.float32 else 0.0
+    rows += table(jnp.dtype(dtype).name, tparams, dparams, prompts, args.max_new_tokens, deadline - fp32_reserve)
+    if args.fp32_prompts and dtype != jnp.float32 and time.perf_counter() < deadline:
+        t32, _, d32 = load(jnp.float32)
+        rows += table("float32", t32, d32, prompts[: args.fp32_prompts], args.fp32_max_new_tokens, deadline)
+    meta = {"model": args.model, "drafter": args.drafter, "gamma": gamma, "gamma_timing": gamma_info,
+            "devices": [str(d) for d in devices], "wall_s": time.perf_counter() - t_start}
+    with open(os.path.join(args.out, "parallel_rows.json"), "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    for r in rows:
+        print(json.dumps({k: r[k] for k in ("variant", "dtype", "devices", "prompts", "tok_per_s", "speedup_vs_ar",
+                                            "speedup_vs_spec", "mean_accepted_tokens", "rollback_rate", "greedy_identity", "error")}))
+
+
+if __name__ == "__main__":
+    main()
