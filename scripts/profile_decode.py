@@ -1,20 +1,24 @@
 """Profile jspec's jitted decode and verify forwards on a model of SmolLM2-135M's shape (random weights).
 
-Side by side in one process, for each attention implementation (model.ATTENTION_IMPLS: the portable
-"xla" einsum path, the fused "pallas" kernel, "cudnn"):
-  * correctness: logits of decode (T=1), chain (T=8) and tree (T=60, random ancestor mask) forwards
+Side by side in one process, for each layer implementation (model.KERNEL_IMPLS: the portable "xla"
+einsum path, "pallas" = fused attention kernel + XLA matmuls, "pallas_fused" = + fused projection
+kernels, "cudnn" attention):
+  * kernels: the kernel count of a decode step, read from the compiled HLO (the layer scan's while
+    body, found by its trip count, is the per-layer count), with the layer body's op list;
+  * decode: the AR decode step (forward + LM head + argmax + cursor advance) timed inside one jitted
+    fori_loop, at each --batches, with 192 committed cache slots;
+  * compare: logits of decode (T=1), chain (T=8) and tree (T=60, random ancestor mask) forwards
     against the "xla" path on the same cache (max |diff|, relative norm, argmax agreement);
-  * the AR decode step (forward + LM head + argmax + cursor advance) timed inside one jitted
-    fori_loop, at batch 1 and 16;
-  * the kernel count of that step, read from the compiled HLO (per computation: the layer scan's
-    while body is the per-layer count), with the layer body's op list;
-  * the verify forward's cost as a function of block size T (1 .. 64, and a 60-node tree) at batch
-    1 and 16: forward of T tokens + LM head on all of them + argmax, cursor not moved;
-  * a differential profile (0 / 15 / 30 layers) giving per-layer and fixed cost;
-  * whole jitted generations (jspec.decode.generate_ar_jit, prefill + while_loop) in tokens/s.
-Prints a table; writes JSON (and each variant's compiled HLO) to $OUT when set.
---quick times only the batch-1 decode step and counts kernels (for XLA-flag variants, which need a
-process each).
+  * generate: whole jitted generations (jspec.decode.generate_ar_jit, prefill 64 + 256 new tokens)
+    in tokens/s;
+  * layers: a differential profile (0 / 15 / 30 layers) giving per-layer and fixed cost;
+  * verify: the verify forward's cost as a function of block size T (1 .. 64, and a 60-node tree)
+    per batch: forward of T tokens + LM head on all of them + argmax, cursor not moved (verify_us,
+    and vs_T1 = verify(T) / verify(1), where verify(1) is an AR step);
+  * --proj-blocks: pallas_fused decode steps at batch 1 for several projection block shapes.
+Prints each row as it is measured; writes JSON (rewritten after every row, so a killed run keeps
+what it measured) and each variant's compiled decode HLO to $OUT when set. --quick = kernels and
+the batch-1 decode step only (for XLA-flag variants, which need a process each).
 """
 import argparse
 import functools
@@ -63,7 +67,7 @@ def filled_cache(params, cfg, batch, impl, committed=COMMITTED, key=1):
 
 @functools.partial(jax.jit, static_argnums=1)
 def _prefill_cache(params, cfg, toks, cache):
-    return M.forward(params, cfg, toks, cache, attention="xla").cache
+    return M.forward(params, cfg, toks, cache, kernels="xla").cache
 
 
 def tree_mask(T, batch, key=0):
@@ -90,7 +94,7 @@ def make_verify(cfg, impl, T, n, tree=None):
 
         def body(i, c):
             cache, toks = c
-            out = M.forward(params, cfg, toks, cache, positions=pos, new_mask=mask, attention=impl)
+            out = M.forward(params, cfg, toks, cache, positions=pos, new_mask=mask, kernels=impl)
             nxt = jnp.argmax(M.lm_head(params, cfg, out.hidden), -1).astype(jnp.int32)
             return out.cache, nxt
 
@@ -105,7 +109,7 @@ def make_decode(cfg, impl, n):
     def run(params, cache, tok):
         def body(i, c):
             cache, tok = c
-            out = M.forward(params, cfg, tok[:, None], cache, attention=impl)
+            out = M.forward(params, cfg, tok[:, None], cache, kernels=impl)
             nxt = jnp.argmax(M.lm_head(params, cfg, out.hidden[:, 0]), -1).astype(jnp.int32)
             return M.advance(out.cache, jnp.ones_like(nxt)), nxt
 
@@ -136,7 +140,8 @@ def hlo_kernels(text):
         if m and line.rstrip().endswith("{"):
             cur = m.group(2); comps[cur] = []
         elif cur and "=" in line and not line.lstrip().startswith("ROOT %tuple") :
-            op = re.search(r"=\s*[^ ]+\s+([a-z\-]+)\(", line)
+            # the shape may be a tuple with spaces: "(bf16[..]{..}, bf16[..]{..}) custom-call("
+            op = re.search(r"=\s*(?:\([^)]*\)|\S+)\s+([a-z\-]+)\(", line)
             if op and op.group(1) in KERNEL_OPS:
                 name = op.group(1)
                 tgt = re.search(r'custom_call_target="([^"]+)"', line)
@@ -176,7 +181,7 @@ def compare(params, cfg, impl, batch):
         pos = cache.lengths[:, None] + (jnp.arange(T, dtype=jnp.int32)[None] if depth is None else depth[None])
 
         def f(p, c, t, impl_):
-            out = M.forward(p, cfg, t, c, positions=pos, new_mask=mask, attention=impl_)
+            out = M.forward(p, cfg, t, c, positions=pos, new_mask=mask, kernels=impl_)
             return M.lm_head(p, cfg, out.hidden), out.cache.k, out.cache.v
 
         ref = jax.jit(lambda p, c, t: f(p, c, t, "xla"))(params, cache, toks)
@@ -210,15 +215,18 @@ def generation(params, cfg, impl, batch, prompt=64, new=256):
     from jspec.decode import generate_ar_jit, plan_cache_len
     from jspec.sampling import GREEDY
 
-    os.environ["JSPEC_ATTENTION"] = impl  # read at trace time: clear jit caches between impls
+    os.environ["JSPEC_KERNELS"] = impl  # read at trace time: clear jit caches between impls
     jax.clear_caches()
     toks = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (batch, prompt)), jnp.int32)
     lens = jnp.full((batch,), prompt, jnp.int32)
     kw = dict(max_new=new, cache_len=plan_cache_len(prompt, new), sampling=GREEDY)
     t = timed(lambda: generate_ar_jit(params, cfg, toks, lens, jax.random.PRNGKey(0), **kw))
-    del os.environ["JSPEC_ATTENTION"]
+    del os.environ["JSPEC_KERNELS"]
     return dict(kind="generate", impl=impl, batch=batch, wall_s=round(t, 4), tokens_per_s=round(batch * new / t, 1),
                 ms_per_token_step=round(1000 * t / new, 4))
+
+
+SAVE = None  # set in main: writes the rows so far (a killed run keeps what it measured)
 
 
 def attempt(rows, fn, *a, **kw):
@@ -232,17 +240,27 @@ def attempt(rows, fn, *a, **kw):
     else:
         rows.append(r)
         print(r, flush=True)
+    if SAVE:
+        SAVE(rows)
     return r
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--impls", default="xla,pallas,cudnn")
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--impls", default="xla,pallas,pallas_fused,cudnn")
+    ap.add_argument("--sections", default="kernels,decode,compare,generate,layers,verify")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--verify-impls", default="xla,pallas")
+    ap.add_argument("--verify-n", type=int, default=50, help="forwards per timed verify loop")
+    ap.add_argument("--proj-blocks", default="", help="';'-separated bn,bk,warps,stages of pallas_fused to time at batch 1")
+    ap.add_argument("--quick", action="store_true", help="= --sections kernels,decode --batches 1")
     ap.add_argument("--tag", default="", help="suffix of the JSON file (e.g. the XLA flags)")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke test of this script)")
     a = ap.parse_args()
-    impls = a.impls.split(",")
+    if a.quick:
+        a.sections, a.batches = "kernels,decode", "1"
+    impls, sections = a.impls.split(","), a.sections.split(",")
+    batches = [int(b) for b in a.batches.split(",")]
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     card = jax.devices()[0].device_kind
     cfg = SMOLLM2
@@ -253,35 +271,48 @@ def main():
                           num_kv_heads=1, head_dim=64)
     params = M.init_params(cfg, jax.random.PRNGKey(0), dtype)
     rows = []
+    global SAVE
+    if OUT:
+        name = "profile_decode" + (f"_{a.tag}" if a.tag else "") + ".json"
+        SAVE = lambda rows: json.dump(dict(card=card, jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                                           rows=rows), open(os.path.join(OUT, name), "w"), indent=1)
     for impl in impls:
-        attempt(rows, lambda p, c, i: dict(kind="kernels", impl=i, **kernel_report(p, c, i)), params, cfg, impl)
-        for batch in ((1,) if a.quick else (1, 16)):
-            attempt(rows, lambda p, c, i, b: dict(kind="decode_step", impl=i, batch=b, committed=COMMITTED,
-                                                  ms_per_step=round(step_ms(p, c, i, b), 4)), params, cfg, impl, batch)
-    if not a.quick:
+        if "kernels" in sections:
+            attempt(rows, lambda p, c, i: dict(kind="kernels", impl=i, **kernel_report(p, c, i)), params, cfg, impl)
+        if "decode" in sections:
+            for batch in batches:
+                attempt(rows, lambda p, c, i, b: dict(kind="decode_step", impl=i, batch=b, committed=COMMITTED,
+                                                      ms_per_step=round(step_ms(p, c, i, b), 4)), params, cfg, impl, batch)
+    if "compare" in sections:
         for impl in [i for i in impls if i != "xla"]:
-            for batch in (1, 16):
+            for batch in batches:
                 attempt(rows, lambda p, c, i, b: dict(kind="compare", impl=i, batch=b, **compare(p, c, i, b)),
                         params, cfg, impl, batch)
+    if "generate" in sections:
         for impl in impls:
-            for batch in (1, 16):
+            for batch in batches:
                 attempt(rows, generation, params, cfg, impl, batch)
+    if "layers" in sections:
         for impl in impls[:2]:
             for L in (0, 15, 30):  # differential profile: fixed cost + L x per-layer cost
                 c = cfg.replace(num_layers=L)
                 p = {**params, "layers": jax.tree.map(lambda x: x[:L], params["layers"])}
                 attempt(rows, lambda p, c, i, L=L: dict(kind="layers", impl=i, layers=L, batch=1,
                                                         ms_per_step=round(step_ms(p, c, i, 1), 4)), p, c, impl)
-        for impl in impls[:2]:
-            for batch in (1, 16):
-                attempt(rows, verify_sweep, params, cfg, impl, batch)
+    if "verify" in sections:
+        for impl in a.verify_impls.split(","):
+            for batch in batches:
+                attempt(rows, verify_sweep, params, cfg, impl, batch, n=a.verify_n)
+    for blocks in filter(None, a.proj_blocks.split(";")):
+        os.environ["JSPEC_PROJ_BLOCKS"] = blocks  # read at trace time; make_decode traces afresh
+        attempt(rows, lambda p, c, i, b: dict(kind="decode_step", impl=i, batch=1, proj_blocks=b, committed=COMMITTED,
+                                              ms_per_step=round(step_ms(p, c, i, 1), 4)), params, cfg, "pallas_fused", blocks)
+        del os.environ["JSPEC_PROJ_BLOCKS"]
     print(f"card: {card}, jax {jax.__version__}, dtype {jnp.dtype(dtype).name}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
     for r in rows:
         print({k: v for k, v in r.items() if k != "layer_body_ops"})
-    if OUT:
-        name = "profile_decode" + (f"_{a.tag}" if a.tag else "") + ".json"
-        json.dump(dict(card=card, jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""), rows=rows),
-                  open(os.path.join(OUT, name), "w"), indent=1)
+    if SAVE:
+        SAVE(rows)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Accelerator kernels behind portable fallbacks (see `model.forward`'s `attention` argument)."""

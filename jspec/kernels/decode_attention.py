@@ -1,0 +1,166 @@
+"""Fused attention for short blocks (decode, chain and tree verify): one kernel per layer.
+
+At batch 1 a 135M decoder is launch-bound, so what a layer costs is mostly how many kernels it
+launches. The portable path (`model.forward` with attention="xla") spends about ten of them on
+attention alone: rope on q and k, two scatters into the cache, the per-layer cache slices, the
+QK product, the masked softmax and the PV product. This Pallas (Triton) kernel does all of it in
+one launch per layer:
+
+  * reads q, k, v straight from the fused QKV projection [B, T, Hq + 2*Hkv, hd] and applies rope
+    (rotate-half layout: the two halves are loaded separately, so no in-register shuffles);
+  * attends over the committed cache slots [0, lengths[b]) of layer `layer` of the full stacked
+    cache [L, B, S, Hkv, hd] (online softmax over key blocks), then over the T new tokens under
+    their mask (causal, or a tree's ancestor mask [B, T, T]);
+  * writes the new tokens' k, v into the cache at slots lengths[b] + t in place (the cache is
+    aliased input -> output). The committed slots it reads and the new slots it writes never
+    overlap, so programs need no ordering among themselves.
+
+Grid: (batch, query head). Each program handles one query head for all T tokens; the G query heads
+of a KV group re-read the same keys (from L2). The first head of each group writes the cache.
+Rows are padded to at least 16 (the tensor-core tile), so T = 1 decode wastes 15 rows of a
+[16, 64] tile, which costs nothing next to the launch.
+
+Limits (the caller falls back to the einsum path otherwise): no sliding windows, no attention
+logit soft-capping, T <= MAX_BLOCK, new_mask (if given) square [B, T, T], single device (a
+pallas_call is not partitioned by GSPMD).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+NEG_INF = -1e30
+MAX_BLOCK = 64  # new tokens per call handled by the kernel; larger blocks (prefill) use einsum
+BLOCK_K = 64  # committed keys per inner-loop step
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in, o_ref, k_out, v_out, *,
+            T, BT, G, Hq, Hkv, hd, scale, causal):
+    del k_in, v_in  # aliased with k_out / v_out: read and write through the outputs
+    b = pl.program_id(0)
+    qh = pl.program_id(1)
+    kvh = qh // G
+    layer = layer_ref[0]
+    n = len_ref[b]  # committed slots of this row
+    half = hd // 2
+    S = k_out.shape[2]
+    t = jnp.arange(BT)
+    t_ok = t < T
+    rows = pl.ds(0, BT)
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    dt = qkv_ref.dtype
+
+    def load(ref_at, mask):
+        return plgpu.load(ref_at, mask=mask, other=0)
+
+    c = load(cos_ref.at[b, rows, :], t_ok[:, None])  # [BT, half] f32
+    s = load(sin_ref.at[b, rows, :], t_ok[:, None])
+
+    def rope(head):  # rotate-half rope of one head of the QKV row, rounded to the model dtype
+        x1 = load(qkv_ref.at[b, rows, head, lo], t_ok[:, None]).astype(jnp.float32)
+        x2 = load(qkv_ref.at[b, rows, head, hi], t_ok[:, None]).astype(jnp.float32)
+        return (x1 * c - x2 * s).astype(dt), (x2 * c + x1 * s).astype(dt)
+
+    q1, q2 = rope(qh)
+    k1, k2 = rope(Hq + kvh)
+    vn = load(qkv_ref.at[b, rows, Hq + Hkv + kvh, :], t_ok[:, None])  # [BT, hd]
+
+    def dot(a, b, trans_b=False):  # f32 accumulation; float32 models get no tf32 rounding
+        return lax.dot_general(a, b, (((1,), (1 if trans_b else 0,)), ((), ())), preferred_element_type=jnp.float32,
+                               precision=lax.Precision.HIGHEST if dt == jnp.float32 else None)
+
+    def scores(a1, a2, b1, b2):
+        return (dot(a1, b1, trans_b=True) + dot(a2, b2, trans_b=True)) * scale  # [BT, keys] f32
+
+    # committed slots [0, n): online softmax over blocks of BLOCK_K keys
+    kk = jnp.arange(BLOCK_K)
+
+    def body(j, carry):
+        acc, m, l = carry
+        idx = j * BLOCK_K + kk
+        ok = idx < n
+        kb = pl.ds(j * BLOCK_K, BLOCK_K)
+        c1 = load(k_out.at[layer, b, kb, kvh, lo], ok[:, None]).astype(dt)
+        c2 = load(k_out.at[layer, b, kb, kvh, hi], ok[:, None]).astype(dt)
+        cv = load(v_out.at[layer, b, kb, kvh, :], ok[:, None]).astype(dt)
+        sc = jnp.where(ok[None, :], scores(q1, q2, c1, c2), NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.exp(sc - m_new[:, None])
+        l = l * corr + jnp.sum(p, axis=1)
+        acc = acc * corr[:, None] + dot(p.astype(dt), cv)
+        return acc, m_new, l
+
+    acc = jnp.zeros((BT, hd), jnp.float32)
+    m = jnp.full((BT,), NEG_INF, jnp.float32)
+    l = jnp.zeros((BT,), jnp.float32)
+    acc, m, l = lax.fori_loop(0, pl.cdiv(n, BLOCK_K), body, (acc, m, l))
+
+    # the T new tokens (pending slots n .. n+T-1), under their mask
+    if causal:
+        vis = t[None, :] <= t[:, None]
+    else:
+        vis = load(mask_ref.at[b, rows, rows], t_ok[:, None] & t_ok[None, :]) != 0
+    # a new token whose slot falls past the cache end is dropped, as the einsum path's scatter does
+    vis = vis & (t_ok & (n + t < S))[None, :]
+    sc = jnp.where(vis, scores(q1, q2, k1, k2), NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+    corr = jnp.exp(m - m_new)
+    p = jnp.exp(sc - m_new[:, None])
+    l = l * corr + jnp.sum(p, axis=1)
+    acc = acc * corr[:, None] + dot(p.astype(dt), vn)
+    out = acc / l[:, None]
+    plgpu.store(o_ref.at[b, rows, qh, :], out.astype(o_ref.dtype), mask=t_ok[:, None])
+
+    # write the new tokens' k, v once per KV group (slots past the cache end are dropped)
+    @pl.when(qh % G == 0)
+    def _():
+        w_ok = (t_ok & (n + t < S))[:, None]
+        slots = pl.ds(n, BT)
+        cd = k_out.dtype
+        plgpu.store(k_out.at[layer, b, slots, kvh, lo], k1.astype(cd), mask=w_ok)
+        plgpu.store(k_out.at[layer, b, slots, kvh, hi], k2.astype(cd), mask=w_ok)
+        plgpu.store(v_out.at[layer, b, slots, kvh, :], vn.astype(v_out.dtype), mask=w_ok)
+
+
+def fused_block_attention(qkv, cos, sin, k_cache, v_cache, layer, lengths, new_mask, *, num_heads, num_kv_heads,
+                          scale, interpret=False, num_warps=4):
+    """Attention of T new tokens over a stacked cache, writing their K/V; one kernel.
+
+    qkv [B, T, Hq + 2*Hkv, hd] (before rope); cos, sin [B, T, hd//2] float32; k_cache, v_cache
+    [L, B, S, Hkv, hd]; layer: int32 scalar (which layer of the cache); lengths [B] committed
+    slots; new_mask [B, T, T] (nonzero = visible) or None for causal.
+    Returns (out [B, T, Hq, hd], k_cache, v_cache) with slots lengths[b] + t of `layer` written.
+    """
+    B, T, H3, hd = qkv.shape
+    assert H3 == num_heads + 2 * num_kv_heads and T <= MAX_BLOCK, (qkv.shape, num_heads, num_kv_heads)
+    BT = max(16, _next_pow2(T))
+    causal = new_mask is None
+    mask = jnp.zeros((1, 1, 1), jnp.int32) if causal else new_mask.astype(jnp.int32)
+    kernel = functools.partial(_kernel, T=T, BT=BT, G=num_heads // num_kv_heads, Hq=num_heads, Hkv=num_kv_heads,
+                               hd=hd, scale=float(scale), causal=causal)
+    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    out, k_cache, v_cache = pl.pallas_call(
+        kernel,
+        grid=(B, num_heads),
+        out_shape=(
+            jax.ShapeDtypeStruct((B, T, num_heads, hd), qkv.dtype),
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+        ),
+        input_output_aliases={6: 1, 7: 2},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        interpret=interpret,
+        name="jspec_block_attention",
+    )(layer, lengths.astype(jnp.int32), qkv, cos, sin, mask, k_cache, v_cache)
+    return out, k_cache, v_cache

@@ -1,0 +1,99 @@
+"""The Pallas fast paths of `model.forward` compute the same function as the portable einsum path.
+
+On CPU the kernels run in Pallas interpret mode (same kernel code, no Triton), in float32, so the
+paths must agree to float32 rounding. On a GPU the same kernels compile through Triton;
+scripts/profile_decode.py compares their bf16 logits there.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec import model as M
+from jspec.config import ModelConfig
+
+# head_dim 32 (two 16-wide rope halves), GQA 3:1, dims that exercise the projection kernels' tails
+TINY = ModelConfig(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=3,
+                   num_kv_heads=1, head_dim=32)
+S = 24
+
+
+def _filled(cfg, params, B, lengths):
+    """A cache whose rows hold different numbers of committed tokens."""
+    cache = M.init_cache(cfg, B, S)
+    toks = jax.random.randint(jax.random.PRNGKey(1), (B, max(lengths)), 0, cfg.vocab_size)
+    cache = M.forward(params, cfg, toks, cache, kernels="xla").cache
+    return cache.replace(lengths=jnp.asarray(lengths, jnp.int32))
+
+
+def _ancestors(T):
+    parent = [-1, 0, 0, 1, 1, 2][:T]
+    anc = np.zeros((T, T), bool)
+    for i in range(T):
+        j = i
+        while j >= 0:
+            anc[i, j], j = True, parent[j]
+    return anc, anc.sum(1) - 1
+
+
+def _assert_same(a, b):
+    np.testing.assert_allclose(a.hidden, b.hidden, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(a.cache.k, b.cache.k, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(a.cache.v, b.cache.v, atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(a.cache.lengths, b.cache.lengths)
+    for x, y in zip(a.captured, b.captured):
+        np.testing.assert_allclose(x, y, atol=2e-5, rtol=2e-5)
+
+
+def _forward(params, cfg, toks, cache, impl, **kw):
+    f = jax.jit(lambda p, t, c: M.forward(p, cfg, t, c, kernels=impl, **kw))
+    return f(params, toks, cache)
+
+
+def test_fast_paths_match_einsum():
+    cfg = TINY
+    params = M.init_params(cfg, jax.random.PRNGKey(0), scale=0.2)
+    B = 2
+    cache = _filled(cfg, params, B, [5, 2])
+    anc, depth = _ancestors(6)
+    cases = [
+        ("pallas", dict(T=1)),  # decode: fused attention, XLA matmuls
+        # chain verify + feature capture over a layer sub-range (early-exit drafting shares the cache)
+        ("pallas_fused", dict(T=3, capture=(1,), layer_range=(1, 2))),
+        ("pallas_fused", dict(T=6, new_mask=jnp.asarray(np.broadcast_to(anc, (B, 6, 6))),  # tree verify
+                              positions=cache.lengths[:, None] + jnp.asarray(depth)[None])),
+    ]
+    for impl, case in cases:
+        T = case.pop("T")
+        toks = jax.random.randint(jax.random.PRNGKey(T), (B, T), 0, cfg.vocab_size)
+        _assert_same(_forward(params, cfg, toks, cache, "xla", **case), _forward(params, cfg, toks, cache, impl, **case))
+
+
+def test_fast_path_bias_qk_norm_and_full_cache():
+    """Qwen-style qkv bias and q/k norms; a row whose new slots run past the cache end (dropped)."""
+    cfg = TINY.replace(arch="qwen3", attention_bias=True, qk_norm=True)
+    params = M.init_params(cfg, jax.random.PRNGKey(2), scale=0.2)
+    params["layers"]["bqkv"] = 0.1 * jax.random.normal(jax.random.PRNGKey(3), params["layers"]["bqkv"].shape)
+    cache = _filled(cfg, params, 2, [S - 1, 3])
+    toks = jax.random.randint(jax.random.PRNGKey(4), (2, 2), 0, cfg.vocab_size)
+    _assert_same(_forward(params, cfg, toks, cache, "xla"), _forward(params, cfg, toks, cache, "pallas_fused"))
+
+
+def test_unsupported_calls_fall_back():
+    """Prefill-sized blocks, sliding windows and soft-capping take the einsum path."""
+    assert M.fused_attention_supported(TINY, 64, None)
+    assert not M.fused_attention_supported(TINY, 65, None)
+    assert not M.fused_attention_supported(TINY.replace(sliding_window=4, sliding_layers=(True, False)), 1, None)
+    assert not M.fused_attention_supported(TINY.replace(attn_logit_softcap=50.0), 1, None)
+    assert not M.fused_projections_supported(TINY.replace(sandwich_norm=True), 1)
+
+
+def test_kernel_choice(monkeypatch):
+    monkeypatch.delenv("JSPEC_KERNELS", raising=False)
+    assert M.default_kernels() == "xla"  # CPU: the portable path
+    monkeypatch.setenv("JSPEC_KERNELS", "pallas")
+    assert M.default_kernels() == "pallas"
+    monkeypatch.setenv("JSPEC_KERNELS", "triton")
+    with pytest.raises(ValueError, match="JSPEC_KERNELS"):
+        M.default_kernels()
