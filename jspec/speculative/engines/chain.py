@@ -86,7 +86,11 @@ def spec_round(tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling
     pstate, limit = policy.start_round(state.pstate, k_max, round_features(state, tparams))
     limit = jnp.clip(limit, 1, k_max)
     keep_probs = not sampling.greedy and not drafter.deterministic and verify == "lossless"
-    if drafter.parallel:
+    if getattr(drafter, "block", False):  # one-forward block drafters (DiffuSpec): limit and EOS applied inside
+        tokens, valid, q, dstate = drafter.draft_block(
+            dparams, tparams, tcfg, state.dstate, state.last, limit, sampling, k_draft, keep_probs)
+        draft, cache = Draft(tokens, valid, q), state.cache
+    elif drafter.parallel:
         tokens, valid = drafter.propose(state.dstate, state.last, k_max)
         valid = valid & (jnp.arange(k_max)[None] < limit[:, None])
         draft, dstate, cache = Draft(tokens, valid, None), state.dstate, state.cache

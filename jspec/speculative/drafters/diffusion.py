@@ -1,0 +1,388 @@
+"""DiffuSpec: a masked-diffusion LM drafts a block of tokens in one forward; causal-consistency
+path search (CPS) picks a left-to-right path through its per-position candidates.
+
+Round (docs/methods.md, DiffuSpec; arXiv 2510.02358):
+
+1. One cached DLM call commits the last verified block to the DLM's prefix cache (causal) and
+   denoises `[last, MASK x (T-1)]` bidirectionally: T per-position distributions q_i for the next
+   T tokens (S = 1). With `steps` S > 1 the most confident positions are fixed and the block is
+   re-run, S - 1 more times (the paper's refinement steps; costly, off by default).
+2. CPS (`cps=True`): per position keep the smallest top set with cumulative mass >= tau, capped
+   at M_max, EOS always kept; beam search of width B over this lattice with score
+   `sum_i lam * log q_i(x_i) + (1 - lam) * log P_proxy(x_i | x_{i-2}, x_{i-1})`, the proxy a
+   3-gram model of the distilled data (device-side sorted tables, stupid backoff). A path ends
+   at EOS. Without CPS the draft is the per-position argmax.
+3. The draft stops *before* the first EOS (the target then emits EOS itself if it agrees, so
+   nothing is lost), and positions past the policy's limit are invalid: the number of valid
+   drafts is the EOS-aware generated length ADL reads (`policies/adl.py`).
+
+Verification is the engine's chain rule. Greedy: lossless (identical to AR). Sampling: the paper
+verifies with the left-to-right proxy q_i^{L2R} = the DLM's one-forward marginal at position i
+(`sampling_q="l2r"`), which is **approximate**: CPS picks tokens by search, not by sampling q.
+`sampling_q="point"` treats the (deterministic) CPS path as a point mass (q = 1, the EAGLE-2
+convention), which is exactly lossless at a lower acceptance rate.
+
+[I] reconstructions, marked in docs/methods.md: the lattice stops after the first position whose
+tau-mass set contains EOS (the reproduction's "positions after the first position containing EOS
+are not expanded"); the proxy's backoff (stupid backoff, alpha = 0.4, add-one unigrams); the
+L2R proxy read as the one-forward marginals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from ... import model as M
+from ...config import ModelConfig
+from ...heads import dlm as D
+from ...sampling import Sampling, probs
+from ..state import take_row
+from .base import DrafterError
+
+PAPER_CPS = {"tau": 0.8, "m_max": 15, "beam": 3, "lam": 0.5}
+# Library defaults for a small (135M-class) target: a 30-token block costs the DLM one forward,
+# but a small DLM's marginals degrade fast with distance, so rounds verify fewer tokens; a
+# narrower lattice keeps the beam search cheap next to a ~1 ms target call.
+LIBRARY_CPS = {"tau": 0.8, "m_max": 8, "beam": 3, "lam": 0.5}
+
+
+# ---------------------------------------------------------------------------------------------
+# The 3-gram proxy: fitted on the host, looked up on the device
+# ---------------------------------------------------------------------------------------------
+
+
+def fit_trigram_proxy(sequences, vocab_size: int, *, min_count: int = 1, max_entries: int = 4_000_000) -> dict:
+    """Tables of a 3-gram model with stupid backoff from token sequences (host, numpy).
+
+    Returns a pytree of arrays: lexicographically sorted (a, b, c) trigram keys with log P(c | a b),
+    (b, c) bigram keys with log P(c | b), and dense add-one unigram log-probs [V]. Keys are int32
+    columns (no 64-bit keys needed on the device). Only the `max_entries` most frequent n-grams of
+    each order are kept (ties by key order)."""
+    V = int(vocab_size)
+    uni = np.zeros(V, np.int64)
+    tri_keys, bi_keys = [], []
+    for s in sequences:
+        s = np.asarray(s, np.int64)
+        if s.size == 0:
+            continue
+        uni += np.bincount(s, minlength=V)[:V]
+        if s.size >= 2:
+            bi_keys.append(s[:-1] * V + s[1:])
+        if s.size >= 3:
+            tri_keys.append((s[:-2] * V + s[1:-1]) * V + s[2:])
+    uni_lp = np.log((uni + 1.0) / (uni.sum() + V)).astype(np.float32)
+
+    def table(keys):
+        if not keys:
+            return np.zeros((0,), np.int64), np.zeros((0,), np.float32)
+        k, c = np.unique(np.concatenate(keys), return_counts=True)
+        ctx = k // V  # context id: (a, b) for trigrams, b for bigrams
+        ctx_u, ctx_inv = np.unique(ctx, return_inverse=True)
+        ctx_tot = np.bincount(ctx_inv, weights=c)
+        lp = np.log(c / ctx_tot[ctx_inv]).astype(np.float32)
+        keep = c >= min_count
+        if keep.sum() > max_entries:
+            order = np.argsort(-c, kind="stable")[:max_entries]
+            keep = np.zeros_like(keep)
+            keep[order] = True
+        return k[keep], lp[keep]
+
+    tk, tlp = table(tri_keys)
+    bk, blp = table(bi_keys)
+
+    def cols(k, n):
+        out = []
+        for _ in range(n):
+            out.append((k % V).astype(np.int32))
+            k = k // V
+        return out[::-1]
+
+    ta, tb, tc = cols(tk, 3)
+    ba, bc = cols(bk, 2)
+    # A sentinel past every real key keeps the tables non-empty (binary search needs N >= 1).
+    big = np.int32(np.iinfo(np.int32).max)
+    pad = lambda a, v: np.concatenate([a, np.asarray([v], a.dtype)])  # noqa: E731
+    return {
+        "uni": uni_lp,
+        "bi_b": pad(ba, big), "bi_c": pad(bc, big), "bi_lp": pad(blp, 0.0),
+        "tri_a": pad(ta, big), "tri_b": pad(tb, big), "tri_c": pad(tc, big), "tri_lp": pad(tlp, 0.0),
+    }
+
+
+def _lex_lookup(cols: tuple, values: jax.Array, query: tuple):
+    """(found, value) of query keys (tuple of int32 arrays, same shape) in lexicographically
+    sorted key columns (tuple of [N] int32): a vectorised binary search, log2(N) gathers."""
+    N = cols[0].shape[0]
+    shape = query[0].shape
+    lo = jnp.zeros(shape, jnp.int32)
+    hi = jnp.full(shape, N, jnp.int32)
+
+    def less(idx):  # key[idx] < query, lexicographically
+        out = jnp.zeros(shape, bool)
+        eq = jnp.ones(shape, bool)
+        for c, q in zip(cols, query):
+            k = c[idx]
+            out = out | (eq & (k < q))
+            eq = eq & (k == q)
+        return out
+
+    def body(_, carry):
+        lo, hi = carry
+        mid = (lo + hi) // 2
+        go_right = less(jnp.clip(mid, 0, N - 1)) & (lo < hi)
+        return jnp.where(go_right, mid + 1, lo), jnp.where(~go_right & (lo < hi), mid, hi)
+
+    lo, _ = jax.lax.fori_loop(0, max(1, math.ceil(math.log2(N + 1))), body, (lo, hi))
+    idx = jnp.clip(lo, 0, N - 1)
+    found = lo < N
+    for c, q in zip(cols, query):
+        found = found & (c[idx] == q)
+    return found, values[idx]
+
+
+BACKOFF_LOG_ALPHA = math.log(0.4)
+
+
+def proxy_logprob(proxy: dict, a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
+    """log P_proxy(c | a, b) with stupid backoff (alpha 0.4) to bigrams and add-one unigrams."""
+    t_found, t_lp = _lex_lookup((proxy["tri_a"], proxy["tri_b"], proxy["tri_c"]), proxy["tri_lp"], (a, b, c))
+    b_found, b_lp = _lex_lookup((proxy["bi_b"], proxy["bi_c"]), proxy["bi_lp"], (b, c))
+    uni = proxy["uni"][c]
+    return jnp.where(t_found, t_lp, jnp.where(b_found, BACKOFF_LOG_ALPHA + b_lp, 2 * BACKOFF_LOG_ALPHA + uni))
+
+
+def save_proxy(path: str, proxy: dict) -> None:
+    np.savez(path, **{k: np.asarray(v) for k, v in proxy.items()})
+
+
+def load_proxy(path: str) -> dict:
+    with np.load(path) as z:
+        return {k: jnp.asarray(z[k]) for k in z.files}
+
+
+# ---------------------------------------------------------------------------------------------
+# CPS: lattice and beam search (pure, static shapes)
+# ---------------------------------------------------------------------------------------------
+
+
+def cps_lattice(logp: jax.Array, eos_id: int, tau: float, m_max: int):
+    """Per-position candidates from DLM log-probs [B, K, V].
+
+    Returns (tokens [B, K, C], logq [B, K, C], ok [B, K, C], eos_stop [B]) with C = m_max + 1:
+    the smallest top set with cumulative mass >= tau (capped at m_max), plus an EOS slot that is
+    always kept (a duplicate of an EOS already in the set is dropped). eos_stop: index of the first
+    position whose tau-set contains EOS (K if none): later positions are not expanded."""
+    B, K, V = logp.shape
+    top_lp, top_tok = jax.lax.top_k(logp, m_max)
+    p = jnp.exp(top_lp)
+    keep = (jnp.cumsum(p, axis=-1) - p) < tau
+    eos_in_set = jnp.any(keep & (top_tok == eos_id), axis=-1)  # [B, K]
+    keep = keep & (top_tok != eos_id)
+    eos_lp = logp[..., eos_id][..., None]
+    tokens = jnp.concatenate([top_tok.astype(jnp.int32), jnp.full((B, K, 1), eos_id, jnp.int32)], axis=-1)
+    logq = jnp.concatenate([top_lp, eos_lp], axis=-1)
+    ok = jnp.concatenate([keep, jnp.ones((B, K, 1), bool)], axis=-1)
+    eos_stop = jnp.where(jnp.any(eos_in_set, axis=1), jnp.argmax(eos_in_set, axis=1), K).astype(jnp.int32)
+    return tokens, logq, ok, eos_stop
+
+
+def cps_beam_search(tokens, logq, ok, limit, prev2, prev1, proxy_fn, *, beam: int, lam: float, eos_id: int):
+    """Left-to-right beam search over a lattice (tokens / logq / ok [B, K, C]).
+
+    Expands positions < limit[b]; a beam that takes EOS is finished and carried unchanged. Path
+    score: sum over its tokens of lam * logq + (1 - lam) * proxy_fn(x_{i-2}, x_{i-1}, x_i), the
+    context starting from (prev2, prev1). Returns (path [B, K] int32, length [B] int32, score [B]):
+    the best final beam (ties: the earlier-found beam)."""
+    B, K, C = tokens.shape
+    W = beam
+    neg = jnp.float32(-jnp.inf)
+    score = jnp.full((B, W), neg).at[:, 0].set(0.0)
+    paths = jnp.zeros((B, W, K), jnp.int32)
+    length = jnp.zeros((B, W), jnp.int32)
+    fin = jnp.zeros((B, W), bool)
+    c2 = jnp.broadcast_to(prev2[:, None], (B, W)).astype(jnp.int32)
+    c1 = jnp.broadcast_to(prev1[:, None], (B, W)).astype(jnp.int32)
+
+    def step(carry, xs):
+        score, paths, length, fin, c2, c1 = carry
+        k, tok, lq, okk = xs  # tok / lq / okk [B, C]
+        live = score > neg
+        expanding = (k < limit)[:, None]  # [B, 1]
+        cand = jnp.broadcast_to(tok[:, None, :], (B, W, C))
+        lp_proxy = proxy_fn(jnp.broadcast_to(c2[:, :, None], (B, W, C)), jnp.broadcast_to(c1[:, :, None], (B, W, C)), cand)
+        ext = score[:, :, None] + lam * lq[:, None, :] + (1.0 - lam) * lp_proxy
+        ext_ok = live[:, :, None] & ~fin[:, :, None] & okk[:, None, :] & expanding[:, :, None]
+        ext = jnp.where(ext_ok, ext, neg).reshape(B, W * C)
+        carry_ok = live & (fin | ~expanding)
+        kept = jnp.where(carry_ok, score, neg)
+        allsc = jnp.concatenate([ext, kept], axis=1)  # [B, W*C + W]
+        new_score, idx = jax.lax.top_k(allsc, W)
+        is_ext = idx < W * C
+        src = jnp.where(is_ext, idx // C, idx - W * C)
+        new_tok = jnp.take_along_axis(tok, jnp.where(is_ext, idx % C, 0), axis=1)
+        g = lambda x: jnp.take_along_axis(x, src, axis=1)  # noqa: E731
+        paths_src = jnp.take_along_axis(paths, src[:, :, None], axis=1)
+        paths = jnp.where(is_ext[:, :, None] & (jnp.arange(K)[None, None] == k), new_tok[:, :, None], paths_src)
+        length = g(length) + is_ext.astype(jnp.int32)
+        fin = g(fin) | (is_ext & (new_tok == eos_id))
+        c2, c1 = jnp.where(is_ext, g(c1), g(c2)), jnp.where(is_ext, new_tok, g(c1))
+        return (new_score, paths, length, fin, c2, c1), None
+
+    xs = (jnp.arange(K), jnp.moveaxis(tokens, 1, 0), jnp.moveaxis(logq, 1, 0), jnp.moveaxis(ok, 1, 0))
+    (score, paths, length, fin, _, _), _ = jax.lax.scan(step, (score, paths, length, fin, c2, c1), xs)
+    best = jnp.argmax(score, axis=1)
+    return take_row(paths, best), take_row(length, best), take_row(score, best)
+
+
+# ---------------------------------------------------------------------------------------------
+# The drafter
+# ---------------------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class DiffuSpecState:
+    cache: M.KVCache  # DLM prefix cache; cursor = position of the round's anchor (`last`)
+    pending: jax.Array  # [B, K+1] last verified block, committed at the start of the next call
+    n_pending: jax.Array  # [B] how many of them were accepted (0 after the prefill)
+    prev: jax.Array  # [B] the token before `last` (3-gram context)
+
+
+def _first_true(x: jax.Array) -> jax.Array:
+    """Index of the first True along the last axis (its size if none)."""
+    n = x.shape[-1]
+    return jnp.where(jnp.any(x, axis=-1), jnp.argmax(x, axis=-1), n).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffuSpecDrafter:
+    """DiffuSpec (one-forward DLM block drafts + CPS); dparams = {"dlm": own DLM weights,
+    "proxy": fit_trigram_proxy(...) tables}. The engine's k_max is the longest draft (<= the
+    DLM's block size); pair it with the `adl` policy (``ADLPolicy.paper()`` for k in [20, 30]).
+
+    tau / m_max / beam / lam: CPS (``PAPER_CPS``; ``LIBRARY_CPS`` for a small target).
+    steps: denoising forwards per round (paper S = 1). sampling_q: "l2r" (paper, approximate) or
+    "point" (q = 1 on the CPS path: exactly lossless). kernels: model.forward implementation."""
+
+    dcfg: D.DLMConfig
+    k_max: int
+    cps: bool = True
+    tau: float = LIBRARY_CPS["tau"]
+    m_max: int = LIBRARY_CPS["m_max"]
+    beam: int = LIBRARY_CPS["beam"]
+    lam: float = LIBRARY_CPS["lam"]
+    steps: int = 1
+    sampling_q: str = "l2r"
+    kernels: str | None = None
+
+    name = "diffuspec"
+    parallel = True  # proposes a whole block at once: per-token stop policies do not apply
+    block = True  # drafts through `draft_block` (one call per round, with weights)
+    capture_layers = ()
+
+    @classmethod
+    def paper(cls, dcfg: D.DLMConfig, k_max: int = 30, **kw) -> "DiffuSpecDrafter":
+        return cls(dcfg=dcfg, k_max=k_max, **{**PAPER_CPS, **kw})
+
+    @property
+    def deterministic(self) -> bool:
+        return self.sampling_q == "point"
+
+    def check(self, tcfg: ModelConfig):
+        t = self.dcfg.target
+        if (t.vocab_size, t.hidden_size) != (tcfg.vocab_size, tcfg.hidden_size):
+            raise DrafterError(f"DLM was built for vocab {t.vocab_size} / hidden {t.hidden_size}, the target has "
+                               f"{tcfg.vocab_size} / {tcfg.hidden_size}: it must share the target's embeddings")
+        if not 1 <= self.k_max <= self.dcfg.block_size:
+            raise DrafterError(f"diffuspec k_max {self.k_max} must be in [1, the DLM block size {self.dcfg.block_size}]")
+        if self.steps < 1:
+            raise DrafterError(f"diffuspec steps must be >= 1, got {self.steps}")
+        if self.sampling_q not in ("l2r", "point"):
+            raise DrafterError(f"diffuspec sampling_q {self.sampling_q!r}: choose l2r or point")
+        if self.cps and not tcfg.eos_token_ids:
+            raise DrafterError("CPS needs an EOS token id in the target config")
+        if self.beam < 1 or self.m_max < 1 or not 0.0 < self.tau <= 1.0 or not 0.0 <= self.lam <= 1.0:
+            raise DrafterError(f"CPS settings out of range: beam {self.beam} >= 1, m_max {self.m_max} >= 1, "
+                               f"tau {self.tau} in (0, 1], lam {self.lam} in [0, 1]")
+
+    def cache_slots(self, cache_len: int) -> int:
+        return -(-(cache_len + self.k_max + 1 + self.dcfg.block_size) // 128) * 128
+
+    def init(self, dparams, tparams, tcfg, prompt, lens, first_token, prefill_out, cache_len):
+        B = prompt.shape[0]
+        own = dparams["dlm"]
+        cache = M.init_cache(self.dcfg.model, B, self.cache_slots(cache_len), own["final_norm"].dtype)
+        cache = D.prefill(own, tparams, self.dcfg, prompt, lens, cache, kernels=self.kernels)
+        return DiffuSpecState(cache=cache, pending=jnp.zeros((B, self.k_max + 1), jnp.int32),
+                              n_pending=jnp.zeros((B,), jnp.int32),
+                              prev=take_row(prompt[:, :, None], lens - 1)[:, 0])
+
+    def denoise(self, dparams, tparams, dstate: DiffuSpecState, last):
+        """The DLM's distributions for the next T tokens: (logits [B, T, V], fixed [B, T] bool,
+        fixed tokens [B, T], state with the pending block committed)."""
+        own, T = dparams["dlm"], self.dcfg.block_size
+        B = last.shape[0]
+        block = jnp.full((B, T), self.dcfg.mask_token_id, jnp.int32).at[:, 0].set(last)
+        logits, cache = D.block_logits(own, tparams, self.dcfg, dstate.cache, dstate.pending, dstate.n_pending,
+                                       block, kernels=self.kernels)
+        fixed = jnp.zeros((B, T), bool)
+        fixed_tok = jnp.zeros((B, T), jnp.int32)
+        if self.steps > 1:
+            per_step = -(-T // self.steps)
+            empty = jnp.zeros((B, 0), jnp.int32)
+
+            def refine(_, c):
+                logits, fixed, fixed_tok, block = c
+                lp = jax.nn.log_softmax(logits, axis=-1)
+                conf = jnp.where(fixed, -jnp.inf, jnp.max(lp, axis=-1))
+                _, pick = jax.lax.top_k(conf, per_step)  # [B, per_step] targets to fix now
+                new = jnp.zeros((B, T), bool).at[jnp.arange(B)[:, None], pick].set(True) & ~fixed
+                tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+                fixed_tok = jnp.where(new, tok, fixed_tok)
+                fixed = fixed | new
+                # target j sits in input slot j + 1 (the last target has no slot)
+                shifted = jnp.concatenate([block[:, :1], jnp.where(fixed[:, :-1], fixed_tok[:, :-1], block[:, 1:])], 1)
+                new_logits, _ = D.block_logits(own, tparams, self.dcfg, cache, empty, jnp.zeros((B,), jnp.int32),
+                                               shifted, kernels=self.kernels)
+                return new_logits, fixed, fixed_tok, shifted
+
+            logits, fixed, fixed_tok, _ = jax.lax.fori_loop(0, self.steps - 1, refine, (logits, fixed, fixed_tok, block))
+        return logits, fixed, fixed_tok, dstate.replace(cache=cache, n_pending=jnp.zeros_like(dstate.n_pending))
+
+    def draft_block(self, dparams, tparams, tcfg, dstate: DiffuSpecState, last, limit, sampling: Sampling, key, keep_probs):
+        """(tokens [B, K], valid [B, K], q [B, K, V] or None, state) for this round."""
+        del key
+        K = self.k_max
+        logits, fixed, fixed_tok, dstate = self.denoise(dparams, tparams, dstate, last)
+        logits, fixed, fixed_tok = logits[:, :K], fixed[:, :K], fixed_tok[:, :K]
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        # a fixed (refined) position has a single candidate: its token, at the q it was fixed with
+        onehot = jax.nn.one_hot(fixed_tok, logp.shape[-1], dtype=bool)
+        logp_c = jnp.where(fixed[..., None], jnp.where(onehot, 0.0, -jnp.inf), logp)
+        eos = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else -1
+        if self.cps:
+            cand, lq, ok, eos_stop = cps_lattice(logp_c, eos, self.tau, self.m_max)
+            proxy = dparams["proxy"]
+            fn = lambda a, b, c: proxy_logprob(proxy, a, b, c)  # noqa: E731
+            lim = jnp.minimum(limit, eos_stop + 1)
+            path, _, _ = cps_beam_search(cand, lq, ok, lim, dstate.prev, last, fn, beam=self.beam, lam=self.lam, eos_id=eos)
+        else:
+            path = jnp.argmax(logp_c, axis=-1).astype(jnp.int32)
+        # drafting stops before the first EOS and at the policy's limit
+        is_eos = jnp.isin(path, jnp.asarray(tcfg.eos_token_ids or (-1,), jnp.int32))
+        n = jnp.minimum(_first_true(is_eos), limit)
+        valid = jnp.arange(K)[None] < n[:, None]
+        tokens = jnp.where(valid, path, 0)
+        q = None
+        if keep_probs and self.sampling_q == "l2r":
+            q = probs(logits, sampling)
+        return tokens, valid, q, dstate
+
+    def commit(self, dparams, tparams, tcfg, dstate: DiffuSpecState, block_tokens, n_accepted, next_token, verify_out):
+        return dstate.replace(pending=block_tokens.astype(jnp.int32), n_pending=n_accepted + 1,
+                              prev=take_row(block_tokens[:, :, None], n_accepted)[:, 0])

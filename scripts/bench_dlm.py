@@ -1,0 +1,279 @@
+"""Benchmark rows for the diffusion drafter: DiffuSpec against AR, SSD against stepwise decoding.
+
+    python scripts/bench_dlm.py --target smollm2-135m-instruct --dlm DLM/dlm.safetensors \
+        --data DATA_DIR --out RESULTS_DIR --time-budget-s 240
+
+One process, one device, greedy. Every method is compiled once (prompts are padded to one
+length) and warmed up on the first batch (untimed, `compile_s`). Per task, AR runs first; the
+number of batches every method then runs is fitted to the time budget from AR's batch time, so
+all rows of a task cover the same prompts (`n_prompts`; all of them when the budget allows).
+
+Rows (RESULTS_DIR/dlm_bench.json, a list; bench-report fields plus extras):
+  method "ar"         the target alone (the reference of speedup_vs_ar and greedy_identical_to_ar)
+  method "diffuspec"  names diffuspec:cps:adl, diffuspec:nocps:adl, diffuspec:cps:static (fixed k),
+                      diffuspec:paper:adl (tau 0.8, M 15, B 3, lambda 0.5, k in [20, 30], if the
+                      DLM's block holds 30); mean_accepted_tokens = tokens per target call
+  method "ssd"        the DLM alone: stepwise decoding (ssd:stepwise) and SSD (ssd:N=..):
+                      identical_to_stepwise (fraction of prompts), forwards_per_token,
+                      speedup_vs_stepwise
+  an fp32 row         DiffuSpec greedy identity to fp32 AR on --fp32-prompts prompts
+                      (matmul precision "highest")
+The proxy 3-gram table is fitted on the training split of DATA_DIR at start (seconds).
+--prompts-from-data N benchmarks N prompts of DATA_DIR's eval split instead of the tasks (for a
+target without a tokenizer, e.g. the CPU smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--dlm", required=True, help="dlm.safetensors from scripts/train_dlm.py")
+    ap.add_argument("--data", required=True, help="distilled dataset (fits the 3-gram proxy)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tasks", default="mt_bench,humaneval")
+    ap.add_argument("--prompts-from-data", type=int, default=0)
+    ap.add_argument("--time-budget-s", type=float, default=240.0, help="timed part, compiles excluded")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--k", type=int, default=16, help="library k_max (ADL upper bound, fixed-k rows)")
+    ap.add_argument("--ssd-block", type=int, default=8)
+    ap.add_argument("--ssd-nodes", type=int, default=4)
+    ap.add_argument("--fp32-prompts", type=int, default=8)
+    ap.add_argument("--dtype", default=None, help="default: the preset's (bfloat16 on GPU)")
+    ap.add_argument("--no-paper", action="store_true", help="skip the paper-settings DiffuSpec row")
+    args = ap.parse_args(argv)
+    if args.batch < 1 or args.max_new_tokens < 1:
+        ap.error("--batch and --max-new-tokens must be >= 1")
+    if not os.path.isfile(args.dlm):
+        ap.error(f"--dlm {args.dlm}: no such file")
+    if not os.path.isfile(os.path.join(args.data, "meta.json")):
+        ap.error(f"--data {args.data}: no meta.json")
+    return args
+
+
+def main(argv=None):
+    args = parse(argv)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jspec import model as M
+    from jspec.bench.device import card_name
+    from jspec.decode import bucket, generate_ar_jit, plan_cache_len
+    from jspec.heads import dlm as D
+    from jspec.presets import list_presets, load_preset, resolve_model
+    from jspec.sampling import GREEDY
+    from jspec.speculative.drafters.diffusion import PAPER_CPS, DiffuSpecDrafter, fit_trigram_proxy
+    from jspec.speculative.engines import ssd as SSD
+    from jspec.speculative.engines.chain import check_compatible, speculative_generate_jit
+    from jspec.speculative.policies import make_policy
+    from jspec.speculative.policies.adl import ADLPolicy
+    from jspec.train import shards as SH
+
+    t0 = time.perf_counter()
+    tcfg, tparams, tok = resolve_model(args.target, dtype=args.dtype, tokenizer=not args.prompts_from_data)
+    dtype = tparams["embed"].dtype
+    dcfg, own = D.load_dlm(args.dlm, tcfg, dtype=dtype)
+    meta = SH.read_meta(args.data)
+    seqs = []
+    for s in SH.shard_files(meta, "train"):
+        rows = SH.load_rows(args.data, s["file"])
+        seqs += [SH.row_tokens(rows, r) for r in range(len(rows["prompt_lens"]))]
+    proxy = jax.tree.map(jnp.asarray, fit_trigram_proxy(seqs, tcfg.vocab_size))
+    print(f"loaded target, DLM ({dcfg.num_layers} layers) and a 3-gram proxy of {len(seqs)} rows "
+          f"in {time.perf_counter() - t0:.1f}s", flush=True)
+
+    # ---- prompts ----------------------------------------------------------------------------
+    prompts: dict[str, list[list[int]]] = {}
+    if args.prompts_from_data:
+        rows = SH.load_rows(args.data, (SH.shard_files(meta, "eval") or SH.shard_files(meta, "all"))[0]["file"])
+        prompts["data"] = [SH.row_tokens(rows, r)[: rows["prompt_lens"][r]].tolist()
+                           for r in range(min(args.prompts_from_data, len(rows["prompt_lens"])))]
+    else:
+        from jspec.bench.prompts import encode_questions
+        from jspec.tasks import load_task
+
+        chat = load_preset(args.target).chat if args.target in list_presets() else None
+        for name in [t for t in args.tasks.split(",") if t]:
+            prompts[name] = encode_questions(tok, load_task(name), chat=chat)
+    P = bucket(max(len(p) for ps in prompts.values() for p in ps))
+    k_paper = 30 if dcfg.block_size >= 30 and not args.no_paper else 0
+    k_lib = min(args.k, dcfg.block_size)
+    extra = max(k_lib, k_paper) + 1
+    cache_len = plan_cache_len(P, args.max_new_tokens, extra)
+    ssd_cache = SSD.cache_len_for(P, args.max_new_tokens, args.ssd_block, args.ssd_nodes)
+    SSD.check_ssd(dcfg, args.ssd_block, args.ssd_nodes)
+    B = args.batch
+    key = jax.random.PRNGKey(0)
+
+    def packed(ps):
+        n = len(ps)
+        pad = (-n) % B
+        ps = list(ps) + [ps[-1]] * pad
+        tokens = np.full((len(ps), P), tcfg.pad_token_id, np.int32)
+        for i, p in enumerate(ps):
+            tokens[i, : len(p)] = p
+        return tokens, np.asarray([len(p) for p in ps], np.int32), n
+
+    # ---- methods: each returns per-row (tokens, target_calls / forwards, drafted, accepted) ----
+    dparams = {"dlm": own, "proxy": proxy}
+
+    def ar_fn(tp):
+        def run(t, l):
+            out, n, steps = generate_ar_jit(tp, tcfg, t, l, key, max_new=args.max_new_tokens, cache_len=cache_len, sampling=GREEDY)
+            out, n, steps = jax.device_get((out, n, steps))
+            return [(out[b, : n[b]].tolist(), int(steps[b]), 0, 0) for b in range(len(n))]
+        return run
+
+    def spec_fn(drafter, policy, k, tp, dp):
+        check_compatible(drafter, policy, tcfg, k, "lossless")
+
+        def run(t, l):
+            o = speculative_generate_jit(tp, dp, None, t, l, key, tcfg=tcfg, drafter=drafter, policy=policy, k_max=k,
+                                         max_new=args.max_new_tokens, cache_len=cache_len, sampling=GREEDY,
+                                         verify="lossless", unroll=1)
+            out, n, calls, drafted, acc = jax.device_get(o[:5])
+            return [(out[b, : n[b]].tolist(), int(calls[b]), int(drafted[b]), int(acc[b])) for b in range(len(n))]
+        return run
+
+    def ssd_fn(n_nodes):
+        fn = SSD.stepwise_generate_jit if n_nodes == 1 else SSD.ssd_generate_jit
+
+        def run(t, l):
+            kw = {} if n_nodes == 1 else {"n_nodes": n_nodes}
+            out, n, fw = jax.device_get(fn(own, tparams, t, l, dcfg=dcfg, b=args.ssd_block, max_new=args.max_new_tokens,
+                                           cache_len=ssd_cache, **kw))
+            return [(out[b, : n[b]].tolist(), int(fw[b]), 0, 0) for b in range(len(n))]
+        return run
+
+    lib = dict(k_min=max(1, k_lib // 4), delta=max(1, k_lib // 4))
+    methods = [
+        ("ar", "ar", None, None, ar_fn(tparams)),
+        ("diffuspec", "diffuspec:cps:adl", "diffuspec", "adl",
+         spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib), ADLPolicy(k_max=k_lib, **lib), k_lib, tparams, dparams)),
+        ("diffuspec", "diffuspec:nocps:adl", "diffuspec-nocps", "adl",
+         spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, cps=False), ADLPolicy(k_max=k_lib, **lib), k_lib, tparams, dparams)),
+        ("diffuspec", f"diffuspec:cps:static:k={k_lib}", "diffuspec", "static",
+         spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib), make_policy("static", k_max=k_lib), k_lib, tparams, dparams)),
+    ]
+    if k_paper:
+        methods.append(("diffuspec", "diffuspec:paper:adl", "diffuspec-paper", "adl-paper",
+                        spec_fn(DiffuSpecDrafter.paper(dcfg, k_max=k_paper), ADLPolicy.paper(k_max=k_paper), k_paper, tparams, dparams)))
+    methods += [("ssd", "ssd:stepwise", "dlm", "stepwise", ssd_fn(1)),
+                ("ssd", f"ssd:N={args.ssd_nodes}", "dlm", f"ssd-N{args.ssd_nodes}", ssd_fn(args.ssd_nodes))]
+
+    compiled: dict[str, float] = {}
+    card = card_name()
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    all_rows = []
+    share = args.time_budget_s / max(len(prompts), 1)
+
+    for task, ps in prompts.items():
+        tokens, lens, n_real = packed(ps)
+        n_batches_all = len(tokens) // B
+        results: dict[str, dict] = {}
+        n_batches = n_batches_all
+        for mi, (method, name, drafter, policy, fn) in enumerate(methods):
+            if name not in compiled:
+                tc = time.perf_counter()
+                fn(jnp.asarray(tokens[:B]), jnp.asarray(lens[:B]))
+                compiled[name] = time.perf_counter() - tc
+            outs, secs = [], []
+            for bi in range(n_batches):
+                t, l = jnp.asarray(tokens[bi * B : (bi + 1) * B]), jnp.asarray(lens[bi * B : (bi + 1) * B])
+                ts = time.perf_counter()
+                rows = fn(t, l)
+                secs.append(time.perf_counter() - ts)
+                outs.append(rows[: max(0, min(B, n_real - bi * B))])
+                if mi == 0 and bi == 0:  # fit every method into the task's share, from AR's batch time
+                    n_batches = max(1, min(n_batches_all, int(share / (secs[0] * len(methods) * 1.3))))
+            flat = [r for o in outs for r in o]
+            rates = [sum(len(r[0]) for r in o) / s for o, s in zip(outs, secs) if o]
+            results[name] = {"rows": flat, "tps": float(np.mean(rates)), "secs": float(sum(secs))}
+            print(f"{task} {name}: {len(flat)} prompts, {results[name]['tps']:.0f} tok/s, compile {compiled[name]:.1f}s", flush=True)
+
+        ar = results["ar"]
+        step = results.get("ssd:stepwise")
+        for method, name, drafter, policy, _ in methods:
+            r = results[name]
+            rows = r["rows"]
+            new = sum(len(x[0]) for x in rows)
+            calls = sum(x[1] for x in rows)
+            drafted = sum(x[2] for x in rows)
+            acc = sum(x[3] for x in rows)
+            row = {
+                "card": card, "jax_version": jax.__version__, "target": args.target, "method": method, "name": name,
+                "drafter": drafter, "policy": policy, "tree": False, "dtype": str(jnp.dtype(dtype)), "batch": B,
+                "task": task, "n_prompts": len(rows), "max_new_tokens": args.max_new_tokens, "tokens_per_s": r["tps"],
+                "speedup_vs_ar": r["tps"] / ar["tps"] if method != "ssd" else None,
+                "mean_accepted_tokens": new / max(calls, 1) if method != "ssd" else None,
+                "acceptance_rate": acc / drafted if drafted else None,
+                "draft_tokens_per_round": drafted / max(calls, 1) if method == "diffuspec" else None,
+                "greedy_identical_to_ar": (float(np.mean([a[0] == b[0] for a, b in zip(rows, ar["rows"])]))
+                                           if method != "ssd" else None),
+                "mean_new_tokens": new / max(len(rows), 1), "peak_mem_bytes": None, "compile_s": compiled[name],
+                "timestamp": stamp, "timed_s": r["secs"],
+                "settings": {"k_max": k_paper if "paper" in name else k_lib, "ssd_block": args.ssd_block,
+                             "ssd_nodes": args.ssd_nodes, "dlm_layers": dcfg.num_layers, "dlm_block": dcfg.block_size},
+            }
+            if method == "ssd":
+                row["forwards_per_token"] = calls / max(new, 1)
+                row["identical_to_stepwise"] = float(np.mean([a[0] == b[0] for a, b in zip(rows, step["rows"])]))
+                row["speedup_vs_stepwise"] = r["tps"] / step["tps"]
+            all_rows.append(row)
+
+    # ---- fp32 greedy identity of DiffuSpec ------------------------------------------------------
+    if args.fp32_prompts:
+        ps = [p for task_ps in prompts.values() for p in task_ps][: args.fp32_prompts]
+        tokens, lens, n_real = packed(ps)
+        tp32 = M.cast_params(tparams, jnp.float32)
+        dp32 = {"dlm": M.cast_params(own, jnp.float32), "proxy": proxy}
+        with jax.default_matmul_precision("highest"):
+            ar32 = ar_fn(tp32)
+            ds32 = spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib), ADLPolicy(k_max=k_lib, **lib), k_lib, tp32, dp32)
+            a, d = [], []
+            for bi in range(len(tokens) // B):
+                t, l = jnp.asarray(tokens[bi * B : (bi + 1) * B]), jnp.asarray(lens[bi * B : (bi + 1) * B])
+                a += ar32(t, l)
+                d += ds32(t, l)
+        a, d = a[:n_real], d[:n_real]
+        all_rows.append({
+            "card": card, "jax_version": jax.__version__, "target": args.target, "method": "diffuspec",
+            "name": "diffuspec:cps:adl:fp32-identity", "drafter": "diffuspec", "policy": "adl", "tree": False,
+            "dtype": "float32", "batch": B, "task": "+".join(prompts), "n_prompts": n_real,
+            "max_new_tokens": args.max_new_tokens, "tokens_per_s": None, "speedup_vs_ar": None,
+            "mean_accepted_tokens": sum(len(x[0]) for x in d) / max(sum(x[1] for x in d), 1),
+            "acceptance_rate": None, "draft_tokens_per_round": None,
+            "greedy_identical_to_ar": float(np.mean([x[0] == y[0] for x, y in zip(d, a)])),
+            "peak_mem_bytes": None, "compile_s": None, "timestamp": stamp,
+        })
+
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "dlm_bench.json")
+    with open(path, "w") as fh:
+        json.dump(all_rows, fh, indent=1)
+    for r in all_rows:
+        extra_s = ""
+        if r["method"] == "ssd":
+            extra_s = (f" identical {r['identical_to_stepwise']:.2f} fwd/tok {r['forwards_per_token']:.3f} "
+                       f"x{r['speedup_vs_stepwise']:.2f} vs stepwise")
+        sp = f" x{r['speedup_vs_ar']:.2f} vs AR" if r.get("speedup_vs_ar") else ""
+        mat = f" MAT {r['mean_accepted_tokens']:.2f}" if r.get("mean_accepted_tokens") else ""
+        ident = f" =AR {r['greedy_identical_to_ar']:.2f}" if r.get("greedy_identical_to_ar") is not None else ""
+        print(f"{r['task']:10s} {r['name']:30s} {r['dtype']:8s} n={r['n_prompts']}{mat}{sp}{ident}{extra_s}")
+    print(f"wrote {path} ({time.perf_counter() - t0:.0f}s in all)")
+    return all_rows
+
+
+if __name__ == "__main__":
+    main()

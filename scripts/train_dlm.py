@@ -1,0 +1,96 @@
+"""Train the masked-diffusion drafter (DiffuSpec / SSD) on distilled shards, on one device.
+
+    python scripts/train_dlm.py --target smollm2-135m-instruct --data DATA_DIR --out OUT \
+        --time-budget-s 390 [--layers 6] [--parts-dir $OUT]
+
+DATA_DIR: distilled shards (jspec.train.shards, "jspec-distill-v2"). Writes OUT/dlm.safetensors
+(bfloat16 layers + final norm; embeddings and LM head are the target's and are not shipped; 6
+SmolLM2-135M layers = 42 MB), OUT/dlm_metrics.json (training curve, held-out denoising accuracy by
+distance from the anchor) and OUT/metrics.jsonl. --parts-dir also writes the weights as
+`dlm.safetensors.part-NN` pieces of at most --part-mb MB plus dlm_metrics.json there (for transfer
+limits); reassemble with `cat dlm.safetensors.part-* > dlm.safetensors`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def write_parts(path: str, out_dir: str, part_mb: float) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    size = int(part_mb * 1024 * 1024)
+    names = []
+    with open(path, "rb") as fh:
+        i = 0
+        while chunk := fh.read(size):
+            name = os.path.join(out_dir, f"{os.path.basename(path)}.part-{i:02d}")
+            with open(name, "wb") as out:
+                out.write(chunk)
+            names.append(name)
+            i += 1
+    return names
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, help="target preset or checkpoint path")
+    ap.add_argument("--data", required=True, help="distilled dataset directory (jspec-distill-v2)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=6, help="DLM layers (default 6: 42 MB in bf16 for SmolLM2-135M)")
+    ap.add_argument("--init-layers", default=None, help="comma-separated target layer ids to start from")
+    ap.add_argument("--block-size", type=int, default=32, help="inference block (longest draft), default 32")
+    ap.add_argument("--time-budget-s", type=float, default=None, help="whole run, evaluation and export included")
+    ap.add_argument("--steps", type=int, default=None, help="step cap (default: 100000 with a budget, else 500)")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=384)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--mask-token-id", type=int, default=None, help="default: smallest id < 256 absent from the data")
+    ap.add_argument("--dtype", default=None, help="compute dtype (default bfloat16 on GPU, float32 on CPU)")
+    ap.add_argument("--parts-dir", default=None, help="also write the weights in pieces + dlm_metrics.json here")
+    ap.add_argument("--part-mb", type=float, default=15.0)
+    ap.add_argument("--max-mb", type=float, default=60.0, help="fail before training if the weights would exceed this")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    if args.layers < 1:
+        raise SystemExit(f"train_dlm: error: --layers must be >= 1, got {args.layers}")
+    if not os.path.isfile(os.path.join(args.data, "meta.json")):
+        raise SystemExit(f"train_dlm: error: {args.data}: no meta.json (not a distilled dataset)")
+
+    import jax
+
+    from jspec.presets import resolve_model
+    from jspec.train.dlm import DLMTrainConfig, train_dlm
+
+    tcfg, tparams, _ = resolve_model(args.target, dtype="float32", tokenizer=False)
+    init_layers = tuple(int(x) for x in args.init_layers.split(",")) if args.init_layers else None
+    n_layers = len(init_layers) if init_layers else args.layers
+    per_layer = sum(int(v[0].size) for v in tparams["layers"].values())
+    mb = (n_layers * per_layer + tcfg.hidden_size) * 2 / 1e6
+    if mb > args.max_mb:
+        raise SystemExit(f"train_dlm: error: {n_layers} layers are {mb:.1f} MB in bf16, over --max-mb {args.max_mb}")
+    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    tc = DLMTrainConfig(
+        num_layers=n_layers, init_layers=init_layers, block_size=args.block_size, batch_size=args.batch_size,
+        seq_len=args.seq_len, lr=args.lr, steps=args.steps or (100_000 if args.time_budget_s else 500),
+        time_budget_s=args.time_budget_s, compute_dtype=dtype, mask_token_id=args.mask_token_id,
+        train_block_sizes=tuple(sorted({8, args.block_size})),
+    )
+    summary = train_dlm(tcfg, tparams, args.data, args.out, tc, progress=not args.no_progress)
+    if args.parts_dir:
+        parts = write_parts(os.path.join(args.out, "dlm.safetensors"), args.parts_dir, args.part_mb)
+        shutil.copy(os.path.join(args.out, "dlm_metrics.json"), os.path.join(args.parts_dir, "dlm_metrics.json"))
+        summary["parts"] = [os.path.basename(p) for p in parts]
+    keys = ("steps", "epochs", "train_s", "weights_bytes", "shipped_params", "parts")
+    print(json.dumps({k: summary.get(k) for k in keys}, indent=1))
+    full = summary.get("held_out_full_mask") or {}
+    print("held-out full-mask accuracy by distance:", [round(a, 3) if a is not None else None for a in full.get("accuracy_by_distance", [])[:8]])
+
+
+if __name__ == "__main__":
+    main()
