@@ -62,7 +62,8 @@ def main(argv=None):
 
     from jspec import model as M
     from jspec.decode import bucket, plan_cache_len
-    from jspec.generate import generate
+    from jspec.decode import generate_ar_jit
+    from jspec.speculative.engines.chain import speculative_generate
     from jspec.heads import draft_model as DM
     from jspec.presets import resolve_model
     from jspec.sampling import GREEDY
@@ -126,12 +127,17 @@ def main(argv=None):
         tokens, lens, cache_len = pack(p, max_new, extra)
         key = jax.random.PRNGKey(0)
         t0 = time.perf_counter()
+        # Every method gets the same padded prompt width W and cache length: one compile each.
         if method == "ar":
-            r = generate(tparams, tcfg, [p], max_new_tokens=max_new, cache_len=cache_len)
-            # generate packs to the prompt's own bucket; identical work across methods otherwise
+            out, n_out, steps = jax.device_get(generate_ar_jit(
+                tparams, tcfg, jnp.asarray(tokens), jnp.asarray(lens), key, max_new=max_new, cache_len=cache_len,
+                sampling=GREEDY))
+            toks = np.asarray(out)[0, : int(n_out[0])].tolist()
+            return toks, int(steps[0]), 0, 0, 0, time.perf_counter() - t0
         elif method == "spec":
-            r = generate(tparams, tcfg, [p], max_new_tokens=max_new, drafter=drafter, drafter_params=dparams,
-                         k_max=gamma, cache_len=cache_len)
+            r = speculative_generate(tparams, tcfg, tokens, lens, key, drafter=drafter, drafter_params=dparams,
+                                     policy="static", policy_params=None, k_max=gamma, max_new=max_new,
+                                     cache_len=cache_len, sampling=GREEDY, verify="lossless", unroll=1)
         else:
             if method == "pearl":
                 tparams, dparams = placed[id(tparams)]
@@ -206,7 +212,9 @@ def main(argv=None):
     rows += table(jnp.dtype(dtype).name, tparams, dparams, prompts, args.max_new_tokens, deadline - fp32_reserve)
     if args.fp32_prompts and dtype != jnp.float32 and time.perf_counter() < deadline:
         t32, _, d32 = load(jnp.float32)
-        rows += table("float32", t32, d32, prompts[: args.fp32_prompts], args.fp32_max_new_tokens, deadline)
+        # true float32 matmuls (GPUs default to TF32 for float32), as the identity check needs
+        with jax.default_matmul_precision("highest"):
+            rows += table("float32", t32, d32, prompts[: args.fp32_prompts], args.fp32_max_new_tokens, deadline)
     meta = {"model": args.model, "drafter": args.drafter, "gamma": gamma, "gamma_timing": gamma_info,
             "devices": [str(d) for d in devices], "wall_s": time.perf_counter() - t_start}
     with open(os.path.join(args.out, "parallel_rows.json"), "w") as fh:

@@ -28,6 +28,7 @@ the target, mean sum(min(p, q)) = the expected per-token acceptance at temperatu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -205,11 +206,16 @@ def _train_step(tcfg, dcfg, tc, mesh, state, tparams, lr, batch):
 train_step = jax.jit(_train_step, static_argnums=(0, 1, 2, 3), donate_argnums=(4,))
 
 
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "chunk"))
+def _eval_jit(tparams, dparams, tokens, loss_mask, *, tcfg, dcfg, chunk):
+    return kl_terms(tparams, tcfg, dparams, dcfg, tokens, loss_mask, chunk)
+
+
 def evaluate(tparams, tcfg, dparams, dcfg, rows: dict, batch: int, chunk: int) -> dict:
     """Held-out KL, overlap (expected acceptance at T=1) and greedy top-1 agreement."""
     if not rows:
         return {}
-    fn = jax.jit(lambda tp, dp, t, m: kl_terms(tp, tcfg, dp, dcfg, t, m, chunk))
+    fn = functools.partial(_eval_jit, tcfg=tcfg, dcfg=dcfg, chunk=chunk)
     sums = np.zeros(3)
     count = 0.0
     for i in range(0, len(rows["tokens"]) - batch + 1 or 1, batch):
@@ -259,7 +265,7 @@ def train_draft_model(tcfg: ModelConfig, tparams: dict, data_dir: str, out_dir: 
         held = {k: v[: tc.eval_rows] for k, v in held.items()}
     loader = PackedLoader(rows, tc.batch_size, tc.seed)
     # Reserve time for the held-out evaluation and the export after the last step.
-    reserve = 20.0 if tc.time_budget_s and tc.time_budget_s > 120 else 0.0
+    reserve = 45.0 if tc.time_budget_s and tc.time_budget_s > 120 else 0.0
 
     first = jax.process_index() == 0
     log_path = os.path.join(out_dir, "metrics.jsonl")
