@@ -2,8 +2,9 @@
 while_loop per device) and tensor parallelism (target split over the model axis) give one
 device's greedy outputs; the data-parallel program has no cross-device operation at all."""
 
+import re
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,6 +15,8 @@ from jspec.generate import _data_parallel, _items, generate
 from jspec.sampling import GREEDY, Sampling
 from jspec.sharding import mesh_label, parse_mesh, shard_params
 from jspec.speculative.drafters.ngram import NgramDrafter
+from jspec.speculative.engines.chain import speculative_generate_jit
+from jspec.speculative.policies import resolve_policy
 from jspec.speculative.engines.tree import TreeConfig
 from test_spec import CFG, _drafters
 
@@ -78,10 +81,16 @@ def test_tensor_parallel_equals_one_device(target, ref):
     drafter, dparams = _drafters(target)["eagle3"]
     _same(generate(target, CFG, PROMPTS, max_new_tokens=MAX_NEW, mesh=mesh, drafter=drafter, drafter_params=dparams,
                    policy="static", k_max=3), ref)
-    # The verify logits come out of the vocab-split LM head split over the model axis, so the
-    # acceptance arithmetic over the vocabulary runs on both devices' halves.
-    logits = jax.jit(lambda p, h: M.lm_head(p, CFG, h))(shard_params(target, mesh), jnp.ones((2, 4, CFG.hidden_size)))
-    assert logits.sharding.spec[-1] == "model"
+    # Acceptance runs sharded: the verify logits come out of the vocab-split LM head, each device
+    # takes the argmax over its half of the vocabulary, and only (max, index) pairs cross devices;
+    # no vocab-wide array is ever gathered.
+    tokens, lens, cache_len = pack_prompts(CFG, PROMPTS, MAX_NEW, 4)
+    hlo = speculative_generate_jit.lower(
+        shard_params(target, mesh), None, None, tokens, lens, jax.random.PRNGKey(0), tcfg=CFG, drafter=NgramDrafter(),
+        policy=resolve_policy("static", 3), k_max=3, max_new=MAX_NEW, cache_len=cache_len, sampling=GREEDY,
+        verify="lossless", unroll=1).compile().as_text()
+    gathered = [tuple(map(int, m.group(1).split(","))) for m in re.finditer(r"= \w+\[([\d,]+)\]\S* all-gather\(", hlo)]
+    assert gathered and all(CFG.vocab_size not in shape for shape in gathered), gathered
 
 
 def test_sampled_shards_draw_independent_streams(target):
