@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
 
+from jspec import model as M
 from jspec import presets
 from jspec.bench.harness import RunContext, make_row, run_method
 from jspec.bench.methods import JspecMethod
@@ -79,8 +81,6 @@ def _pick_spec(candidates: str, cfg, params, model: str):
 
 
 def _kernels() -> str:
-    from jspec import model as M
-
     pick = getattr(M, "default_kernels", None)
     return pick() if pick else "xla"
 
@@ -98,6 +98,16 @@ def add_cross_device_fields(rows: list[dict[str, Any]], outputs: dict[int, list[
         r["identical_to_1_device"] = sum(x == y for x, y in zip(a, b)) / len(a)
 
 
+def reproduce_command(args: argparse.Namespace) -> str:
+    parts = ["python", "scripts/bench_parallel.py"]
+    for k, v in vars(args).items():
+        flag = "--" + k.replace("_", "-")
+        if k == "out_dir" or v is False:
+            continue
+        parts += [flag] if v is True else [flag, str(v)]
+    return shlex.join(parts + ["--out-dir", "OUT"])
+
+
 def run_parallel_bench(args: argparse.Namespace, resolve=presets.resolve_model) -> list[dict[str, Any]]:
     t_start = time.perf_counter()
     groups = _groups(args)
@@ -109,8 +119,7 @@ def run_parallel_bench(args: argparse.Namespace, resolve=presets.resolve_model) 
     prompts = [prompts[i % len(prompts)] for i in range(args.n_prompts)]
     spec, (drafter, dparams_f32) = _pick_spec(args.spec, cfg, params, args.model)
     ctx = RunContext(target=Path(args.model).name, max_new_tokens=args.max_new_tokens,
-                     reproduce="python scripts/bench_parallel.py " + " ".join(
-                         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out_dir"))
+                     reproduce=reproduce_command(args))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
