@@ -3,8 +3,8 @@
 Groups run in this order, each one AR first then the speculative method, all in one process:
 
     bf16  one device     | bf16  data=N (rows split; each device loops on its own rows)
-    bf16  model=N (tensor-parallel target)
     fp32  one device AR  | fp32  model=N AR   (tensor-parallel outputs must equal one device's)
+    bf16  model=N (tensor-parallel target)
 
 (--dtype, --meshes and --no-fp32-tp-check trim the list.)
 
@@ -62,10 +62,10 @@ def _groups(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
     axes = [a.strip() for a in args.meshes.split(",") if a.strip()]
     if not set(axes) <= {"data", "model"}:
         raise SystemExit(f"--meshes {args.meshes!r}: expected data and/or model")
-    groups = [(args.dtype, "", True)] + [(args.dtype, f"{a}={args.devices}", True) for a in axes]
-    if not args.no_fp32_tp_check:
+    groups = [(args.dtype, "", True)] + [(args.dtype, f"data={args.devices}", True)] * ("data" in axes)
+    if not args.no_fp32_tp_check:  # before the bf16 model group: the identity check matters more
         groups += [("float32", "", False), ("float32", f"model={args.devices}", False)]
-    return groups
+    return groups + [(args.dtype, f"model={args.devices}", True)] * ("model" in axes)
 
 
 def _pick_spec(candidates: str, cfg, params, model: str):
