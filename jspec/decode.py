@@ -43,6 +43,9 @@ class GenerationResult:
     # speculative runs only: per target call, draft tokens behind it and tokens it added [B, max_new + 1]
     draft_lengths: np.ndarray | None = None
     step_tokens: np.ndarray | None = None
+    # speculative runs only: the draft-length policy's final state (device arrays), e.g. TapOut's
+    # bandit or AdaEDL's lambda; pass it back as generate(..., policy_state=) to carry it on
+    policy_state: Any = None
 
     def row(self, b: int) -> list[int]:
         return self.tokens[b, : self.lengths[b]].tolist()
@@ -98,6 +101,14 @@ def pack_prompts(cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int
         raise PromptError(
             f"prompt of {int(lens.max())} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
             f"context of {cfg.max_position_embeddings} positions"
+        )
+    if extra and int(lens.max()) + max_new_tokens + extra > cfg.max_position_embeddings:
+        # checked before anything is allocated: a huge draft block (k_max) would otherwise size the cache
+        room = cfg.max_position_embeddings - int(lens.max()) - max_new_tokens
+        raise PromptError(
+            f"a speculative block of {extra} slots (k_max + 1, or a tree's nodes + 1) does not fit the model's "
+            f"context of {cfg.max_position_embeddings} positions after a prompt of {int(lens.max())} tokens + "
+            f"max_new_tokens {max_new_tokens}: at most {max(room, 0)} slots, i.e. k_max <= {max(room - 1, 0)}"
         )
     pb = min(pb, cache_len)
     tokens = np.full((len(prompts), pb), cfg.pad_token_id, np.int32)

@@ -33,7 +33,7 @@ from .sampling import GREEDY, Sampling
 from .sharding import axis_size, parse_mesh, replicate, shard_params
 from .speculative.drafters.eagle import EagleDrafter
 from .speculative.engines.chain import check_compatible, speculative_generate, speculative_generate_jit
-from .speculative.engines.tree import TreeConfig, tree_generate, tree_generate_jit
+from .speculative.engines.tree import TreeConfig, autotuned_tree, tree_generate, tree_generate_jit
 from .speculative.factory import build_drafter
 from .speculative.policies import resolve_policy
 from .speculative.state import result_from_device
@@ -50,8 +50,9 @@ def generate(
     drafter_params=None,
     policy=None,
     policy_params=None,
+    policy_state=None,
     k_max: int = 8,
-    verify: str = "lossless",
+    verify="lossless",
     tree=None,
     seed: int = 0,
     cache_len: int | None = None,
@@ -63,9 +64,13 @@ def generate(
     drafter=None: autoregressive decoding. Otherwise speculative decoding with the given drafter
     (jspec.speculative.drafters, or a spec string for jspec.speculative.factory.build_drafter) and
     draft-length policy (jspec.speculative.policies, default static K=k_max); `verify` is "lossless"
-    (greedy identity / lossless sampling) or "consultant" (lossy, opt-in).
-    `tree` (a jspec.speculative.engines.tree.TreeConfig, or True for EAGLE-2's defaults) drafts EAGLE-2 dynamic
-    trees with an EAGLE head instead of chains.
+    (greedy identity / lossless sampling), "consultant" or a ConsultantRule(eps, smoothing) (lossy, opt-in).
+    `tree` (a jspec.speculative.engines.tree.TreeConfig, True for EAGLE-2's defaults, or "auto" for
+    EAGLE-2's top_k and depth with num_nodes timed on this device, like EAGLE's total_token=-1) drafts
+    EAGLE-2 dynamic trees with an EAGLE head instead of chains.
+    `policy_state`: the `policy_state` of an earlier result with the same policy and batch size, to
+    carry the policy's learned state (TapOut's bandit, AdaEDL's lambda, ...) across calls, as a
+    serving loop would; None starts fresh. Speculative results carry their final `policy_state`.
     `mesh` spreads the call over devices (see the module docstring); a batch that does not divide
     the data axis is padded with repeated rows whose results are dropped.
     """
@@ -73,16 +78,21 @@ def generate(
     mesh = parse_mesh(mesh)
     if isinstance(drafter, str):
         drafter, drafter_params = build_drafter(drafter, cfg, params)
-    if tree is True:
-        tree = TreeConfig()
-    extra = (tree.num_nodes + 1 if tree is not None else k_max + 1) if drafter is not None else 0
+    autotune = tree == "auto"
+    if tree is True or autotune:
+        tree = TreeConfig()  # autotune: EAGLE's largest candidate (59 nodes) sizes the cache
+    extra = (tree.cache_slots if tree is not None else k_max + 1) if drafter is not None else 0
     tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new_tokens, extra, cache_len)
+    if autotune and drafter is not None:
+        tree = autotuned_tree(params, cfg, len(prompts), cache_len, tree.top_k, tree.depth)
     key = jax.random.PRNGKey(seed)
     if mesh is not None:
         params = shard_params(params, mesh)  # model axis: tensor parallel; data axis: replicated
         drafter_params = None if drafter_params is None else replicate(drafter_params, mesh)
         policy_params = None if policy_params is None else replicate(policy_params, mesh)
     if axis_size(mesh, "data") > 1:
+        if policy_state is not None:
+            raise ValueError("policy_state is not carried across data-parallel shards; run without a data mesh")
         return _generate_data_parallel(
             mesh, params, cfg, tokens, lens, key, drafter=drafter, drafter_params=drafter_params, policy=policy,
             policy_params=policy_params, k_max=k_max, verify=verify, tree=tree, max_new=max_new_tokens,
@@ -100,12 +110,13 @@ def generate(
         return tree_generate(
             params, cfg, tokens, lens, key, drafter=drafter, drafter_params=drafter_params, policy=policy,
             policy_params=policy_params, tree=tree, max_new=max_new_tokens, cache_len=cache_len,
-            sampling=sampling, unroll=unroll,
+            sampling=sampling, unroll=unroll, policy_state=policy_state,
         )
     return speculative_generate(
         params, cfg, tokens, lens, key,
         drafter=drafter, drafter_params=drafter_params, policy=policy, policy_params=policy_params,
         k_max=k_max, max_new=max_new_tokens, cache_len=cache_len, sampling=sampling, verify=verify, unroll=unroll,
+        policy_state=policy_state,
     )
 
 

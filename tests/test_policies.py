@@ -92,7 +92,11 @@ def test_adaedl_stop_uses_each_rows_lambda():
     # lambda 0.5: stop iff H > (1 - 0.5)^2 / 0.2 = 1.25 nats.  ln 3 = 1.099 < 1.25 < ln 4 = 1.386.
     logits = logits_of([1 / 3] * 3 + [0], [0.25] * 4, [0.25] * 4)
     state = state.replace(lam=jnp.array([0.5, 0.5, 0.2]))  # lambda 0.2: H must exceed 3.2
-    np.testing.assert_array_equal(policy.stop(state, jnp.int32(0), logits), [False, True, False])
+    np.testing.assert_array_equal(policy.stop(state, jnp.int32(1), logits), [False, True, False])
+    # Checked before drafting: the first token is always drafted, and a stop drops its token.
+    np.testing.assert_array_equal(policy.stop(state, jnp.int32(0), logits), [False, False, False])
+    np.testing.assert_array_equal(policy.stop_skips_token(state), [True] * 3)
+    assert not make_policy("svip").stop_skips_token(state).any()
 
 
 def test_confidence_threshold():
@@ -264,7 +268,9 @@ def simulate(policy, state, in_round_state):
                 st, stop = policy.observe(st, step, logits, jnp.argmax(logits, -1))
             else:
                 stop = policy.stop(st, step, logits)
-            n_drafted = n_drafted + (~done).astype(jnp.int32)
+            # as the engine: token 0 always drafted; a rule checked before drafting drops its token
+            skip = stop & policy.stop_skips_token(st) & (step > 0)
+            n_drafted = n_drafted + (~done & ~skip).astype(jnp.int32)
             return step + 1, done | stop | (n_drafted >= limit), n_drafted, st
 
         init = (jnp.int32(0), jnp.zeros(batch, bool), jnp.zeros(batch, jnp.int32), state)
@@ -282,13 +288,14 @@ def simulate(policy, state, in_round_state):
         ("static", {"k": 3}, [[3, 3]] * 5),
         ("confidence", {}, [[4, 5]] * 5),
         ("svip", {}, [[3, 2]] * 5),
-        ("adaedl", {}, [[4, 5]] * 5),
+        # AdaEDL checks before drafting: the FLAT step's token is not drafted (max-confidence keeps it).
+        ("adaedl", {}, [[3, 4]] * 5),
         # Row 0 accepts all: 5 -> 7, capped at 6. Row 1 accepts 2: 5, 4, 3, 2, then all 2 -> 4.
         ("heuristic", {}, [[5, 5], [6, 4], [6, 3], [6, 2], [6, 4]]),
         # delta = 2. Row 0: G = A = 3, 4, 5 -> k = G + 2 (capped at 6). Row 1: G = 3 > A -> k = 3.
         ("adl", {}, [[6, 6], [5, 3], [6, 3], [6, 3], [6, 3]]),
         # UCB1 tries the arms in order: margin, max_conf, svip, adaedl, static.
-        ("tapout", {}, [[3, 2], [4, 5], [3, 2], [4, 5], [6, 6]]),
+        ("tapout", {}, [[3, 2], [4, 5], [3, 2], [3, 4], [6, 6]]),
     ],
 )
 def test_policy_runs_in_jitted_while_loop(name, overrides, expected):

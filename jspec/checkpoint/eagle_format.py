@@ -167,11 +167,30 @@ def head_params_from_state_dict(hcfg: HeadConfig, sd: dict[str, np.ndarray], dty
     layer["embed_norm"] = f(get(pre + "input_layernorm.weight"))
     layer["hidden_norm"] = f(get(pre + "hidden_norm.weight"))
     params["final_norm"] = f(get("norm.weight"))
-    params["lm_head"] = f(get("lm_head.weight").T)
+    lm_head = get("lm_head.weight")  # [Vd, D]: row i scores draft id i, i.e. target id d2t[i]
     if hcfg.reduced_vocab:
-        offsets = np.asarray(sd["d2t"], np.int64)
-        params["d2t"], params["t2d"] = draft_vocab_maps(offsets + np.arange(len(offsets)), hcfg.target.vocab_size)
+        target_ids = draft_to_target_ids(sd["d2t"], hcfg.target.vocab_size)
+        # jspec keeps d2t sorted (target_index counts t2d); a third-party table need not be, so
+        # sort the ids and move the LM-head rows with them: draft id i still scores d2t[i].
+        order = np.argsort(target_ids, kind="stable")
+        lm_head = lm_head[order]
+        params["d2t"], params["t2d"] = draft_vocab_maps(target_ids[order], hcfg.target.vocab_size)
+    params["lm_head"] = f(lm_head.T)
     return params
+
+
+def draft_to_target_ids(d2t_offsets, target_vocab: int) -> np.ndarray:
+    """Absolute target ids from EAGLE's offset table (target id = draft id + d2t[draft id]),
+    checked: every id inside the target vocabulary and no id twice."""
+    offsets = np.asarray(d2t_offsets, np.int64)
+    ids = offsets + np.arange(len(offsets), dtype=np.int64)
+    bad = (ids < 0) | (ids >= target_vocab)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"d2t maps draft id {i} to target id {int(ids[i])}, outside the target vocabulary [0, {target_vocab})")
+    if len(np.unique(ids)) != len(ids):
+        raise ValueError("d2t maps two draft ids to the same target id")
+    return ids
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ class SpecState:
     accepted: jax.Array  # [B]
     trace_drafted: jax.Array  # [B, max_new + 1] draft tokens behind each target call (0 for the prefill)
     trace_tokens: jax.Array  # [B, max_new + 1] tokens each target call added (bonus included)
+    consultant_nll: jax.Array | None = None  # [B] Consultant Decoding's running NLL (smoothed rule only)
 
 
 def record_call(state: SpecState, active, n_drafted, n_out_before, n_out_after):
@@ -46,8 +47,12 @@ def round_features(state: SpecState, tparams) -> dict:
 
 
 def result_from_device(outputs) -> GenerationResult:
-    out, n_out, calls, drafted, accepted, tr_d, tr_t = (np.asarray(x) for x in jax.device_get(outputs))
-    return GenerationResult(out, n_out, calls, drafted, accepted, calls, draft_lengths=tr_d, step_tokens=tr_t)
+    """GenerationResult from an engine's output tuple; an 8th entry, the final policy state, stays
+    on device (it is passed back as ``policy_state`` by a caller that continues the session)."""
+    policy_state = outputs[7] if len(outputs) > 7 else None
+    out, n_out, calls, drafted, accepted, tr_d, tr_t = (np.asarray(x) for x in jax.device_get(tuple(outputs[:7])))
+    return GenerationResult(out, n_out, calls, drafted, accepted, calls, draft_lengths=tr_d, step_tokens=tr_t,
+                            policy_state=policy_state)
 
 
 def take_row(x: jax.Array, idx: jax.Array) -> jax.Array:

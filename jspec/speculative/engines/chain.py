@@ -3,7 +3,7 @@
 A round, per row of the batch:
   1. the policy sets this round's draft budget (`start_round`);
   2. the drafter proposes up to K = k_max tokens (a bounded while_loop for autoregressive
-     drafters that exits as soon as every row's policy has stopped);
+     drafters that exits as soon as every row's policy has stopped); a drafted EOS ends the draft;
   3. the target runs once over the padded block [last_token, d_1 .. d_K] (static [B, K+1]);
   4. the verification rule keeps n <= (valid drafts) tokens and emits one more (correction or
      bonus); the target cache advances by n + 1 (a chain needs no K/V moves);
@@ -23,16 +23,16 @@ from flax import struct
 
 from ... import model as M
 from ...config import ModelConfig
-from ...decode import GenerationResult, emit, prefill, stream_row0
+from ...decode import GenerationResult, emit, is_eos, prefill, stream_row0
 from ...sampling import Sampling, probs, sample
 from ..drafters.base import DrafterError
 from ..policies import resolve_policy
 from ..state import SpecState, record_call, result_from_device, round_features, take_row
 from ..verify.chain import verify_greedy, verify_sampling
-from ..verify.consultant import verify_consultant
+from ..verify.consultant import ConsultantRule, resolve_verify, verify_consultant
 
 
-VERIFY_RULES = ("lossless", "consultant")
+VERIFY_RULES = ("lossless", "consultant")  # or a ConsultantRule (eps, smoothing)
 
 
 @struct.dataclass
@@ -43,7 +43,11 @@ class Draft:
 
 
 def draft_autoregressive(drafter, dparams, tparams, tcfg, state, pstate, policy, limit, k_max, sampling, key, keep_probs):
-    """Run an autoregressive drafter for up to k_max steps; per-row stop by limit or policy."""
+    """Run an autoregressive drafter for up to k_max steps; per-row stop by limit, policy or EOS.
+
+    A drafted EOS ends the row's draft (nothing is drafted after it). A policy stop at step i
+    keeps token i, unless the policy checks before drafting (`stop_skips_token`, AdaEDL): then
+    token i is dropped. Token 0 is always drafted."""
     B = state.last.shape[0]
     V = tcfg.vocab_size
     logits, carry = drafter.begin(dparams, tparams, tcfg, state.dstate, state.cache, state.last)
@@ -58,7 +62,7 @@ def draft_autoregressive(drafter, dparams, tparams, tcfg, state, pstate, policy,
     tokens = jnp.zeros((B, k_max), jnp.int32).at[:, 0].set(tok)
     valid = jnp.zeros((B, k_max), bool).at[:, 0].set(True)
     qbuf = jnp.zeros((B, k_max, V), jnp.float32).at[:, 0].set(q) if keep_probs else None
-    active = (limit > 1) & ~stop
+    active = (limit > 1) & ~stop & ~is_eos(tcfg, tok)
 
     def cond(c):
         i, active = c[0], c[5]
@@ -68,17 +72,24 @@ def draft_autoregressive(drafter, dparams, tparams, tcfg, state, pstate, policy,
         i, carry, tokens, valid, qbuf, active, prev, pstate = c
         logits, carry = drafter.step(dparams, tparams, tcfg, carry, prev)
         tok, q, pstate, stop = choose(i, logits, pstate)
-        tokens = tokens.at[:, i].set(jnp.where(active, tok, 0))
-        valid = valid.at[:, i].set(active)
+        drafted = active & ~(stop & policy.stop_skips_token(pstate))
+        tokens = tokens.at[:, i].set(jnp.where(drafted, tok, 0))
+        valid = valid.at[:, i].set(drafted)
         if keep_probs:
             qbuf = qbuf.at[:, i].set(q)
-        active = active & (i + 1 < limit) & ~stop
+        active = drafted & (i + 1 < limit) & ~stop & ~is_eos(tcfg, tok)
         return i + 1, carry, tokens, valid, qbuf, active, tok, pstate
 
     init = (jnp.int32(1), carry, tokens, valid, qbuf, active, tok, pstate)
     _, carry, tokens, valid, qbuf, _, _, pstate = jax.lax.while_loop(cond, body, init)
     dstate, tcache = drafter.finish(carry)
     return Draft(tokens, valid, qbuf), dstate, tcache, pstate
+
+
+def after_first_eos(tcfg, tokens, valid):
+    """[B, K] bool: positions after a row's first valid drafted EOS (the EOS itself stays)."""
+    eos = (is_eos(tcfg, tokens) & valid).astype(jnp.int32)
+    return (jnp.cumsum(eos, axis=1) - eos) > 0
 
 
 def spec_round(tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling, verify, unroll, state: SpecState) -> SpecState:
@@ -92,7 +103,7 @@ def spec_round(tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling
         draft, cache = Draft(tokens, valid, q), state.cache
     elif drafter.parallel:
         tokens, valid = drafter.propose(state.dstate, state.last, k_max)
-        valid = valid & (jnp.arange(k_max)[None] < limit[:, None])
+        valid = valid & (jnp.arange(k_max)[None] < limit[:, None]) & ~after_first_eos(tcfg, tokens, valid)
         draft, dstate, cache = Draft(tokens, valid, None), state.dstate, state.cache
     else:
         draft, dstate, cache, pstate = draft_autoregressive(
@@ -103,12 +114,14 @@ def spec_round(tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling
     block = jnp.concatenate([state.last[:, None], draft.tokens], axis=1)  # [B, K+1]
     vout = M.forward(tparams, tcfg, block, cache, capture=drafter.capture_layers, unroll=unroll)
     logits = M.lm_head(tparams, tcfg, vout.hidden)  # [B, K+1, V]
+    running_nll = None
     if sampling.greedy and verify == "lossless":
         n, nxt = verify_greedy(logits, draft.tokens, draft.valid)
     elif verify == "lossless":
         n, nxt = verify_sampling(k_verify, logits, draft.tokens, draft.valid, sampling, draft.probs)
     else:
-        n, nxt = verify_consultant(k_verify, logits, draft.tokens, draft.valid, sampling)
+        n, nxt, running_nll = verify_consultant(
+            k_verify, logits, draft.tokens, draft.valid, sampling, resolve_verify(verify), state.consultant_nll)
 
     active = ~state.done
     emitted = jnp.concatenate([draft.tokens, nxt[:, None]], axis=1)
@@ -133,17 +146,27 @@ def spec_round(tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling
         target_calls=state.target_calls + step,
         drafted=state.drafted + n_drafted * step,
         accepted=state.accepted + n * step,
+        consultant_nll=state.consultant_nll if running_nll is None else jnp.where(active, running_nll, state.consultant_nll),
     )
 
 
-def start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, max_new, cache_len, sampling, unroll, tokens, lens, key) -> SpecState:
+def start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, max_new, cache_len, sampling, unroll, tokens, lens, key,
+               *, policy_state=None, verify="lossless") -> SpecState:
+    """Prefill and the state before the first round. ``policy_state``: a state returned by an
+    earlier call (e.g. TapOut's bandit, carried across requests by a serving loop); None: a fresh
+    ``policy.init``."""
     B = tokens.shape[0]
     cache = M.init_cache(tcfg, B, cache_len, tparams["embed"].dtype)
     logits, cache, pout = prefill(tparams, tcfg, tokens, lens, cache, capture=drafter.capture_layers, unroll=unroll)
     key, k_first, k_policy = jax.random.split(key, 3)
     first = sample(k_first, logits, sampling)
     dstate = drafter.init(dparams, tparams, tcfg, tokens, lens, first, pout, cache_len)
-    pstate = policy.init(B, k_policy) if policy_params is None else policy.init(B, k_policy, policy_params)
+    if policy_state is not None:
+        pstate = policy_state
+    else:
+        pstate = policy.init(B, k_policy) if policy_params is None else policy.init(B, k_policy, policy_params)
+    rule = resolve_verify(verify)
+    running = isinstance(rule, ConsultantRule) and rule.running
     out = jnp.full((B, max_new), -1, jnp.int32)
     zeros = jnp.zeros((B,), jnp.int32)
     out, n_out, done = emit(tcfg, out, zeros, jnp.zeros((B,), bool), first[:, None], jnp.ones_like(zeros), max_new)
@@ -153,23 +176,27 @@ def start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, ma
         target_calls=jnp.ones_like(zeros), drafted=zeros, accepted=zeros,
         trace_drafted=jnp.zeros((B, max_new + 1), jnp.int32),
         trace_tokens=jnp.zeros((B, max_new + 1), jnp.int32).at[:, 0].set(n_out),
+        consultant_nll=jnp.zeros((B,), jnp.float32) if running else None,
     )
 
 
 _STATIC = ("tcfg", "drafter", "policy", "k_max", "max_new", "cache_len", "sampling", "verify", "unroll")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def speculative_generate_jit(tparams, dparams, policy_params, tokens, lens, key, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll):
-    state = start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, max_new, cache_len, sampling, unroll, tokens, lens, key)
+@functools.partial(jax.jit, static_argnames=_STATIC + ("with_policy_state",))
+def speculative_generate_jit(tparams, dparams, policy_params, tokens, lens, key, policy_state=None, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll, with_policy_state=False):
+    """The whole generation in one jit. Returns the result arrays (`result_from_device`), plus the
+    final policy state when ``with_policy_state`` (to pass back as ``policy_state``)."""
+    state = start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, max_new, cache_len, sampling, unroll, tokens, lens, key,
+                       policy_state=policy_state, verify=verify)
     body = functools.partial(spec_round, tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling, verify, unroll)
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-    return state.out, state.n_out, state.target_calls, state.drafted, state.accepted, state.trace_drafted, state.trace_tokens
+    outputs = (state.out, state.n_out, state.target_calls, state.drafted, state.accepted, state.trace_drafted, state.trace_tokens)
+    return outputs + (state.pstate,) if with_policy_state else outputs
 
 
-def check_compatible(drafter, policy, tcfg: ModelConfig, k_max: int, verify: str):
-    if verify not in VERIFY_RULES:
-        raise ValueError(f"unknown verification rule {verify!r}; choose from {', '.join(VERIFY_RULES)}")
+def check_compatible(drafter, policy, tcfg: ModelConfig, k_max: int, verify):
+    resolve_verify(verify)  # raises on an unknown rule
     if k_max < 1:
         raise ValueError(f"k_max must be >= 1, got {k_max}")
     if hasattr(drafter, "check"):
@@ -181,19 +208,22 @@ def check_compatible(drafter, policy, tcfg: ModelConfig, k_max: int, verify: str
         )
 
 
-def speculative_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, k_max, max_new, cache_len, sampling: Sampling, verify, unroll) -> GenerationResult:
+def speculative_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, k_max, max_new, cache_len, sampling: Sampling, verify, unroll, policy_state=None) -> GenerationResult:
+    """Chain speculative generation; the result carries the final policy state (`policy_state`)."""
     policy = resolve_policy(policy, k_max)
+    verify = resolve_verify(verify)
     check_compatible(drafter, policy, tcfg, k_max, verify)
     return result_from_device(speculative_generate_jit(
-        tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key,
+        tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key, policy_state,
         tcfg=tcfg, drafter=drafter, policy=policy, k_max=k_max, max_new=max_new, cache_len=cache_len,
-        sampling=sampling, verify=verify, unroll=unroll,
+        sampling=sampling, verify=verify, unroll=unroll, with_policy_state=True,
     ))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def start_spec_jit(tparams, dparams, policy_params, tokens, lens, key, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll):
-    return start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, max_new, cache_len, sampling, unroll, tokens, lens, key)
+    return start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, max_new, cache_len, sampling, unroll, tokens, lens, key,
+                      verify=verify)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("n_rounds",), donate_argnames=("state",))
@@ -209,6 +239,7 @@ def spec_chunk_jit(tparams, dparams, state, *, tcfg, drafter, policy, k_max, max
 def speculative_stream(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params=None, k_max, max_new, cache_len, sampling, verify="lossless", unroll=1, rounds_per_chunk=4):
     """Yield (new tokens, SpecState) for row 0 every `rounds_per_chunk` jitted rounds."""
     policy = resolve_policy(policy, k_max)
+    verify = resolve_verify(verify)
     check_compatible(drafter, policy, tcfg, k_max, verify)
     static = dict(tcfg=tcfg, drafter=drafter, policy=policy, k_max=k_max, max_new=max_new, cache_len=cache_len,
                   sampling=sampling, verify=verify, unroll=unroll)

@@ -20,7 +20,9 @@ Per round and per row (docs/methods.md §2.3), all inside `jit`:
      path with the target's true features.
 
 A dynamic policy can cut the tree per row: its round limit caps the depth, and its stop rule,
-applied to the best frontier node's distribution after each level, stops deeper levels.
+applied to the best frontier node's distribution after each level, stops deeper levels (a rule
+checked before drafting, AdaEDL, also drops the level it stopped at). A drafted EOS ends its branch:
+nodes below it are not verified.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ... import model as M
-from ...decode import GenerationResult, emit
+from ...decode import GenerationResult, emit, is_eos
 from ...heads import eagle as H
 from ..drafters.eagle import EagleDrafter
 from ..policies import resolve_policy
@@ -55,6 +57,19 @@ class TreeConfig:
         cands = self.top_k + (self.depth - 1) * self.top_k**2
         if not 1 <= self.num_nodes <= cands:
             raise ValueError(f"num_nodes must be in [1, {cands}] for top_k={self.top_k}, depth={self.depth}")
+
+    @property
+    def max_nodes(self) -> int:
+        """Candidates a tree of this top_k and depth records: the largest valid num_nodes."""
+        return self.top_k + (self.depth - 1) * self.top_k**2
+
+    @property
+    def cache_slots(self) -> int:
+        """Cache slots past the cursor one round may write, in the target's cache and the head's:
+        the target's num_nodes + 1 tree tokens; the head's K/V of every expanded level's frontier
+        ((depth - 1) * top_k slots, written while drafting) and its re-read of the accepted path
+        (depth + 1 pairs). `generate` reserves this many."""
+        return max(self.num_nodes + 1, (self.depth - 1) * self.top_k, self.depth + 1)
 
 
 def build_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: TreeConfig, policy, pstate, limit):
@@ -82,7 +97,9 @@ def build_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: 
         c_score, c_tok = jax.lax.top_k(lp, k)  # [B, k, k]
         cum = (f_score[:, :, None] + c_score).reshape(B, k * k)
         pstate, stop = policy.observe(pstate, jnp.int32(level - 1), logits[:, 0], c_tok[:, 0, 0])
-        depth_cap = jnp.where(stop & (depth_cap >= level), level, depth_cap)
+        # A rule checked before drafting (AdaEDL) stops without this level; the others keep it.
+        kept = level - (stop & policy.stop_skips_token(pstate)).astype(jnp.int32)
+        depth_cap = jnp.where(stop & (depth_cap >= level), kept, depth_cap)
         parent_of = jnp.repeat(frontier, k, axis=1)  # [B, k*k]
         cand_tok.append(c_tok.reshape(B, k * k))
         cand_score.append(cum)
@@ -113,8 +130,17 @@ def build_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: 
     tree_tok = jnp.concatenate([last[:, None], node_tok], 1)
     parent = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), node_parent.astype(jnp.int32)], 1)
     depth = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), node_level], 1)
-    valid = depth <= depth_cap[:, None]
-    return Tree(tree_tok, parent, depth, ancestor_mask(parent, D), valid), pstate
+    ancestors = ancestor_mask(parent, D)
+    valid = (depth <= depth_cap[:, None]) & ~below_eos(tcfg, tree_tok, ancestors)
+    return Tree(tree_tok, parent, depth, ancestors, valid), pstate
+
+
+def below_eos(tcfg, tokens, ancestors):
+    """[B, N+1] bool: nodes with a drafted EOS among their strict ancestors (a drafted EOS ends its
+    branch; the root is the last emitted token, never a draft)."""
+    eos = is_eos(tcfg, tokens).at[:, 0].set(False)
+    strict = ancestors & ~jnp.eye(tokens.shape[1], dtype=bool)
+    return jnp.any(strict & eos[:, None, :], axis=-1)
 
 
 def gather_out(out: M.ForwardOut, path: jax.Array) -> M.ForwardOut:
@@ -164,32 +190,40 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
 _STATIC = ("tcfg", "drafter", "policy", "tree", "max_new", "cache_len", "sampling", "unroll")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def tree_generate_jit(tparams, dparams, policy_params, tokens, lens, key, *, tcfg, drafter, policy, tree, max_new, cache_len, sampling, unroll):
-    state = start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, tree.depth, max_new, cache_len, sampling, unroll, tokens, lens, key)
+@functools.partial(jax.jit, static_argnames=_STATIC + ("with_policy_state",))
+def tree_generate_jit(tparams, dparams, policy_params, tokens, lens, key, policy_state=None, *, tcfg, drafter, policy, tree, max_new, cache_len, sampling, unroll, with_policy_state=False):
+    state = start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, tree.depth, max_new, cache_len, sampling, unroll, tokens, lens, key,
+                       policy_state=policy_state)
     body = functools.partial(tree_round, tparams, tcfg, drafter, dparams, policy, tree, max_new, sampling, unroll)
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-    return state.out, state.n_out, state.target_calls, state.drafted, state.accepted, state.trace_drafted, state.trace_tokens
+    outputs = (state.out, state.n_out, state.target_calls, state.drafted, state.accepted, state.trace_drafted, state.trace_tokens)
+    return outputs + (state.pstate,) if with_policy_state else outputs
 
 
-def tree_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, tree: TreeConfig, max_new, cache_len, sampling, unroll) -> GenerationResult:
+def tree_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, tree: TreeConfig, max_new, cache_len, sampling, unroll, policy_state=None) -> GenerationResult:
     if not isinstance(drafter, EagleDrafter):
         raise ValueError(f"tree drafting needs an EAGLE head drafter, got {getattr(drafter, 'name', drafter)!r}")
     policy = resolve_policy(policy, tree.depth)
     check_compatible(drafter, policy, tcfg, tree.depth, "lossless")
     return result_from_device(tree_generate_jit(
-        tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key,
+        tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key, policy_state,
         tcfg=tcfg, drafter=drafter, policy=policy, tree=tree, max_new=max_new, cache_len=cache_len,
-        sampling=sampling, unroll=unroll,
+        sampling=sampling, unroll=unroll, with_policy_state=True,
     ))
 
 
-def autotune_num_nodes(tparams, tcfg, batch: int, cache_len: int, candidates=(15, 23, 31, 47, 59), weights=(1.0, 1.05, 1.07, 1.1, 1.13), reps: int = 5) -> int:
+# EAGLE's `total_token = -1` mode (ea_model.py): total tokens {40, 48, 50, 56, 60} = draft nodes + root.
+EAGLE_NODE_CANDIDATES = (39, 47, 49, 55, 59)
+EAGLE_NODE_WEIGHTS = (1.0, 1.05, 1.07, 1.1, 1.13)
+
+
+def autotune_num_nodes(tparams, tcfg, batch: int, cache_len: int, candidates=EAGLE_NODE_CANDIDATES, weights=EAGLE_NODE_WEIGHTS, reps: int = 5) -> int:
     """EAGLE's device-specific tree budget: time a target forward over each candidate block size
     (nodes + root) at this batch size, divide by the candidate's weight (EAGLE's 1, 1.05, 1.07,
-    1.1, 1.13: larger trees are credited for accepting more), and keep the cheapest."""
-    import time
-
+    1.1, 1.13: larger trees are credited for accepting more), and keep the cheapest. The default
+    candidates are EAGLE's (39, 47, 49, 55, 59 nodes)."""
+    if len(candidates) != len(weights) or not candidates:
+        raise ValueError(f"autotune needs one weight per candidate, got {candidates} and {weights}")
     cache = M.init_cache(tcfg, batch, cache_len, tparams["embed"].dtype)
     cache = cache.replace(lengths=jnp.full((batch,), cache_len // 2, jnp.int32))
     fwd = jax.jit(lambda p, t, c: M.lm_head(p, tcfg, M.forward(p, tcfg, t, c).hidden))
@@ -202,3 +236,19 @@ def autotune_num_nodes(tparams, tcfg, batch: int, cache_len: int, candidates=(15
             jax.block_until_ready(fwd(tparams, toks, cache))
         costs.append((time.perf_counter() - t0) / reps / w)
     return int(candidates[int(np.argmin(costs))])
+
+
+_AUTOTUNED: dict = {}
+
+
+def autotuned_tree(tparams, tcfg, batch: int, cache_len: int, top_k: int = 10, depth: int = 6, **autotune_kw) -> TreeConfig:
+    """A TreeConfig whose num_nodes `autotune_num_nodes` picks on this device for this batch size
+    and cache (EAGLE's candidates, clipped to what a top_k x depth tree can hold). Timed once per
+    (model config, batch, cache length, tree shape, backend) per process."""
+    largest = TreeConfig(top_k, depth, 1).max_nodes
+    cands, weights = zip(*[(min(n, largest), w) for n, w in zip(autotune_kw.pop("candidates", EAGLE_NODE_CANDIDATES),
+                                                                  autotune_kw.pop("weights", EAGLE_NODE_WEIGHTS))])
+    key = (tcfg, batch, cache_len, top_k, depth, cands, weights, jax.default_backend())
+    if key not in _AUTOTUNED:
+        _AUTOTUNED[key] = autotune_num_nodes(tparams, tcfg, batch, cache_len, cands, weights, **autotune_kw)
+    return TreeConfig(top_k, depth, _AUTOTUNED[key])

@@ -26,7 +26,13 @@ class AdaEDLState:
 
 @dataclasses.dataclass(frozen=True)
 class AdaEDLPolicy(Policy):
-    """AdaEDL: stop after a draft token with ``1 - sqrt(gamma * H) < lambda``; lambda adapts per row.
+    """AdaEDL: before drafting the next token, stop if ``1 - sqrt(gamma * H(q)) < lambda``, where
+    q is the distribution that token would be drawn from; lambda adapts per row.
+
+    The token whose distribution triggers the stop is not drafted (``stops_before_drafting``), so
+    it is neither verified nor counted in lambda's update. The first ``min_draft = 1`` tokens of a
+    round are drafted unchecked (reimplementation A: a round with no draft would make the
+    acceptance rate 0/0).
 
     [I] reconstruction. Source: docs/methods.md §3.5 (no primary text; three independent
     reimplementations agree on the stop rule and gamma = 0.2). After each round, with
@@ -48,6 +54,7 @@ class AdaEDLPolicy(Policy):
 
     name = "adaedl"
     needs_draft_logits = True
+    stops_before_drafting = True
 
     gamma: float = 0.2
     lambda_init: float = 0.5
@@ -57,10 +64,13 @@ class AdaEDLPolicy(Policy):
     target_rate: float = 0.9
     ar_init: float | None = None
     lambda_rule: str = "A"
+    min_draft: int = 1
 
     def __post_init__(self):
         if self.lambda_rule not in ("A", "B"):
             raise ValueError(f"lambda_rule must be 'A' or 'B', got {self.lambda_rule!r}")
+        if self.min_draft < 1:
+            raise ValueError(f"min_draft must be >= 1 (the engine drafts at least one token), got {self.min_draft}")
 
     def initial_thresholds(self, batch: int) -> tuple[jax.Array, jax.Array]:
         ar = self.target_rate if self.ar_init is None else self.ar_init
@@ -75,7 +85,8 @@ class AdaEDLPolicy(Policy):
         max_len: int,
     ) -> tuple[jax.Array, jax.Array]:
         """One round of the online lambda update; returns ``(lam, acc_rate)``."""
-        # The engine drafts at least one token; max(., 1) only guards a 0/0 on a padded row.
+        # The engine drafts at least one token (min_draft); max(., 1) only guards a 0/0 on a
+        # round with no draft (a finished row, or an EOS-only round).
         round_rate = n_accepted.astype(jnp.float32) / jnp.maximum(n_drafted, 1).astype(jnp.float32)
         acc_rate = self.beta1 * acc_rate + (1.0 - self.beta1) * round_rate
         below_target = acc_rate < self.target_rate
@@ -94,7 +105,8 @@ class AdaEDLPolicy(Policy):
         return AdaEDLState(lam=lam, acc_rate=acc_rate, rounds=jnp.zeros((batch,), jnp.int32))
 
     def stop(self, state, step, draft_logits):
-        return adaedl_stop(softmax_entropy(draft_logits), state.lam, self.gamma)
+        """Stop before drafting token ``step`` (never before the first ``min_draft``)."""
+        return adaedl_stop(softmax_entropy(draft_logits), state.lam, self.gamma) & (step >= self.min_draft)
 
     def update(self, state, n_drafted, n_accepted, active):
         lam, acc_rate = self.next_thresholds(

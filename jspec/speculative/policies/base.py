@@ -6,9 +6,16 @@ The engine runs one round per target call for a batch of ``B`` rows, each row wi
     # each round, inside the engine's jitted loop:
     limit = policy.round_limit(state, k_max, features)          # [B] int32 in [1, k_max]
     # draft token `step` = 0, 1, ... while step < limit and not stopped:
-    stop = policy.stop(state, step, draft_logits)               # [B] bool; the token is kept
+    stop = policy.stop(state, step, draft_logits)               # [B] bool
+    skip = stop & policy.stop_skips_token(state)                # [B] bool: token `step` not drafted
     # verify, then:
     state = policy.update(state, n_drafted, n_accepted, active)
+
+When a rule decides matters. Most rules look at the distribution a token was drawn from and stop
+AFTER it (SVIP, max-confidence): that token is kept. AdaEDL decides BEFORE drafting the next token:
+when its stop fires at ``step``, the token of that step is not drafted (not verified, not counted
+in ``n_drafted``). ``stop_skips_token(state)`` says which applies, per row (TapOut's depends on the
+arm it plays). The first token of a round (step 0) is always drafted, whatever the rule says.
 
 Policies are frozen, hashable dataclasses (static jit arguments); their states are
 ``flax.struct`` dataclasses whose arrays have a leading batch dim ``B`` (the one exception is the
@@ -129,6 +136,7 @@ class Policy:
     name = "base"  # class attributes, not dataclass fields
     needs_draft_logits = False
     needs_in_round_state = False
+    stops_before_drafting = False  # see stop_skips_token
 
     k_max: int | None = None
 
@@ -148,6 +156,11 @@ class Policy:
         self, state: Any, n_drafted: jax.Array, n_accepted: jax.Array, active: jax.Array
     ) -> Any:
         return state.replace(rounds=count_rounds(state.rounds, active))
+
+    def stop_skips_token(self, state: Any) -> jax.Array:
+        """[B] bool: True where a stop at this step drops the step's token (a rule checked before
+        drafting it, AdaEDL); False where the token that triggered the stop is kept."""
+        return jnp.full(state.rounds.shape, self.stops_before_drafting)
 
     # -- state-returning forms (needed only by policies with needs_in_round_state) --------------
     def start_round(self, state: Any, k_max: int, features: Features = None) -> tuple[Any, jax.Array]:

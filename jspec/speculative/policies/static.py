@@ -63,7 +63,9 @@ class HeuristicPolicy(Policy):
 
     transformers compares the accepted count with the requested gamma; here "every drafted token"
     means ``n_accepted >= n_drafted``. The two differ only when a round was cut short (EOS, length
-    budget). The cap at k_max follows SVIP's copy of this schedule (which caps at 40).
+    budget). A round that drafted nothing (an n-gram miss) tells nothing about the draft length,
+    so it leaves gamma unchanged. The cap at k_max follows SVIP's copy of this schedule (which
+    caps at 40).
     """
 
     name = "heuristic"
@@ -92,6 +94,7 @@ class HeuristicPolicy(Policy):
             jnp.minimum(state.gamma + self.increase, k_max),
             jnp.maximum(state.gamma - self.decrease, self.min_gamma),
         ).astype(jnp.int32)
+        changes = active & (n_drafted > 0)
         return HeuristicState(
-            gamma=jnp.where(active, gamma, state.gamma), rounds=count_rounds(state.rounds, active)
+            gamma=jnp.where(changes, gamma, state.gamma), rounds=count_rounds(state.rounds, active)
         )

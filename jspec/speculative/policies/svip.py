@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .base import Policy, softmax_entropy
+from .base import Policy, clip_limit, softmax_entropy
 
 
 def svip_stop(entropy: jax.Array, entropy_scale: float, threshold: float) -> jax.Array:
@@ -19,8 +19,12 @@ def svip_stop(entropy: jax.Array, entropy_scale: float, threshold: float) -> jax
 @dataclasses.dataclass(frozen=True)
 class SVIPPolicy(Policy):
     """SVIP (official code, vanilla-sd/eval_specbench.py): stop after a draft token with
-    ``sqrt(entropy_scale * H) > threshold``, i.e. H > 0.6 nats with the defaults 0.15 and 0.3.
-    The code's hard cap of 40 draft tokens is the engine's ``k_max`` here.
+    ``sqrt(entropy_scale * H) > threshold``, i.e. H > 0.6 nats with the defaults 0.15 and 0.3;
+    the token that triggered the stop is kept.
+
+    ``max_draft = 40`` is the code's hard cap on draft tokens per round. A round drafts at most
+    ``min(max_draft, k_max)``: the engine's verify block holds k_max + 1 tokens (default k_max 8),
+    so to follow the paper run with ``k_max=40`` (``--k-max 40``).
     """
 
     name = "svip"
@@ -28,6 +32,11 @@ class SVIPPolicy(Policy):
 
     entropy_scale: float = 0.15
     threshold: float = 0.3
+    max_draft: int = 40
+
+    def round_limit(self, state, k_max, features=None):
+        self._check_k_max(k_max)
+        return clip_limit(jnp.full(state.rounds.shape, min(self.max_draft, k_max), jnp.int32), k_max)
 
     def stop(self, state, step, draft_logits):
         return svip_stop(softmax_entropy(draft_logits), self.entropy_scale, self.threshold)

@@ -67,7 +67,8 @@ class TapOutPolicy(Policy):
     * arms (``arms``, any subset of TAPOUT_ARMS, in this order by default): ``logit_margin`` stops
       if p1 - p2 < p2; ``max_conf`` if p1 < ``max_conf_threshold`` (0.5); ``svip`` and ``adaedl``
       with their own defaults (``svip``/``adaedl`` fields; the AdaEDL arm keeps its own per-row
-      lambda); ``static`` never stops (drafts k_max).
+      lambda, and like AdaEDL checks before drafting: its stopping token is dropped); ``static``
+      never stops (drafts k_max).
     * reward after verification: ``w * n_acc / k_max + (1 - w) * n_acc / max(n_drafted, 1)``,
       ``w = reward_weight = 0.5``; both terms lie in [0, 1].
     * ``bandit="ucb1"``: each arm once first, then argmax ``mean + exploration * sqrt(2 ln t / n)``
@@ -122,8 +123,9 @@ class TapOutPolicy(Policy):
             rounds=jnp.zeros((batch,), jnp.int32),
         )
 
-    def arm_stop_flags(self, state: TapOutState, draft_logits: jax.Array) -> jax.Array:
-        """[B, A] bool: each arm's stop decision for this draft token."""
+    def arm_stop_flags(self, state: TapOutState, draft_logits: jax.Array, step=1) -> jax.Array:
+        """[B, A] bool: each arm's stop decision at draft step ``step`` (the AdaEDL arm checks
+        before drafting the token and never before its ``min_draft``-th)."""
         log_probs = draft_log_probs(draft_logits)
         entropy = entropy_from_log_probs(log_probs)
         top1, top2 = top_two_probs(log_probs)
@@ -131,14 +133,20 @@ class TapOutPolicy(Policy):
             "logit_margin": lambda: logit_margin_stop(top1, top2),
             "max_conf": lambda: max_confidence_stop(top1, self.max_conf_threshold),
             "svip": lambda: svip_stop(entropy, self.svip.entropy_scale, self.svip.threshold),
-            "adaedl": lambda: adaedl_stop(entropy, state.lam, self.adaedl.gamma),
+            "adaedl": lambda: adaedl_stop(entropy, state.lam, self.adaedl.gamma) & (step >= self.adaedl.min_draft),
             "static": lambda: jnp.zeros_like(top1, jnp.bool_),
         }
         return jnp.stack([rules[a]() for a in self.arms], axis=-1)
 
     def stop(self, state, step, draft_logits):
-        flags = self.arm_stop_flags(state, draft_logits)
+        flags = self.arm_stop_flags(state, draft_logits, step)
         return jnp.take_along_axis(flags, state.arm[:, None], axis=-1)[:, 0]
+
+    def stop_skips_token(self, state):
+        """Rows playing the AdaEDL arm stop before drafting; the other arms keep the token."""
+        if "adaedl" not in self.arms:
+            return jnp.zeros(state.arm.shape, bool)
+        return state.arm == self.arms.index("adaedl")
 
     def reward(self, n_drafted: jax.Array, n_accepted: jax.Array, k_max: int) -> jax.Array:
         n_acc = n_accepted.astype(jnp.float32)
