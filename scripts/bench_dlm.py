@@ -5,14 +5,15 @@
 
 One process, one device, greedy. Every method is compiled once (prompts are padded to one
 length) and warmed up on the first batch (untimed, `compile_s`). Per task, AR runs first; the
-number of batches every method then runs is fitted to the time budget from AR's batch time, so
-all rows of a task cover the same prompts (`n_prompts`; all of them when the budget allows).
+number of batches every method then runs is fitted to what is left of the time budget (after a
+reserve for the compiles still to come) from AR's batch time, so all rows of a task cover the
+same prompts (`n_prompts`; all of them when the budget allows).
 
 Rows (RESULTS_DIR/dlm_bench.json, a list; bench-report fields plus extras):
   method "ar"         the target alone (the reference of speedup_vs_ar and greedy_identical_to_ar)
   method "diffuspec"  names diffuspec:cps:adl, diffuspec:nocps:adl, diffuspec:cps:static (fixed k),
-                      diffuspec:paper:adl (tau 0.8, M 15, B 3, lambda 0.5, k in [20, 30], if the
-                      DLM's block holds 30); mean_accepted_tokens = tokens per target call
+                      with --paper diffuspec:paper:adl (tau 0.8, M 15, B 3, lambda 0.5, k in
+                      [20, 30]); mean_accepted_tokens = tokens per target call
   method "ssd"        the DLM alone: stepwise decoding (ssd:stepwise) and SSD (ssd:N=..):
                       identical_to_stepwise (fraction of prompts), forwards_per_token,
                       speedup_vs_stepwise
@@ -42,7 +43,8 @@ def parse(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--tasks", default="mt_bench,humaneval")
     ap.add_argument("--prompts-from-data", type=int, default=0)
-    ap.add_argument("--time-budget-s", type=float, default=240.0, help="timed part, compiles excluded")
+    ap.add_argument("--time-budget-s", type=float, default=240.0,
+                    help="whole run incl. compiles: prompts per task are cut to fit (default 240)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=16, help="library k_max (ADL upper bound, fixed-k rows)")
@@ -50,10 +52,16 @@ def parse(argv=None):
     ap.add_argument("--ssd-nodes", type=int, default=4)
     ap.add_argument("--fp32-prompts", type=int, default=8)
     ap.add_argument("--dtype", default=None, help="default: the preset's (bfloat16 on GPU)")
-    ap.add_argument("--no-paper", action="store_true", help="skip the paper-settings DiffuSpec row")
+    ap.add_argument("--paper", action="store_true", help="add the paper-settings DiffuSpec row (k in [20, 30])")
+    ap.add_argument("--rows", default="diffuspec,ssd,fp32",
+                    help="row groups: diffuspec (with AR), ssd (with stepwise), fp32 (greedy identity); "
+                         "split them over processes / GPUs to save wall time")
     args = ap.parse_args(argv)
     if args.batch < 1 or args.max_new_tokens < 1:
         ap.error("--batch and --max-new-tokens must be >= 1")
+    args.rows = [r for r in args.rows.split(",") if r]
+    if not args.rows or set(args.rows) - {"diffuspec", "ssd", "fp32"}:
+        ap.error(f"--rows {','.join(args.rows)}: choose from diffuspec, ssd, fp32")
     if not os.path.isfile(args.dlm):
         ap.error(f"--dlm {args.dlm}: no such file")
     if not os.path.isfile(os.path.join(args.data, "meta.json")):
@@ -107,7 +115,7 @@ def main(argv=None):
         for name in [t for t in args.tasks.split(",") if t]:
             prompts[name] = encode_questions(tok, load_task(name), chat=chat)
     P = bucket(max(len(p) for ps in prompts.values() for p in ps))
-    k_paper = 30 if dcfg.block_size >= 30 and not args.no_paper else 0
+    k_paper = 30 if dcfg.block_size >= 30 and args.paper else 0
     k_lib = min(args.k, dcfg.block_size)
     extra = max(k_lib, k_paper) + 1
     cache_len = plan_cache_len(P, args.max_new_tokens, extra)
@@ -157,7 +165,7 @@ def main(argv=None):
         return run
 
     lib = dict(k_min=max(1, k_lib // 4), delta=max(1, k_lib // 4))
-    methods = [
+    methods = [] if "diffuspec" not in args.rows else [
         ("ar", "ar", None, None, ar_fn(tparams)),
         ("diffuspec", "diffuspec:cps:adl", "diffuspec", "adl",
          spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib), ADLPolicy(k_max=k_lib, **lib), k_lib, tparams, dparams)),
@@ -166,19 +174,22 @@ def main(argv=None):
         ("diffuspec", f"diffuspec:cps:static:k={k_lib}", "diffuspec", "static",
          spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib), make_policy("static", k_max=k_lib), k_lib, tparams, dparams)),
     ]
-    if k_paper:
+    if k_paper and "diffuspec" in args.rows:
         methods.append(("diffuspec", "diffuspec:paper:adl", "diffuspec-paper", "adl-paper",
                         spec_fn(DiffuSpecDrafter.paper(dcfg, k_max=k_paper), ADLPolicy.paper(k_max=k_paper), k_paper, tparams, dparams)))
-    methods += [("ssd", "ssd:stepwise", "dlm", "stepwise", ssd_fn(1)),
-                ("ssd", f"ssd:N={args.ssd_nodes}", "dlm", f"ssd-N{args.ssd_nodes}", ssd_fn(args.ssd_nodes))]
+    if "ssd" in args.rows:
+        methods += [("ssd", "ssd:stepwise", "dlm", "stepwise", ssd_fn(1)),
+                    ("ssd", f"ssd:N={args.ssd_nodes}", "dlm", f"ssd-N{args.ssd_nodes}", ssd_fn(args.ssd_nodes))]
+    fp32 = args.fp32_prompts if "fp32" in args.rows else 0
 
     compiled: dict[str, float] = {}
     card = card_name()
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     all_rows = []
-    share = args.time_budget_s / max(len(prompts), 1)
+    deadline = t0 + args.time_budget_s
+    n_compiles = len(methods) + (2 if fp32 else 0)
 
-    for task, ps in prompts.items():
+    for ti, (task, ps) in enumerate(prompts.items() if methods else []):
         tokens, lens, n_real = packed(ps)
         n_batches_all = len(tokens) // B
         results: dict[str, dict] = {}
@@ -189,20 +200,25 @@ def main(argv=None):
                 fn(jnp.asarray(tokens[:B]), jnp.asarray(lens[:B]))
                 compiled[name] = time.perf_counter() - tc
             outs, secs = [], []
-            for bi in range(n_batches):
+            bi = 0
+            while bi < n_batches:  # n_batches is fitted after AR's first batch
                 t, l = jnp.asarray(tokens[bi * B : (bi + 1) * B]), jnp.asarray(lens[bi * B : (bi + 1) * B])
                 ts = time.perf_counter()
                 rows = fn(t, l)
                 secs.append(time.perf_counter() - ts)
                 outs.append(rows[: max(0, min(B, n_real - bi * B))])
-                if mi == 0 and bi == 0:  # fit every method into the task's share, from AR's batch time
+                if mi == 0 and bi == 0:  # fit every method into the task's share, from the first one's batch time
+                    c_est = max(1.5 * compiled[name], 10.0)  # a speculative program compiles slower than AR
+                    reserve = c_est * (n_compiles - len(compiled))
+                    share = (deadline - time.perf_counter() - reserve) / (len(prompts) - ti)
                     n_batches = max(1, min(n_batches_all, int(share / (secs[0] * len(methods) * 1.3))))
+                bi += 1
             flat = [r for o in outs for r in o]
             rates = [sum(len(r[0]) for r in o) / s for o, s in zip(outs, secs) if o]
             results[name] = {"rows": flat, "tps": float(np.mean(rates)), "secs": float(sum(secs))}
             print(f"{task} {name}: {len(flat)} prompts, {results[name]['tps']:.0f} tok/s, compile {compiled[name]:.1f}s", flush=True)
 
-        ar = results["ar"]
+        ar = results.get("ar")
         step = results.get("ssd:stepwise")
         for method, name, drafter, policy, _ in methods:
             r = results[name]
@@ -233,8 +249,8 @@ def main(argv=None):
             all_rows.append(row)
 
     # ---- fp32 greedy identity of DiffuSpec ------------------------------------------------------
-    if args.fp32_prompts:
-        ps = [p for task_ps in prompts.values() for p in task_ps][: args.fp32_prompts]
+    if fp32:
+        ps = [p for task_ps in prompts.values() for p in task_ps][:fp32]
         tokens, lens, n_real = packed(ps)
         tp32 = M.cast_params(tparams, jnp.float32)
         dp32 = {"dlm": M.cast_params(own, jnp.float32), "proxy": proxy}

@@ -47,7 +47,7 @@ def main(argv=None):
     ap.add_argument("--block-size", type=int, default=32, help="inference block (longest draft), default 32")
     ap.add_argument("--time-budget-s", type=float, default=None, help="whole run, evaluation and export included")
     ap.add_argument("--steps", type=int, default=None, help="step cap (default: 100000 with a budget, else 500)")
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=384)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--mask-token-id", type=int, default=None, help="default: smallest id < 256 absent from the data")

@@ -53,7 +53,7 @@ class DLMTrainConfig:
     block_size: int = 32  # inference block (drafting / SSD upper bound)
     train_block_sizes: tuple[int, ...] = (8, 32)
     full_mask_fraction: float = 0.5  # blocks trained fully masked (one-forward drafting)
-    batch_size: int = 16  # global
+    batch_size: int = 32  # global
     seq_len: int = 384
     steps: int = 100_000  # upper bound when time_budget_s is set
     time_budget_s: float | None = None  # whole run, evaluation and export included
@@ -265,7 +265,8 @@ def train_dlm(tcfg: ModelConfig, tparams: dict, data_dir: str, out_dir: str, tc:
     if resume and ckpt.latest_step() is not None:
         state, _, _ = ckpt.restore(ckpt.latest_step(), state, {})
     loader = Loader(rows, tc.batch_size, tc.seed)
-    reserve = 25.0 if tc.time_budget_s and tc.time_budget_s > 120 else 0.0
+    # evaluation (two compiles) and export after the last step
+    reserve = 50.0 if tc.time_budget_s and tc.time_budget_s > 120 else 0.0
 
     first = jax.process_index() == 0
     log_path = os.path.join(out_dir, "metrics.jsonl")

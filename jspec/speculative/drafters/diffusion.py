@@ -49,7 +49,7 @@ PAPER_CPS = {"tau": 0.8, "m_max": 15, "beam": 3, "lam": 0.5}
 # Library defaults for a small (135M-class) target: a 30-token block costs the DLM one forward,
 # but a small DLM's marginals degrade fast with distance, so rounds verify fewer tokens; a
 # narrower lattice keeps the beam search cheap next to a ~1 ms target call.
-LIBRARY_CPS = {"tau": 0.8, "m_max": 8, "beam": 3, "lam": 0.5}
+LIBRARY_CPS = {"tau": 0.8, "m_max": 6, "beam": 3, "lam": 0.5}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,13 +132,11 @@ def _lex_lookup(cols: tuple, values: jax.Array, query: tuple):
             eq = eq & (k == q)
         return out
 
-    def body(_, carry):
-        lo, hi = carry
+    # a static loop (not fori_loop): XLA fuses the whole search into a few kernels
+    for _ in range(max(1, math.ceil(math.log2(N + 1)))):
         mid = (lo + hi) // 2
         go_right = less(jnp.clip(mid, 0, N - 1)) & (lo < hi)
-        return jnp.where(go_right, mid + 1, lo), jnp.where(~go_right & (lo < hi), mid, hi)
-
-    lo, _ = jax.lax.fori_loop(0, max(1, math.ceil(math.log2(N + 1))), body, (lo, hi))
+        lo, hi = jnp.where(go_right, mid + 1, lo), jnp.where(~go_right & (lo < hi), mid, hi)
     idx = jnp.clip(lo, 0, N - 1)
     found = lo < N
     for c, q in zip(cols, query):
@@ -198,44 +196,58 @@ def cps_beam_search(tokens, logq, ok, limit, prev2, prev1, proxy_fn, *, beam: in
     Expands positions < limit[b]; a beam that takes EOS is finished and carried unchanged. Path
     score: sum over its tokens of lam * logq + (1 - lam) * proxy_fn(x_{i-2}, x_{i-1}, x_i), the
     context starting from (prev2, prev1). Returns (path [B, K] int32, length [B] int32, score [B]):
-    the best final beam (ties: the earlier-found beam)."""
+    the best final beam (ties: the earlier-found beam).
+
+    Every proxy score a path could need is looked up once, before the search, for every
+    (candidate at i-2, candidate at i-1, candidate at i) triple ([B, K, C, C, C], one vectorised
+    lookup); beams carry the lattice indices of their last two tokens, so the search itself only
+    gathers."""
     B, K, C = tokens.shape
     W = beam
     neg = jnp.float32(-jnp.inf)
+    # lattice extended by the two context tokens as positions -2 and -1 (one candidate each, index 0)
+    ctx = lambda t: jnp.broadcast_to(t.astype(jnp.int32)[:, None, None], (B, 1, C))  # noqa: E731
+    ext = jnp.concatenate([ctx(prev2), ctx(prev1), tokens.astype(jnp.int32)], axis=1)  # [B, K+2, C]
+    a = ext[:, :K, :, None, None]
+    b = ext[:, 1 : K + 1, None, :, None]
+    c = ext[:, 2:, None, None, :]
+    shape = (B, K, C, C, C)
+    table = proxy_fn(jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape), jnp.broadcast_to(c, shape))
+
     score = jnp.full((B, W), neg).at[:, 0].set(0.0)
     paths = jnp.zeros((B, W, K), jnp.int32)
     length = jnp.zeros((B, W), jnp.int32)
     fin = jnp.zeros((B, W), bool)
-    c2 = jnp.broadcast_to(prev2[:, None], (B, W)).astype(jnp.int32)
-    c1 = jnp.broadcast_to(prev1[:, None], (B, W)).astype(jnp.int32)
+    i2 = jnp.zeros((B, W), jnp.int32)  # lattice index of the token two back / one back
+    i1 = jnp.zeros((B, W), jnp.int32)
+    rows = jnp.arange(B)[:, None]
 
     def step(carry, xs):
-        score, paths, length, fin, c2, c1 = carry
-        k, tok, lq, okk = xs  # tok / lq / okk [B, C]
+        score, paths, length, fin, i2, i1 = carry
+        k, tok, lq, okk, tab = xs  # tok / lq / okk [B, C]; tab [B, C, C, C]
         live = score > neg
-        expanding = (k < limit)[:, None]  # [B, 1]
-        cand = jnp.broadcast_to(tok[:, None, :], (B, W, C))
-        lp_proxy = proxy_fn(jnp.broadcast_to(c2[:, :, None], (B, W, C)), jnp.broadcast_to(c1[:, :, None], (B, W, C)), cand)
-        ext = score[:, :, None] + lam * lq[:, None, :] + (1.0 - lam) * lp_proxy
+        expanding = (k < limit)[:, None]
+        lp_proxy = tab[rows, i2, i1]  # [B, W, C]
+        ext_sc = score[:, :, None] + lam * lq[:, None, :] + (1.0 - lam) * lp_proxy
         ext_ok = live[:, :, None] & ~fin[:, :, None] & okk[:, None, :] & expanding[:, :, None]
-        ext = jnp.where(ext_ok, ext, neg).reshape(B, W * C)
-        carry_ok = live & (fin | ~expanding)
-        kept = jnp.where(carry_ok, score, neg)
-        allsc = jnp.concatenate([ext, kept], axis=1)  # [B, W*C + W]
-        new_score, idx = jax.lax.top_k(allsc, W)
+        ext_sc = jnp.where(ext_ok, ext_sc, neg).reshape(B, W * C)
+        kept = jnp.where(live & (fin | ~expanding), score, neg)
+        new_score, idx = jax.lax.top_k(jnp.concatenate([ext_sc, kept], axis=1), W)
         is_ext = idx < W * C
         src = jnp.where(is_ext, idx // C, idx - W * C)
-        new_tok = jnp.take_along_axis(tok, jnp.where(is_ext, idx % C, 0), axis=1)
+        ci = jnp.where(is_ext, idx % C, 0)
+        new_tok = jnp.take_along_axis(tok, ci, axis=1)
         g = lambda x: jnp.take_along_axis(x, src, axis=1)  # noqa: E731
         paths_src = jnp.take_along_axis(paths, src[:, :, None], axis=1)
         paths = jnp.where(is_ext[:, :, None] & (jnp.arange(K)[None, None] == k), new_tok[:, :, None], paths_src)
         length = g(length) + is_ext.astype(jnp.int32)
         fin = g(fin) | (is_ext & (new_tok == eos_id))
-        c2, c1 = jnp.where(is_ext, g(c1), g(c2)), jnp.where(is_ext, new_tok, g(c1))
-        return (new_score, paths, length, fin, c2, c1), None
+        i2, i1 = jnp.where(is_ext, g(i1), g(i2)), jnp.where(is_ext, ci, g(i1))
+        return (new_score, paths, length, fin, i2, i1), None
 
-    xs = (jnp.arange(K), jnp.moveaxis(tokens, 1, 0), jnp.moveaxis(logq, 1, 0), jnp.moveaxis(ok, 1, 0))
-    (score, paths, length, fin, _, _), _ = jax.lax.scan(step, (score, paths, length, fin, c2, c1), xs)
+    xs = (jnp.arange(K), jnp.moveaxis(tokens, 1, 0), jnp.moveaxis(logq, 1, 0), jnp.moveaxis(ok, 1, 0),
+          jnp.moveaxis(table, 1, 0))
+    (score, paths, length, fin, _, _), _ = jax.lax.scan(step, (score, paths, length, fin, i2, i1), xs, unroll=True)
     best = jnp.argmax(score, axis=1)
     return take_row(paths, best), take_row(length, best), take_row(score, best)
 
