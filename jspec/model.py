@@ -212,7 +212,8 @@ def new_slots(cache: KVCache, T: int, new_mask: jax.Array | None = None) -> jax.
 
 
 class ForwardOut(NamedTuple):
-    hidden: jax.Array  # [B, T, D] after the final norm: what the LM head reads (EAGLE-1 feature)
+    hidden: jax.Array  # [B, T, D] after the final norm: what the LM head reads (EAGLE-1 feature);
+    # the raw residual stream when forward(final_norm=False)
     captured: tuple  # inputs of the requested layers, each [B, T, D] (EAGLE-3 features)
     cache: KVCache
 
@@ -229,6 +230,8 @@ def forward(
     layer_range: tuple[int, int] | None = None,
     unroll: int | bool = 1,
     kernels: str | None = None,
+    hidden_in: jax.Array | None = None,
+    final_norm: bool = True,
 ) -> ForwardOut:
     """Run T new tokens per row against the cache.
 
@@ -239,16 +242,28 @@ def forward(
     runs only layers [a, b) (early-exit drafting shares the target's cache for those layers).
     `kernels` picks the implementation (KERNEL_IMPLS; default `default_kernels()`); all of them
     compute the same function.
+
+    Pipelines (PPSD's two stages, an exit head behind layer E) feed one layer range's output into
+    the next: `hidden_in` [B, T, D] replaces the token embeddings as the input of layer `lo`
+    (tokens may then be None), and `final_norm=False` returns the raw residual stream after layer
+    `hi - 1` instead of the final-normed hidden state, so running (0, E) then (E, L) this way
+    computes exactly what one full forward computes.
     """
-    B, T = tokens.shape
+    if hidden_in is not None:
+        B, T = hidden_in.shape[:2]
+    else:
+        B, T = tokens.shape
     dtype = params["embed"].dtype
     if positions is None:
         positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     lo, hi = layer_range if layer_range is not None else (0, cfg.num_layers)
 
-    x = params["embed"][tokens]
-    if cfg.embed_scale != 1.0:
-        x = x * jnp.asarray(cfg.embed_scale, dtype)
+    if hidden_in is not None:
+        x = hidden_in.astype(dtype)
+    else:
+        x = params["embed"][tokens]
+        if cfg.embed_scale != 1.0:
+            x = x * jnp.asarray(cfg.embed_scale, dtype)
 
     visible, key_pos = attention_mask(cache, positions, new_mask)
     cos_g, sin_g = rope_tables(jnp.asarray(rope_inv_freq(cfg, cfg.rope_theta)), positions)
@@ -341,7 +356,7 @@ def forward(
         layer_ids = jnp.arange(lo, hi, dtype=jnp.int32)
         xs = layer_ids if fused_mats else (layer_params, layer_ids)
         (x, k_all, v_all), h_ins = jax.lax.scan(fused_layer, (x, cache.k, cache.v), xs, unroll=unroll)
-        hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) if final_norm else x
         captured = tuple(h_ins[i - lo] for i in capture) if capture else ()
         return ForwardOut(hidden, captured, cache.replace(k=k_all, v=v_all))
 
@@ -400,7 +415,7 @@ def forward(
     else:
         k_all = jax.lax.dynamic_update_slice_in_dim(cache.k, k_new, lo, axis=0)
         v_all = jax.lax.dynamic_update_slice_in_dim(cache.v, v_new, lo, axis=0)
-    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) if final_norm else x
     captured = tuple(h_ins[i - lo] for i in capture) if capture else ()
     return ForwardOut(hidden, captured, cache.replace(k=k_all, v=v_all))
 

@@ -1,7 +1,11 @@
-"""AR vs plain speculative decoding vs PEARL (two devices, and one) with one draft model, greedy.
+"""AR vs plain speculative decoding vs PEARL and PPSD (two devices, and one), greedy.
 
     python scripts/bench_pearl.py --model smollm2-135m-instruct --drafter model:DRAFT_DIR \
-        --out OUT --time-budget-s 240
+        --exit-head EXIT_DIR --methods ar,spec,pearl,ppsd --out OUT --time-budget-s 240
+
+PPSD (engines/ppsd.py) drafts with the target's first E layers and the exit head of --exit-head (a
+directory from scripts/train_draft_model.py --exit-layer E, or `cut` for the untrained head copied
+from the target's last layer: a plumbing check); E comes from the directory unless --exit-layer.
 
 Per MT-Bench first turn (batch 1; all 80 unless --n-prompts or the budget cuts the list), every
 method runs on the same prompt before the next prompt starts, so a budget cut leaves the same
@@ -33,9 +37,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--drafter", required=True, help="model:PATH (a draft-model dir) or cut:N")
+    ap.add_argument("--drafter", default=None, help="model:PATH (a draft-model dir) or cut:N (spec and pearl rows)")
+    ap.add_argument("--exit-head", default=None, help="exit-head dir or `cut` (ppsd rows)")
+    ap.add_argument("--exit-layer", type=int, default=0, help="0: the exit head's own, else L // 2")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--methods", default="ar,spec,pearl", help="of ar, spec, pearl (2 devices), pearl1 (1 device)")
+    ap.add_argument("--methods", default="ar,spec,pearl",
+                    help="of ar, spec, pearl (2 devices), pearl1 (1 device), ppsd (2 devices), ppsd1 (1 device)")
     ap.add_argument("--n-prompts", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--gamma", type=int, default=0, help="0: measure")
@@ -50,9 +57,13 @@ def _args(argv):
 def main(argv=None):
     args = _args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in ("ar", "spec", "pearl", "pearl1")]
+    bad = [m for m in methods if m not in ("ar", "spec", "pearl", "pearl1", "ppsd", "ppsd1")]
     if bad:
-        raise SystemExit(f"unknown methods {bad}; choose from ar, spec, pearl, pearl1")
+        raise SystemExit(f"unknown methods {bad}; choose from ar, spec, pearl, pearl1, ppsd, ppsd1")
+    if args.drafter is None and {"spec", "pearl", "pearl1"} & set(methods):
+        raise SystemExit("--drafter is needed for the spec and pearl rows")
+    if args.exit_head is None and {"ppsd", "ppsd1"} & set(methods):
+        raise SystemExit("--exit-head is needed for the ppsd rows (an exit-head dir, or `cut`)")
     import jax
 
     if args.kernels or jax.default_backend() == "gpu":
@@ -70,15 +81,18 @@ def main(argv=None):
     from jspec.speculative.drafters.model import ModelDrafter
     from jspec.speculative.engines.pearl import measure_gamma, pearl_generate, pearl_mesh, place_on_mesh
     from jspec.speculative.factory import build_drafter
+    from jspec.checkpoint.draft_format import exit_layer_of, load_draft_model
+    from jspec.heads import exit_head as EH
+    from jspec.speculative.engines.ppsd import ppsd_generate
 
     t_start = time.perf_counter()
     deadline = t_start + args.time_budget_s
     os.makedirs(args.out, exist_ok=True)
     devices = jax.devices()
     two = len(devices) >= 2
-    if "pearl" in methods and not two:
-        print("one device only: the two-device PEARL row is skipped")
-        methods = [m for m in methods if m != "pearl"]
+    if ("pearl" in methods or "ppsd" in methods) and not two:
+        print("one device only: the two-device PEARL / PPSD rows are skipped")
+        methods = [m for m in methods if m not in ("pearl", "ppsd")]
 
     tcfg, tparams32, tok = resolve_model(args.model, dtype="float32", tokenizer=args.prompts_file is None)
     if args.prompts_file:
@@ -92,8 +106,21 @@ def main(argv=None):
         chat = load_preset(args.model).chat if args.model in list_presets() else None
         prompts = encode_questions(tok, load_task("mt_bench")[: args.n_prompts], chat=chat)
 
+    exit_layer = args.exit_layer or ((exit_layer_of(args.exit_head) if args.exit_head and args.exit_head != "cut" else None)
+                                     or EH.default_exit_layer(tcfg.num_layers))
+
+    def load_exit(tparams, dtype):
+        if not args.exit_head:
+            return None, None
+        if args.exit_head == "cut":
+            return EH.init_from_target(tparams, tcfg, exit_layer)
+        return load_draft_model(args.exit_head, tcfg, tparams, dtype=dtype)
+
     def load(dtype):
         tparams = M.cast_params(tparams32, dtype)
+        exits[jnp.dtype(dtype).name] = load_exit(tparams, dtype)
+        if args.drafter is None:
+            return tparams, None, None
         if args.drafter.startswith("cut:"):
             n = int(args.drafter[4:])
             dcfg, dparams = DM.init_from_target(tparams, tcfg, DM.default_layers_from(tcfg.num_layers, n))
@@ -102,8 +129,9 @@ def main(argv=None):
         return tparams, drafter, dparams
 
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    exits: dict = {}  # dtype name -> (exit cfg, exit params)
     tparams, drafter, dparams = load(dtype)
-    dcfg = drafter.cfg
+    dcfg = drafter.cfg if drafter is not None else None
     mesh = pearl_mesh(devices[:2]) if two else None
     W = bucket(max(len(p) for p in prompts))
 
@@ -114,8 +142,8 @@ def main(argv=None):
         return tokens, np.asarray([len(p)], np.int32), cache_len
 
     gamma_info = {}
-    if args.gamma:
-        gamma = args.gamma
+    if args.gamma or drafter is None:
+        gamma = args.gamma or 1
     else:
         gamma, gamma_info = measure_gamma(tparams, tcfg, dparams, dcfg, batch=1, cache_len=plan_cache_len(W, args.max_new_tokens, 64),
                                           devices=devices[:2] if two else devices[:1])
@@ -138,6 +166,13 @@ def main(argv=None):
             r = speculative_generate(tparams, tcfg, tokens, lens, key, drafter=drafter, drafter_params=dparams,
                                      policy="static", policy_params=None, k_max=gamma, max_new=max_new,
                                      cache_len=cache_len, sampling=GREEDY, verify="lossless", unroll=1)
+        elif method.startswith("ppsd"):
+            ecfg, eparams = exits[jnp.dtype(tparams["embed"].dtype).name]
+            if method == "ppsd":
+                tparams, eparams = placed_exit[id(tparams)]
+            r = ppsd_generate(tparams, tcfg, eparams, ecfg, exit_layer, tokens, lens, key, max_new=max_new,
+                              cache_len=cache_len, sampling=GREEDY, mesh=mesh if method == "ppsd" else None,
+                              kernels=kernels_of.get(method))
         else:
             if method == "pearl":
                 tparams, dparams = placed[id(tparams)]
@@ -148,12 +183,15 @@ def main(argv=None):
         rolled = int(r.rolled_back[0]) if getattr(r, "rolled_back", None) is not None else 0
         return r.row(0), int(r.target_calls[0]), int(r.drafted[0]), int(r.accepted[0]), rolled, dt
 
+    placed_exit = {}  # the same for the target and the exit head (PPSD)
     placed = {}  # id(target params) -> both models replicated on the PEARL mesh, placed once
     kernels_of: dict[str, str] = {}  # PEARL falls back to the portable kernels if the fused ones fail
 
     def table(dt_name, tparams, dparams, prompt_list, max_new, budget_end):
         if mesh is not None and "pearl" in methods:
             placed[id(tparams)] = place_on_mesh(mesh, tparams, dparams)
+        if mesh is not None and "ppsd" in methods:
+            placed_exit[id(tparams)] = place_on_mesh(mesh, tparams, exits[jnp.dtype(tparams["embed"].dtype).name][1])
         acc = {m: {"tokens": 0, "time_s": 0.0, "calls": 0, "drafted": 0, "accepted": 0, "rolled": 0, "same": 0,
                    "prompts": 0, "error": None} for m in methods}
         outs = {}
@@ -163,7 +201,7 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001 - reported in the row
                 traceback.print_exc()
                 acc[m]["error"] = f"{type(e).__name__}: {e}"[:500]
-                if m.startswith("pearl") and kernels_of.get(m) != "xla":
+                if m.startswith(("pearl", "ppsd")) and kernels_of.get(m) != "xla":
                     kernels_of[m] = "xla"
                     try:
                         run(m, tparams, dparams, prompt_list[0], max_new)
@@ -191,17 +229,19 @@ def main(argv=None):
             a = acc[m]
             spt = base[m]
             rows.append({
-                "method": "pearl" if m.startswith("pearl") else m, "variant": m,
-                "devices": 2 if m == "pearl" else 1, "dtype": dt_name,
+                "method": m.rstrip("1"), "variant": m,
+                "devices": 2 if m in ("pearl", "ppsd") else 1, "dtype": dt_name,
                 "kernels": kernels_of.get(m) or os.environ.get("JSPEC_KERNELS", "default"),
                 "device": str(devices[0].device_kind), "prompts": a["prompts"], "tokens": a["tokens"],
                 "time_s": a["time_s"], "tok_per_s": a["tokens"] / max(a["time_s"], 1e-9),
                 "speedup_vs_ar": (base["ar"] / spt) if "ar" in base and a["tokens"] else None,
-                "speedup_vs_spec": (base["spec"] / spt) if "spec" in base and a["tokens"] else None,
+                # PPSD's own drafter is the exit head, not the draft model of the spec row
+                "speedup_vs_spec": (base["spec"] / spt) if "spec" in base and a["tokens"] and not m.startswith("ppsd") else None,
                 "mean_accepted_tokens": a["tokens"] / max(a["calls"], 1),
                 "acceptance": a["accepted"] / max(a["drafted"], 1) if m != "ar" else None,
-                "rollback_rate": a["rolled"] / max(a["drafted"], 1) if m.startswith("pearl") else None,
-                "gamma": gamma if m != "ar" else None, "k_max": gamma if m == "spec" else None,
+                "rollback_rate": a["rolled"] / max(a["drafted"], 1) if m.startswith(("pearl", "ppsd")) else None,
+                "gamma": gamma if m in ("spec", "pearl", "pearl1") else None, "k_max": gamma if m == "spec" else None,
+                "exit_layer": exit_layer if m.startswith("ppsd") else None,
                 "greedy_identity": a["same"] / max(a["prompts"], 1) if "ar" in methods else None,
                 "max_new_tokens": max_new, "batch": 1, "error": a["error"],
             })
@@ -215,7 +255,8 @@ def main(argv=None):
         # true float32 matmuls (GPUs default to TF32 for float32), as the identity check needs
         with jax.default_matmul_precision("highest"):
             rows += table("float32", t32, d32, prompts[: args.fp32_prompts], args.fp32_max_new_tokens, deadline)
-    meta = {"model": args.model, "drafter": args.drafter, "gamma": gamma, "gamma_timing": gamma_info,
+    meta = {"model": args.model, "drafter": args.drafter, "exit_head": args.exit_head, "exit_layer": exit_layer,
+            "gamma": gamma, "gamma_timing": gamma_info,
             "devices": [str(d) for d in devices], "wall_s": time.perf_counter() - t_start}
     with open(os.path.join(args.out, "parallel_rows.json"), "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)

@@ -8,6 +8,12 @@ DATA_DIR: distilled shards (jspec distill / scripts/distill_data.py). Writes OUT
 embeddings), OUT/metrics.json
 (summary: held-out KL, expected acceptance sum(min(p, q)), top-1 agreement, before and after) and
 OUT/metrics.jsonl. Use the result as `--drafter model:OUT/draft`.
+
+With --exit-layer E it trains a PPSD exit head instead (jspec.heads.exit_head: one layer behind the
+target's layer E, initialised from its last layer, KL to the full model); OUT/draft records E:
+
+    python scripts/train_draft_model.py --target smollm2-135m-instruct --data DATA_DIR --out OUT \
+        --exit-layer 15 --time-budget-s 360
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=4, help="draft layers (default 4)")
     ap.add_argument("--layers-from", default=None, help="comma-separated target layer ids to start from")
+    ap.add_argument("--exit-layer", type=int, default=None,
+                    help="train a PPSD exit head behind this target layer instead of a draft model")
     ap.add_argument("--time-budget-s", type=float, default=None, help="whole run, export included")
     ap.add_argument("--steps", type=int, default=None, help="step cap (default: 100000 with a budget, else 1000)")
     ap.add_argument("--batch-size", type=int, default=16)
@@ -52,12 +60,14 @@ def main(argv=None):
     if args.layers > tcfg.num_layers:
         raise SystemExit(f"--layers {args.layers} exceeds the target's {tcfg.num_layers} layers")
     layers_from = tuple(int(x) for x in args.layers_from.split(",")) if args.layers_from else None
+    if args.exit_layer is not None and not 1 <= args.exit_layer < tcfg.num_layers:
+        raise SystemExit(f"--exit-layer must be in [1, {tcfg.num_layers - 1}], got {args.exit_layer}")
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     tc = DraftTrainConfig(
         num_layers=len(layers_from) if layers_from else args.layers, layers_from=layers_from,
         batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, logits_chunk=args.logits_chunk,
         steps=args.steps or (100_000 if args.time_budget_s else 1000), time_budget_s=args.time_budget_s,
-        compute_dtype=dtype,
+        compute_dtype=dtype, exit_layer=args.exit_layer,
     )
     summary = train_draft_model(tcfg, tparams, args.data, args.out, tc, ckpt_dir=args.ckpt_dir, resume=args.resume,
                                 progress=not args.no_progress)

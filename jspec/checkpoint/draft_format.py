@@ -2,7 +2,8 @@
 
 A draft-model directory holds
 
-    config.json        {"jspec_draft_model": {"layers_from": [...], "target": {...fingerprint}},
+    config.json        {"jspec_draft_model": {"layers_from": [...], "target": {...fingerprint},
+                        "exit_layer": E (PPSD exit heads only)},
                         "config": ModelConfig.to_dict() of the draft}
     model-00000.safetensors, model-00001...   jspec-layout tensors, usually bfloat16:
                        "final_norm" [D] and "layers.<i>.<name>" per layer (wqkv, wo, w_gate_up,
@@ -107,3 +108,12 @@ def load_draft_model(path: str, tcfg: ModelConfig, tparams: dict, dtype=None) ->
     if "wqkv" not in layers:
         raise CorruptCheckpointError(f"{path}: no layer tensors in {WEIGHTS_GLOB}")
     return dcfg, DM.tie(trainable, tparams)
+
+
+def exit_layer_of(path) -> int | None:
+    """E when the directory holds a PPSD exit head (trained behind target layer E), else None."""
+    if not is_draft_model_dir(path):
+        return None
+    with open(os.path.join(str(path), CONFIG_FILE)) as fh:
+        value = json.load(fh)[MARKER].get("exit_layer")
+    return None if value is None else int(value)

@@ -20,6 +20,11 @@ an injected hyper-parameter: warm-up then cosine over the *run's progress*, whic
 fraction, or with `time_budget_s` the elapsed-time fraction, so a budgeted run always ends at the
 bottom of its schedule.
 
+Exit heads (PPSD, jspec.heads.exit_head) train with the same loop: `exit_layer=E` makes the
+student the target's frozen layers [0, E) (read off the target's own forward, which captures the
+input of layer E) followed by the one-layer head; the loss, data, schedule and files are the same,
+and the export's `exit_layer` field marks the directory as an exit head.
+
 Outputs in OUT: draft/ (config.json + bfloat16 model-*.safetensors of layers and final norm),
 metrics.jsonl (interval means), metrics.json (summary: losses, held-out KL, top-1 agreement with
 the target, mean sum(min(p, q)) = the expected per-token acceptance at temperature 1, bytes).
@@ -44,6 +49,7 @@ from .. import model as M
 from ..checkpoint.draft_format import save_draft_model
 from ..config import ModelConfig
 from ..heads import draft_model as DM
+from ..heads import exit_head as EH
 from . import data as D1
 from . import shards as D2
 from . import step as S
@@ -72,6 +78,7 @@ class DraftTrainConfig:
     eval_rows: int = 64  # held-out rows for the summary metrics
     export_dtype: str = "bfloat16"
     seed: int = 0
+    exit_layer: int | None = None  # set: train a PPSD exit head behind this layer instead of a draft model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,11 +145,20 @@ def _hidden(params, cfg: ModelConfig, tokens):
     return M.forward(params, cfg, tokens, cache, kernels="xla").hidden
 
 
-def kl_terms(tparams, tcfg, dparams, dcfg, tokens, loss_mask, chunk: int):
+def kl_terms(tparams, tcfg, dparams, dcfg, tokens, loss_mask, chunk: int, exit_layer: int | None = None):
     """Per-position (KL(p||q), sum min(p, q), top-1 agree) [B, T] for predicting x_{t+1}, and the
-    counted-position mask [B, T] (x_{t+1} is a response token)."""
-    th = jax.lax.stop_gradient(_hidden(tparams, tcfg, tokens))
-    dh = _hidden(dparams, dcfg, tokens)
+    counted-position mask [B, T] (x_{t+1} is a response token). With `exit_layer` the student is
+    the target's frozen layers [0, E) plus the exit head `dparams`."""
+    if exit_layer is None:
+        th = jax.lax.stop_gradient(_hidden(tparams, tcfg, tokens))
+        dh = _hidden(dparams, dcfg, tokens)
+    else:
+        B, T = tokens.shape
+        full = M.forward(tparams, tcfg, tokens, M.init_cache(tcfg, B, T, tparams["embed"].dtype), capture=(exit_layer,),
+                         kernels="xla")
+        th, trunk = jax.lax.stop_gradient((full.hidden, full.captured[0]))
+        dh = M.forward(dparams, dcfg, None, M.init_cache(dcfg, B, T, dparams["embed"].dtype), hidden_in=trunk,
+                       kernels="xla").hidden
     B, T, D = th.shape
     counted = jnp.pad(loss_mask[:, 1:], ((0, 0), (0, 1)))
     c = math.gcd(T, chunk)
@@ -188,7 +204,8 @@ def _train_step(tcfg, dcfg, tc, mesh, state, tparams, lr, batch):
 
     def loss_fn(trainable):
         dparams = DM.tie(M.cast_params(trainable, dtype), tparams)
-        kl, overlap, agree, m = kl_terms(tparams, tcfg, dparams, dcfg, batch["tokens"], batch["loss_mask"], tc.logits_chunk)
+        kl, overlap, agree, m = kl_terms(tparams, tcfg, dparams, dcfg, batch["tokens"], batch["loss_mask"], tc.logits_chunk,
+                                         tc.exit_layer)
         m = m.astype(jnp.float32)
         return _masked_mean(kl, m), {"kl": _masked_mean(kl, m), "overlap": _masked_mean(overlap, m),
                                      "agree": _masked_mean(agree, m), "positions": jnp.sum(m)}
@@ -206,16 +223,16 @@ def _train_step(tcfg, dcfg, tc, mesh, state, tparams, lr, batch):
 train_step = jax.jit(_train_step, static_argnums=(0, 1, 2, 3), donate_argnums=(4,))
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "chunk"))
-def _eval_jit(tparams, dparams, tokens, loss_mask, *, tcfg, dcfg, chunk):
-    return kl_terms(tparams, tcfg, dparams, dcfg, tokens, loss_mask, chunk)
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "chunk", "exit_layer"))
+def _eval_jit(tparams, dparams, tokens, loss_mask, *, tcfg, dcfg, chunk, exit_layer=None):
+    return kl_terms(tparams, tcfg, dparams, dcfg, tokens, loss_mask, chunk, exit_layer)
 
 
-def evaluate(tparams, tcfg, dparams, dcfg, rows: dict, batch: int, chunk: int) -> dict:
+def evaluate(tparams, tcfg, dparams, dcfg, rows: dict, batch: int, chunk: int, exit_layer: int | None = None) -> dict:
     """Held-out KL, overlap (expected acceptance at T=1) and greedy top-1 agreement."""
     if not rows:
         return {}
-    fn = functools.partial(_eval_jit, tcfg=tcfg, dcfg=dcfg, chunk=chunk)
+    fn = functools.partial(_eval_jit, tcfg=tcfg, dcfg=dcfg, chunk=chunk, exit_layer=exit_layer)
     sums = np.zeros(3)
     count = 0.0
     for i in range(0, len(rows["tokens"]) - batch + 1 or 1, batch):
@@ -245,8 +262,14 @@ def train_draft_model(tcfg: ModelConfig, tparams: dict, data_dir: str, out_dir: 
     if tc.batch_size % mesh.devices.size:
         raise ValueError(f"batch size {tc.batch_size} must be a multiple of the {mesh.devices.size} devices of the mesh")
     os.makedirs(out_dir, exist_ok=True)
-    layers_from = tuple(tc.layers_from) if tc.layers_from else DM.default_layers_from(tcfg.num_layers, tc.num_layers)
-    dcfg, dparams0 = DM.init_from_target(tparams, tcfg, layers_from)
+    if tc.exit_layer is not None:
+        layers_from = tuple(tc.layers_from) if tc.layers_from else (tcfg.num_layers - 1,)
+        if len(layers_from) != 1:
+            raise ValueError(f"an exit head has one layer; layers_from names {len(layers_from)}")
+        dcfg, dparams0 = EH.init_from_target(tparams, tcfg, tc.exit_layer, layers_from[0])
+    else:
+        layers_from = tuple(tc.layers_from) if tc.layers_from else DM.default_layers_from(tcfg.num_layers, tc.num_layers)
+        dcfg, dparams0 = DM.init_from_target(tparams, tcfg, layers_from)
     compute = jnp.dtype(tc.compute_dtype)
     tparams_c = S.place_replicated(mesh, M.cast_params(tparams, compute))
     trainable = jax.tree.map(lambda a: jnp.array(a, jnp.float32, copy=True), DM.split_trainable(dparams0))
@@ -318,18 +341,19 @@ def train_draft_model(tcfg: ModelConfig, tparams: dict, data_dir: str, out_dir: 
     trained = jax.device_get(state["params"])
     dparams = DM.tie(jax.tree.map(lambda a: jnp.asarray(a, compute), trained), tparams_c)
     summary = {
-        "target_layers": tcfg.num_layers, "layers_from": list(layers_from), "steps": step,
+        "target_layers": tcfg.num_layers, "layers_from": list(layers_from), "exit_layer": tc.exit_layer, "steps": step,
         "batch_size": tc.batch_size, "seq_len": tc.seq_len, "train_rows": int(len(rows["tokens"])),
         "epochs": step * tc.batch_size / len(rows["tokens"]), "train_s": train_s,
         "last": history[-1] if history else None,
         "held_out_init": evaluate(tparams_c, tcfg, DM.tie(M.cast_params(DM.split_trainable(dparams0), compute), tparams_c),
-                                  dcfg, held, tc.batch_size, tc.logits_chunk) if held else {},
-        "held_out": evaluate(tparams_c, tcfg, dparams, dcfg, held, tc.batch_size, tc.logits_chunk) if held else {},
+                                  dcfg, held, tc.batch_size, tc.logits_chunk, tc.exit_layer) if held else {},
+        "held_out": evaluate(tparams_c, tcfg, dparams, dcfg, held, tc.batch_size, tc.logits_chunk, tc.exit_layer) if held else {},
     }
     if first:
         nbytes = save_draft_model(os.path.join(out_dir, "draft"), dcfg, {k: jax.device_get(v) for k, v in dparams.items()},
                                   tcfg, layers_from, dtype=tc.export_dtype,
-                                  extra={"steps": step, "held_out": summary["held_out"]})
+                                  extra={"steps": step, "held_out": summary["held_out"],
+                                         **({"exit_layer": tc.exit_layer} if tc.exit_layer is not None else {})})
         summary["weights_bytes"] = nbytes
         summary["total_s"] = time.perf_counter() - t_start
         with open(os.path.join(out_dir, "metrics.json"), "w") as fh:

@@ -30,7 +30,8 @@ newest, which is the `tail` it feeds next). A rollback is a cursor move.
 Two devices: the whole generation is one jitted program under `shard_map` over a
 ("data", "role") mesh. Role 0 drafts, role 1 runs the target (`lax.cond` on `axis_index`); after
 each step one `ppermute` swaps the two messages (drafted tokens + q, target argmax + p; tokens
-only when greedy) and both devices take the identical decision. Rows are split over "data". Each
+only when greedy) and both devices take the identical decision (when sampling, the target
+device's decision, sent over in a second small permute, so float rounding can never split them). Rows are split over "data". Each
 device carries both caches (the other role's stays untouched): simple, and small next to the
 weights for the models jspec targets. One device: the same step runs both roles one after the
 other (CPU tests, one-GPU users; no overlap then).
@@ -148,7 +149,10 @@ def _target_role(tparams, tcfg, sampling, kernels, s: PearlState):
 # ---------------------------------------------------------------------------------------------
 
 
-def decide(s: PearlState, d_tok, d_q, t_top, p, sampling: Sampling, gamma: int, key, max_new: int, tcfg: ModelConfig) -> PearlState:
+def decide(s: PearlState, d_tok, d_q, t_top, p, sampling: Sampling, gamma: int, key, max_new: int, tcfg: ModelConfig,
+           broadcast=None) -> PearlState:
+    """The step's decision and the state update. `broadcast(a, correction)`, when given, replaces
+    the decision by the target device's (two devices, sampling)."""
     B, G = d_tok.shape
     k = jnp.arange(G)[None]
     n_pend = s.n_pend
@@ -176,6 +180,8 @@ def decide(s: PearlState, d_tok, d_q, t_top, p, sampling: Sampling, gamma: int, 
         res = jnp.where(mass > 0, res / jnp.where(mass > 0, mass, 1.0), p_a)
         rkeys = _row_keys(jax.random.fold_in(key, 3), s.row_id, (base + 1 + ai)[:, None])[:, 0]
         correction = _categorical(rkeys, jnp.log(res))
+    if broadcast is not None:
+        a, correction = broadcast(a, correction)
     all_acc = a == n_pend + 1
     rejected = ~all_acc
     emitted = jnp.where(rejected[:, None] & (k == a[:, None]), correction[:, None], cand)
@@ -281,7 +287,16 @@ def _run(tparams, dparams, tokens, lens, key, row_id, *, tcfg, dcfg, gamma, max_
             d_tok, d_q, dcache = _draft_role(dparams, dcfg, sampling, gamma, key, kernels, s)
             t_top, p, tcache = _target_role(tparams, tcfg, sampling, kernels, s)
         s = s.replace(tcache=tcache, dcache=dcache)
-        return decide(s, d_tok, d_q, t_top, p, sampling, gamma, key, max_new, tcfg)
+        broadcast = None
+        if two_device and not sampling.greedy:
+            # Both devices hold bit-identical inputs, but a sampled decision goes through floating
+            # point (ratios, residual, categorical): the target device's result is sent over so the
+            # two devices cannot diverge (greedy decisions compare exchanged integers only).
+            def broadcast(a, corr):
+                got = jax.lax.ppermute((a, corr), ROLE_AXIS, [(TARGET_ROLE, DRAFT_ROLE)])
+                keep = role == TARGET_ROLE
+                return jnp.where(keep, a, got[0]), jnp.where(keep, corr, got[1])
+        return decide(s, d_tok, d_q, t_top, p, sampling, gamma, key, max_new, tcfg, broadcast)
 
     def cond(s):
         running = ~jnp.all(s.done)
@@ -326,6 +341,29 @@ def pearl_mesh(devices=None, data: int | None = None) -> Mesh:
         raise ValueError(f"two-device PEARL needs at least 2 devices, found {len(devices)}")
     data = data or len(devices) // 2
     return Mesh(np.asarray(devices[: 2 * data]).reshape(data, 2), (DATA_AXIS, ROLE_AXIS))
+
+
+def parse_role_mesh(mesh, devices=None) -> Mesh | None:
+    """A parallel engine's mesh from what a caller passed: None (one device), a ("data", "role")
+    Mesh, or a spec string "role=2" / "data=N,role=2" (the first 2 N devices, paired). Raises
+    ValueError naming the problem."""
+    if mesh is None or isinstance(mesh, Mesh):
+        if mesh is not None and (tuple(mesh.axis_names) != (DATA_AXIS, ROLE_AXIS) or mesh.shape[ROLE_AXIS] != 2):
+            raise ValueError(f"parallel engines need a ({DATA_AXIS!r}, {ROLE_AXIS!r}) mesh with 2 roles, got axes "
+                             f"{dict(mesh.shape)}: use pearl_mesh() or the spec 'data=N,role=2'")
+        return mesh
+    sizes = {DATA_AXIS: 1, ROLE_AXIS: 2}
+    for part in str(mesh).replace(" ", "").split(","):
+        name, eq, value = part.partition("=")
+        if name not in sizes or not eq or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"mesh spec {mesh!r}: parallel engines take role=2 and optionally data=N (N >= 1)")
+        sizes[name] = int(value)
+    if sizes[ROLE_AXIS] != 2:
+        raise ValueError(f"mesh spec {mesh!r}: parallel engines have exactly 2 roles (drafter, target), got role={sizes[ROLE_AXIS]}")
+    devices = list(jax.devices() if devices is None else devices)
+    if 2 * sizes[DATA_AXIS] > len(devices):
+        raise ValueError(f"mesh {mesh!r} needs {2 * sizes[DATA_AXIS]} devices, have {len(devices)}")
+    return pearl_mesh(devices, sizes[DATA_AXIS])
 
 
 def place_on_mesh(mesh: Mesh, tparams, dparams):
