@@ -36,6 +36,7 @@ from .speculative.engines.chain import check_compatible, speculative_generate, s
 from .speculative.engines.tree import TreeConfig, autotuned_tree, tree_generate, tree_generate_jit
 from .speculative.factory import build_drafter
 from .speculative.policies import resolve_policy
+from .speculative.policies.auto import AutoPlan, auto_budget
 from .speculative.state import result_from_device
 
 
@@ -81,6 +82,9 @@ def generate(
     autotune = tree == "auto"
     if tree is True or autotune:
         tree = TreeConfig()  # autotune: EAGLE's largest candidate (59 nodes) sizes the cache
+    if drafter is not None and (policy == "auto" or isinstance(policy, AutoPlan)):  # batch-aware budget
+        drafter, policy, k_max, tree = auto_budget(policy, drafter, len(prompts), k_max, tree)
+        autotune = False
     extra = (tree.cache_slots if tree is not None else k_max + 1) if drafter is not None else 0
     tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new_tokens, extra, cache_len)
     if autotune and drafter is not None:

@@ -16,6 +16,11 @@ from jspec.bench.report import bench_dir, write_benchmarks_md, write_rows
 from jspec.model import cast_params
 from jspec.sharding import parse_mesh
 from jspec.speculative.factory import build_drafter
+from jspec.speculative.drafters.eagle import EagleDrafter
+from jspec.speculative.engines.tree import TreeConfig
+from jspec.speculative.policies.auto import AutoPlan
+from jspec.speculative.policies.auto import plan as auto_plan
+from jspec.bench.round_cost import VERIFY_TS, attach_profile, ensure_costs, plot_round_cost, profile_method
 from jspec.tasks import Question, load_questions_file, load_task
 
 
@@ -44,6 +49,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--models-dir", default="models")
     parser.add_argument("--benchmarks-md", default="BENCHMARKS.md")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--round-cost", default="", help="comma list of batch sizes at which to add a round-cost profile "
+                        "(draft_step_us, verify_us, round_us, ...) to the spec rows (jspec.bench.round_cost)")
     parser.add_argument("--mesh", default=None,
                         help="jspec methods run on several devices: data=N (rows split) or model=N (tensor parallel)")
     return parser
@@ -135,6 +142,12 @@ class MethodFactory:
     def supports(self, spec: MethodSpec, batch: int) -> bool:
         return not (spec.method == "hf" and spec.drafter == "prompt_lookup" and batch != 1)
 
+    def auto_plan(self, spec: MethodSpec, params: Any, drafter: Any, dparams: Any, batch: int):
+        costs = ensure_costs(params, self.cfg, drafter, dparams, batch=batch, preset=preset_name(self.args.model),
+                             models_dir=self.args.models_dir, tree=isinstance(drafter, EagleDrafter))
+        return auto_plan(costs, batch=batch, drafter_name=drafter.name, parallel=drafter.parallel,
+                         k_cap=self.args.k_max or 8, tree=spec.tree)
+
     def build(self, spec: MethodSpec, dtype: str, batch: int):
         a = self.args
         if spec.method == "hf":
@@ -150,6 +163,8 @@ class MethodFactory:
         if spec.method == "spec":
             params = self.jax_params(dtype)
             extra["drafter"], extra["drafter_params"] = build_drafter(spec.drafter, self.cfg, params, model_name=self.args.model)
+            if spec.policy == "auto":  # the budget from this card's measured round costs (cached per card)
+                extra["policy"] = self.auto_plan(spec, params, extra["drafter"], extra["drafter_params"], batch)
         return JspecMethod(self.jax_params(dtype), self.cfg, spec, dtype=dtype, batch=batch,
                            max_new_tokens=a.max_new_tokens, generate_kwargs=extra)
 
@@ -189,7 +204,10 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                     if skipped:
                         progress.write(f"skipping {', '.join(skipped)} at batch {batch}: transformers runs it at batch 1 only")
                     methods = [factory.build(s, dtype, batch) for s in specs if factory.supports(s, batch)]
-                    rows += benchmark_group(ctx, methods, task_prompts, task=task, progress=progress)
+                    group = benchmark_group(ctx, methods, task_prompts, task=task, progress=progress)
+                    if batch in _int_list(args.round_cost):
+                        add_round_costs(group, methods, batch, progress)
+                    rows += group
 
     out_dir = bench_dir(args.models_dir, ctx.target)
     print(f"rows: {write_rows(out_dir / f'{args.out}.json', rows)}")
@@ -198,8 +216,34 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
 
         for path in plot_all(rows, out_dir / "plots"):
             print(f"plot: {path}")
+        if args.round_cost and plot_round_cost(rows, out_dir / "plots" / f"{args.out}_round_cost.png"):
+            print(f"plot: {out_dir / 'plots' / f'{args.out}_round_cost.png'}")
     print(f"table: {write_benchmarks_md(args.models_dir, args.benchmarks_md)}")
     return rows
+
+
+def add_round_costs(rows: list[dict[str, Any]], methods: list, batch: int, progress) -> None:
+    """Profile each speculative method's round at this batch (verify grid once per batch)."""
+    verify_ts = VERIFY_TS
+    for m in methods:
+        if getattr(m, "method", None) != "spec":
+            continue
+        kw = m._kwargs
+        drafter, policy, k_max = kw["drafter"], kw.get("policy"), kw.get("k_max") or 8
+        tree = TreeConfig() if m.tree else None
+        if isinstance(policy, AutoPlan):
+            if policy.mode == "ar":
+                attach_profile(rows, m, batch, {"batch": batch, "plan": "ar"})
+                continue
+            k_max = policy.k_max
+            tree = TreeConfig(depth=policy.k_max, num_nodes=policy.num_nodes) if policy.mode == "tree" else None
+            policy = policy.policy
+        prof = profile_method(m.params, m.cfg, drafter, kw.get("drafter_params"), batch=batch, policy=policy,
+                              k_max=k_max, tree=tree, verify_ts=verify_ts)
+        verify_ts = (1,)
+        attach_profile(rows, m, batch, prof)
+        progress.write(f"round cost {m.name} b{batch}: draft {prof.get('draft_step_us', 0):.0f} µs/step, "
+                       f"round {prof['round_us']:.0f} µs")
 
 
 def main(argv: list[str] | None = None, **defaults: Any) -> list[dict[str, Any]]:

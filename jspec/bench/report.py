@@ -109,6 +109,28 @@ def _latest_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(latest.values())
 
 
+ROUND_COST_HEADER = (
+    "| task | dtype | batch | method | draft step µs | tree level µs | verify T=1 µs | verify T=8 µs | verify tree60 µs "
+    "| commit µs | policy µs | round µs |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def round_cost_lines(group: list[dict[str, Any]]) -> list[str]:
+    """The round-cost profile of the rows that have one (bench --round-cost; jspec.bench.round_cost)."""
+    rows = [r for r in group if isinstance(r.get("round_cost"), dict) and "round_us" in r["round_cost"]]
+    if not rows:
+        return []
+    out = ["Round-cost profile (µs; draft step by difference of draft loops, verify = target forward of T tokens):", "",
+           ROUND_COST_HEADER]
+    for r in rows:
+        p, v = r["round_cost"], r["round_cost"].get("verify_us", {})
+        cells = [p.get("draft_step_us") if "tree_level_us" not in p else None, p.get("tree_level_us"), v.get("1"), v.get("8"),
+                 v.get("tree60"), p.get("commit_us"), p.get("policy_us"), p.get("round_us")]
+        out.append(f"| {r['task']} | {r['dtype']} | {r['batch']} | {method_label(r)} | "
+                   + " | ".join("–" if c is None or c != c else f"{c:.0f}" for c in cells) + " |")
+    return out + [""]
+
+
 def group_tables(rows: Iterable[dict[str, Any]]) -> str:
     """One table per (target, card, JAX version), with the commands that reproduce it."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
@@ -119,6 +141,7 @@ def group_tables(rows: Iterable[dict[str, Any]]) -> str:
         group.sort(key=lambda r: (r["task"], r["dtype"], r["batch"], r["method"] != "ar", method_label(r)))
         commands = sorted({r["reproduce"] for r in group if r.get("reproduce")})
         lines = [f"## {target} — {card}, JAX {jax_version}", "", TABLE_HEADER, *map(table_line, group), ""]
+        lines += round_cost_lines(group)
         if commands:
             lines += ["How to reproduce:", "", "```bash", *commands, "```", ""]
         sections.append("\n".join(lines))

@@ -389,6 +389,66 @@ def head_forward(
     return h_out, logits, cache.replace(k=k_all, v=v_all)
 
 
+def head_step(
+    hcfg: HeadConfig,
+    head_params: dict,
+    target_params: dict,
+    tokens: jax.Array,
+    feats: jax.Array,
+    cache: KVCache,
+    positions: jax.Array,
+    pending: tuple | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The drafting forward: T new pairs per row that attend to the committed cache, to a short
+    pending buffer of earlier draft K/V, and to themselves; nothing is written.
+
+    Cheaper than `head_forward` on the hot path: the committed block is masked by a plain slot <
+    cache.lengths compare (no per-token gather over the whole cache), each new pair sees only
+    itself among the new ones (a diagonal block: chain steps are T=1, a tree frontier's nodes are
+    siblings), and the logits stay in the head's own vocabulary (callers top-k there and map the
+    chosen ids through d2t). The caller keeps the returned K/V (a chain writes them into its
+    cache, a tree appends them to its pending buffer).
+
+    tokens [B, T], feats [B, T, D], positions [B, T]; pending = (k, v [B, P, Hkv, hd], visible
+    [B, T, P] bool) or None. Returns (h_out [B, T, D], draft-vocab logits [B, T, Vd] float32
+    (the target's vocab for eagle1 / unreduced heads), k, v [B, T, Hkv, hd]).
+    """
+    lcfg = head_layer_config(hcfg)
+    p = head_params["layer"]
+    embeds = embed_tokens(target_params, hcfg.target, tokens).astype(head_params["fc"].dtype)
+    attn_in, residual = _attention_input(hcfg, head_params, embeds, feats)
+    q, k, v = _project_qkv(lcfg, p, attn_in, positions)
+    S = cache.k.shape[2]
+    committed = (jnp.arange(S, dtype=jnp.int32)[None] < cache.lengths[:, None])[:, None, None, None]
+    blocks = [(cache.k[0].astype(q.dtype), cache.v[0].astype(q.dtype), committed, False)]
+    if pending is not None and pending[0].shape[1]:
+        pk, pv, pvis = pending
+        blocks.append((pk.astype(q.dtype), pv.astype(q.dtype), pvis[:, None, None], False))
+    blocks.append((k[:, :, None], v[:, :, None], jnp.ones((), bool), True))  # each pair sees itself
+    o = _attend(lcfg, q, blocks)
+    h_out = _finish_layer(hcfg, p, o, residual)
+    return h_out, draft_logits(hcfg, head_params, target_params, h_out), k, v
+
+
+def target_index(hcfg: HeadConfig, head_params: dict) -> jax.Array | None:
+    """[V] int32: each target id's index in the draft vocab, -1 outside it (None when unreduced).
+    One scatter of d2t (a cumsum over V lowers to a log-depth chain of kernels on GPUs)."""
+    if not hcfg.reduced_vocab:
+        return None
+    d2t = head_params["d2t"]
+    return jnp.full((hcfg.target.vocab_size,), -1, jnp.int32).at[d2t].set(jnp.arange(d2t.shape[0], dtype=jnp.int32))
+
+
+def gather_target_vocab(logits: jax.Array, index: jax.Array | None) -> jax.Array:
+    """Draft-vocab logits [.., Vd] -> target-vocab logits [.., V] by one gather (ids outside the
+    draft vocab get NEG_INF); the same values as `to_target_vocab`, without a full-size scatter."""
+    if index is None:
+        return logits
+    # an element-wise gather along the last axis (fuses with its consumer, e.g. the argmax)
+    idx = jnp.broadcast_to(jnp.maximum(index, 0), logits.shape[:-1] + index.shape)
+    return jnp.where(index >= 0, jnp.take_along_axis(logits, idx, axis=-1), NEG_INF)
+
+
 # ---------------------------------------------------------------------------------------------
 # Training-time test (EAGLE-3 §1.3): one unrolled draft step over a whole sequence
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ def shifted_pairs(tokens: jax.Array, lens: jax.Array, next_token: jax.Array) -> 
 class EagleState:
     cache: M.KVCache  # the head's own one-layer cache; cursor = target cursor
     feature: jax.Array  # [B, D] head output at the last committed pair (fed to the next step)
-    logits: jax.Array  # [B, V] draft distribution of the first token of the next round
+    logits: jax.Array  # [B, Vd] draft-vocab logits (float32) of the first token of the next round
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +55,10 @@ class EagleDrafter:
             )
 
     def _read_pairs(self, dparams, tparams, cache, tokens, feats, last_idx):
-        h, logits, cache = H.head_forward(self.head, dparams, tparams, tokens, feats, cache)
-        return take_row(h, last_idx), take_row(logits, last_idx), cache
+        """Write T pairs' exact-feature K/V; the LM head runs only on the row that drafts next."""
+        h, _, cache = H.head_forward(self.head, dparams, tparams, tokens, feats, cache)  # logits: dead code
+        h = take_row(h, last_idx)
+        return h, H.draft_logits(self.head, dparams, tparams, h), cache
 
     def init(self, dparams, tparams, tcfg, prompt, lens, first_token, prefill_out, cache_len):
         B = prompt.shape[0]
@@ -66,16 +68,27 @@ class EagleDrafter:
         h, logits, cache = self._read_pairs(dparams, tparams, cache, pairs, feats, lens - 1)
         return EagleState(cache=cache.replace(lengths=lens.astype(jnp.int32)), feature=h, logits=logits)
 
+    # Chain drafting. A step attends to the committed cache (its cursor moved past the earlier
+    # drafts of this round, whose K/V the step wrote there) and to itself; `finish` rewinds the
+    # cursor, and `commit` overwrites those slots with exact-feature K/V.
     def begin(self, dparams, tparams, tcfg, dstate, tcache, last_token):
-        return dstate.logits, (dstate.cache, dstate.feature, dstate, tcache)
+        index = H.target_index(self.head, dparams)
+        return H.gather_target_vocab(dstate.logits, index), (dstate.cache, dstate.feature, dstate, tcache, index)
 
     def step(self, dparams, tparams, tcfg, carry, token):
-        cache, feat, dstate, tcache = carry
-        h, logits, cache = H.head_forward(self.head, dparams, tparams, token[:, None], feat[:, None], cache)
-        return logits[:, 0], (M.advance(cache, jnp.ones_like(cache.lengths)), h[:, 0], dstate, tcache)
+        cache, feat, dstate, tcache, index = carry
+        pos = cache.lengths[:, None]
+        h, logits, k, v = H.head_step(self.head, dparams, tparams, token[:, None], feat[:, None], cache, pos)
+        b = jnp.arange(pos.shape[0])[:, None]
+        cache = cache.replace(
+            k=cache.k.at[0, b, pos].set(k.astype(cache.k.dtype), mode="drop"),
+            v=cache.v.at[0, b, pos].set(v.astype(cache.v.dtype), mode="drop"),
+            lengths=cache.lengths + 1,
+        )
+        return H.gather_target_vocab(logits[:, 0], index), (cache, h[:, 0], dstate, tcache, index)
 
     def finish(self, carry):
-        cache, feat, dstate, tcache = carry
+        cache, feat, dstate, tcache, _ = carry
         return dstate.replace(cache=cache.replace(lengths=dstate.cache.lengths)), tcache
 
     def commit(self, dparams, tparams, tcfg, dstate, block_tokens, n_accepted, next_token, verify_out):

@@ -41,7 +41,7 @@ from ...heads import eagle as H
 from ..drafters.eagle import EagleDrafter
 from ..policies import resolve_policy
 from ..state import SpecState, record_call, result_from_device, round_features, take_row
-from ..verify.tree import Tree, ancestor_mask, path_of, verify_tree_greedy, verify_tree_sampling
+from ..verify.tree import Tree, path_of, verify_tree_greedy, verify_tree_sampling
 from .chain import check_compatible, start_spec
 
 
@@ -66,37 +66,66 @@ class TreeConfig:
     @property
     def cache_slots(self) -> int:
         """Cache slots past the cursor one round may write, in the target's cache and the head's:
-        the target's num_nodes + 1 tree tokens; the head's K/V of every expanded level's frontier
-        ((depth - 1) * top_k slots, written while drafting) and its re-read of the accepted path
-        (depth + 1 pairs). `generate` reserves this many."""
-        return max(self.num_nodes + 1, (self.depth - 1) * self.top_k, self.depth + 1)
+        the target's num_nodes + 1 tree tokens, and the head's re-read of the accepted path
+        (depth + 1 pairs). Drafting the tree writes no head K/V (the levels' K/V stay in a pending
+        buffer), so nothing grows with (depth - 1) * top_k. `generate` reserves this many."""
+        return max(self.num_nodes, self.depth) + 1
+
+
+def _children(hcfg: H.HeadConfig, dparams, logits, k: int):
+    """Top-k children of each node from the head's draft-vocab logits [.., Vd]: (log q [.., k],
+    target ids [.., k]). The top-k runs in the draft vocabulary and only the chosen ids go through
+    d2t (d2t is sorted, so ties break towards the lower target id, as over the scattered logits)."""
+    if not hcfg.reduced_vocab or hcfg.draft_vocab < k:
+        full = H.gather_target_vocab(logits, H.target_index(hcfg, dparams))
+        return jax.lax.top_k(jax.nn.log_softmax(full, axis=-1), k)
+    score, idx = jax.lax.top_k(logits, k)  # (a two-stage chunked top-k measured no faster on an H200)
+    return score - jax.nn.logsumexp(logits, axis=-1, keepdims=True), dparams["d2t"][idx]
+
+
+def _ancestors(parent: jax.Array, max_depth: int) -> jax.Array:
+    """Ancestor-or-self mask [B, N, N] of a tree with depth <= max_depth (root = its own parent):
+    the chain of parent hops is tiny [B, N, D+1] integer work; the mask is one compare."""
+    hops = [jnp.broadcast_to(jnp.arange(parent.shape[1], dtype=parent.dtype), parent.shape)]
+    for _ in range(max_depth):
+        hops.append(jnp.take_along_axis(parent, hops[-1], axis=1))
+    hops = jnp.stack(hops, -1)  # [B, N, D+1]
+    return jnp.any(hops[:, :, :, None] == jnp.arange(parent.shape[1], dtype=parent.dtype)[None, None, None], axis=2)
 
 
 def build_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: TreeConfig, policy, pstate, limit):
-    """Draft one EAGLE-2 tree per row. Returns (Tree, pstate)."""
+    """Draft one EAGLE-2 tree per row. Returns (Tree, pstate).
+
+    Each level is one `heads.eagle.head_step` over the top_k frontier: it attends to the committed
+    head cache (read only), to a short pending buffer holding the K/V of the earlier levels'
+    frontiers (under each node's ancestor mask) and to itself; nothing is written to the cache
+    (after verification the head re-reads the accepted path with exact features)."""
     B = last.shape[0]
     k, D = tc.top_k, tc.depth
+    hcfg = drafter.head
     cache, base = dstate.cache, dstate.cache.lengths
-    lp0 = jax.nn.log_softmax(dstate.logits.astype(jnp.float32), axis=-1)
-    score, tok = jax.lax.top_k(lp0, k)  # [B, k]
-    pstate, stop = policy.observe(pstate, jnp.int32(0), dstate.logits, tok[:, 0])
+    # Policies see draft-vocab logits (entropies and top probabilities are the same as over the
+    # target vocab); one that reads the drafted token's id (LDLP-DDD) gets target-vocab logits.
+    index = H.target_index(hcfg, dparams) if policy.needs_in_round_state else None
+    policy_logits = lambda lg: H.gather_target_vocab(lg, index) if index is not None else lg  # noqa: E731
+    score, tok = _children(hcfg, dparams, dstate.logits, k)  # [B, k]
+    pstate, stop = policy.observe(pstate, jnp.int32(0), policy_logits(dstate.logits), tok[:, 0])
     depth_cap = jnp.where(stop, 1, limit)  # levels this row may keep
     cand_tok, cand_score, cand_parent, cand_level = [tok], [score], [jnp.full((B, k), -1)], [jnp.ones((B, k), jnp.int32)]
     frontier = jnp.broadcast_to(jnp.arange(k), (B, k))  # candidate index of each frontier node
     f_tok, f_score = tok, score
     f_feat = jnp.broadcast_to(dstate.feature[:, None], (B, k, dstate.feature.shape[-1]))
-    f_anc = jnp.zeros((B, k, 0), bool)  # frontier's ancestor pending slots
+    kv_shape = (B, 0) + cache.k.shape[3:]
+    pend_k, pend_v = jnp.zeros(kv_shape, cache.k.dtype), jnp.zeros(kv_shape, cache.v.dtype)
+    f_anc = jnp.zeros((B, k, 0), bool)  # which pending entries each frontier node sees (its ancestors)
+    own = jnp.broadcast_to(jnp.eye(k, dtype=bool), (B, k, k))
     n_cand = k
     for level in range(2, D + 1):
-        P = (level - 1) * k
-        own = jnp.broadcast_to(jnp.eye(k, dtype=bool), (B, k, k))
-        mask = jnp.concatenate([f_anc, own], axis=2)  # [B, k, P]
-        positions = base[:, None] + (level - 2) + jnp.zeros((B, k), jnp.int32)
-        h, logits, cache = H.head_forward(drafter.head, dparams, tparams, f_tok, f_feat, cache, positions=positions, new_mask=mask)
-        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        c_score, c_tok = jax.lax.top_k(lp, k)  # [B, k, k]
+        positions = jnp.broadcast_to(base[:, None] + (level - 2), (B, k))
+        h, logits, nk, nv = H.head_step(hcfg, dparams, tparams, f_tok, f_feat, cache, positions, (pend_k, pend_v, f_anc))
+        c_score, c_tok = _children(hcfg, dparams, logits, k)  # [B, k, k]
         cum = (f_score[:, :, None] + c_score).reshape(B, k * k)
-        pstate, stop = policy.observe(pstate, jnp.int32(level - 1), logits[:, 0], c_tok[:, 0, 0])
+        pstate, stop = policy.observe(pstate, jnp.int32(level - 1), policy_logits(logits[:, 0]), c_tok[:, 0, 0])
         # A rule checked before drafting (AdaEDL) stops without this level; the others keep it.
         kept = level - (stop & policy.stop_skips_token(pstate)).astype(jnp.int32)
         depth_cap = jnp.where(stop & (depth_cap >= level), kept, depth_cap)
@@ -105,12 +134,16 @@ def build_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: 
         cand_score.append(cum)
         cand_parent.append(parent_of)
         cand_level.append(jnp.full((B, k * k), level, jnp.int32))
-        # next frontier: global top-k of the k^2 children
+        if level == D:
+            break
+        # next frontier: global top-k of the k^2 children; a child sees its parent's view plus the parent
         f_score, pick = jax.lax.top_k(cum, k)
         src = pick // k  # which frontier node is the parent
         f_tok = jnp.take_along_axis(c_tok.reshape(B, k * k), pick, axis=1)
         f_feat = jnp.take_along_axis(h, src[:, :, None], axis=1)
-        f_anc = jnp.take_along_axis(mask, src[:, :, None], axis=1)  # a child sees what its parent saw
+        f_anc = jnp.take_along_axis(jnp.concatenate([f_anc, own], axis=2), src[:, :, None], axis=1)
+        pend_k = jnp.concatenate([pend_k, nk.astype(pend_k.dtype)], axis=1)
+        pend_v = jnp.concatenate([pend_v, nv.astype(pend_v.dtype)], axis=1)
         frontier = n_cand + pick
         n_cand += k * k
 
@@ -124,13 +157,13 @@ def build_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: 
     node_tok = jnp.take_along_axis(tokens, keep, 1)
     node_level = jnp.take_along_axis(level, keep, 1)
     node_pc = jnp.take_along_axis(parent_cand, keep, 1)
-    # parent candidate index -> node index (1-based; root = 0)
-    pos = jax.vmap(jnp.searchsorted)(keep, node_pc)
+    # parent candidate index -> node index (1-based; root = 0): its rank among the kept (one compare)
+    pos = jnp.sum(keep[:, None, :] < node_pc[:, :, None], axis=-1)
     node_parent = jnp.where(node_pc < 0, 0, pos + 1)
     tree_tok = jnp.concatenate([last[:, None], node_tok], 1)
     parent = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), node_parent.astype(jnp.int32)], 1)
     depth = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), node_level], 1)
-    ancestors = ancestor_mask(parent, D)
+    ancestors = _ancestors(parent, D)
     valid = (depth <= depth_cap[:, None]) & ~below_eos(tcfg, tree_tok, ancestors)
     return Tree(tree_tok, parent, depth, ancestors, valid), pstate
 

@@ -6,6 +6,7 @@
     tapout.py   TapOut bandit over parameter-free stop rules
     ldlp.py     AdaEAGLE's learnable draft-length predictor (LDLP) and its policy (+ DDD)
     adl.py      DiffuSpec's adaptive draft length
+    auto.py     batch-aware budgets from a measured round-cost model (never planned slower than AR)
 
 `make_policy(name, **fields)` builds one by name; `resolve_policy` turns what a caller passed
 (None, a name or a Policy) into a Policy.
@@ -17,6 +18,7 @@ import dataclasses
 
 from .adaedl import AdaEDLPolicy
 from .adl import ADLPolicy
+from .auto import AutoPolicy
 from .base import Policy
 from .ldlp import LDLPPolicy
 from .static import ConfidencePolicy, HeuristicPolicy, StaticPolicy
@@ -24,14 +26,14 @@ from .svip import SVIPPolicy
 from .tapout import TapOutPolicy
 
 
-POLICY_NAMES = ("static", "confidence", "heuristic", "svip", "adaedl", "tapout", "ldlp", "adl")
+POLICY_NAMES = ("static", "confidence", "heuristic", "svip", "adaedl", "tapout", "ldlp", "adl", "auto")
 
 
 _POLICY_CLASSES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (
         StaticPolicy, ConfidencePolicy, HeuristicPolicy, SVIPPolicy, AdaEDLPolicy, TapOutPolicy,
-        LDLPPolicy, ADLPolicy,
+        LDLPPolicy, ADLPolicy, AutoPolicy,
     )
 }
 

@@ -1,0 +1,313 @@
+"""Round-cost profile of speculative decoding: where a round's time goes, per method and batch size.
+
+A speculative round is  draft (K steps, or D tree levels)  +  verify (one target forward over T
+tokens)  +  commit (cache moves, the drafter re-reading what was accepted)  +  policy bookkeeping.
+Each part is timed by itself inside `jit`, as `n` iterations of a `fori_loop` whose carry feeds the
+next iteration (so nothing is hoisted), on a mid-generation cache:
+
+  verify_us[T]     target forward of T tokens + LM head on all + argmax, cursor fixed; T = 1 is an
+                   AR step's forward; "tree<N>" is an N-token block under a random tree mask
+  draft_step_us    one autoregressive draft step, by difference: (draft loop at K - at 1) / (K - 1),
+                   through the chain engine's own draft loop (its stop checks included)
+  draft_first_us   the draft loop at K = 1 (begin + first choice)
+  tree_level_us    one EAGLE-2 level, by difference: (tree build at depth D - at depth 1) / (D - 1)
+  tree_build_us    the whole tree build at the method's TreeConfig
+  commit_us        drafter.commit over the verified block (plus the target cache move for trees)
+  policy_us        start_round + K observes + update of the method's policy
+  round_us         one whole engine round (spec_round / tree_round) in a loop of real rounds
+
+`profile_method` returns these as a dict of floats (µs) that the bench adds to its JSON rows;
+`measure_batch_costs` / `ensure_costs` measure and cache (per card) the table the `auto` policy's
+cost model reads: verify over T per batch, draft step, tree level and round overhead per batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import model as M
+from jspec.sampling import GREEDY
+from jspec.speculative.engines.chain import draft_autoregressive, spec_round, start_spec
+from jspec.speculative.engines.tree import TreeConfig, build_tree, tree_round
+from jspec.speculative.policies import resolve_policy
+from jspec.speculative.policies.auto import card_name, cost_table_path, row_value
+
+VERIFY_TS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def loop_us(body, consts, carry, n: int, reps: int = 3) -> float:
+    """Median µs of one `body(consts, carry) -> carry` call, run n times in one jitted fori_loop.
+    Weights and caches travel in `consts` (jit arguments, never baked-in constants)."""
+    run = jax.jit(lambda k, c: jax.lax.fori_loop(0, n, lambda i, x: body(k, x), c))
+    jax.block_until_ready(run(consts, carry))  # compile + warm up
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(consts, carry))
+        ts.append(time.perf_counter() - t0)
+    return 1e6 * float(np.median(ts)) / n
+
+
+def filled_cache(tparams, tcfg, batch: int, cache_len: int, committed: int, seed: int = 1) -> M.KVCache:
+    """A target cache holding `committed` random tokens (a mid-generation state)."""
+    cache = M.init_cache(tcfg, batch, cache_len, tparams["embed"].dtype)
+    toks = jax.random.randint(jax.random.PRNGKey(seed), (batch, committed), 0, tcfg.vocab_size)
+    fill = jax.jit(lambda p, t, c: M.forward(p, tcfg, t, c).cache)
+    return M.advance(fill(tparams, toks, cache), jnp.full((batch,), committed, jnp.int32))
+
+
+def random_tree_mask(T: int, batch: int, seed: int = 0):
+    """(ancestor-or-self mask [B, T, T], depth [T]) of a random tree: node i's parent is an earlier node."""
+    rng = np.random.RandomState(seed)
+    parent = [-1] + [int(rng.randint(max(0, i - 10), i)) for i in range(1, T)]  # EAGLE-like: wide, shallow
+    anc = np.zeros((T, T), bool)
+    for i in range(T):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = parent[j]
+    return jnp.asarray(np.broadcast_to(anc, (batch, T, T))), jnp.asarray(anc.sum(1) - 1, jnp.int32)
+
+
+def verify_us(tparams, tcfg, batch: int, Ts=VERIFY_TS, tree_nodes=(), *, cache_len=512, committed=192, n=30, capture=()) -> dict[str, float]:
+    """µs of a verify forward per block size: {"1": .., "8": .., "tree60": ..}."""
+    cache = filled_cache(tparams, tcfg, batch, cache_len, committed)
+    out = {}
+    for T, tree in [(t, False) for t in Ts] + [(t, True) for t in tree_nodes]:
+        mask, depth = random_tree_mask(T, batch) if tree else (None, jnp.arange(T, dtype=jnp.int32))
+        pos = cache.lengths[:, None] + depth[None]
+
+        def body(k, c, tree=tree):
+            tp, cache, pos, mask = k
+            toks, acc = c
+            o = M.forward(tp, tcfg, toks, cache, positions=pos, new_mask=mask if tree else None, capture=capture)
+            nxt = jnp.argmax(M.lm_head(tp, tcfg, o.hidden), -1).astype(jnp.int32)
+            return nxt, acc + o.cache.k[0, :, 0, 0, 0].astype(jnp.float32)  # keep the cache write live
+
+        consts = (tparams, cache, pos, mask if tree else jnp.zeros((), bool))
+        out[f"tree{T}" if tree else str(T)] = loop_us(body, consts, (jnp.zeros((batch, T), jnp.int32), jnp.zeros((batch,), jnp.float32)), n)
+    return out
+
+
+def _start(tparams, tcfg, drafter, dparams, policy, k_max, batch, prompt_len, max_new, cache_len):
+    toks = jax.random.randint(jax.random.PRNGKey(3), (batch, prompt_len), 0, tcfg.vocab_size)
+    lens = jnp.full((batch,), prompt_len, jnp.int32)
+    start = jax.jit(lambda tp, dp, t, ln, key: start_spec(tp, tcfg, drafter, dp, policy, None, k_max, max_new, cache_len,
+                                                          GREEDY, 1, t, ln, key))
+    return start(tparams, dparams, toks, lens, jax.random.PRNGKey(0))
+
+
+def draft_loop_us(tparams, tcfg, drafter, dparams, state, k_max: int, n: int) -> float:
+    """µs of the chain engine's draft loop at a static K = k_max (begin, k_max choices, finish)."""
+    policy = resolve_policy("static", k_max)
+    limit = jnp.full(state.last.shape, k_max, jnp.int32)
+
+    def body(k, st):
+        tp, dp = k
+        draft, dstate, _, pstate = draft_autoregressive(drafter, dp, tp, tcfg, st, st.pstate, policy, limit,
+                                                        k_max, GREEDY, st.key, False)
+        return st.replace(last=draft.tokens[:, -1], dstate=dstate, pstate=pstate)
+
+    return loop_us(body, (tparams, dparams), state.replace(pstate=policy.init(state.last.shape[0], jax.random.PRNGKey(0))), n)
+
+
+def tree_build_us(tparams, tcfg, drafter, dparams, state, tc: TreeConfig, n: int) -> float:
+    policy = resolve_policy("static", tc.depth)
+    limit = jnp.full(state.last.shape, tc.depth, jnp.int32)
+    pstate = policy.init(state.last.shape[0], jax.random.PRNGKey(0))
+
+    def body(k, c):
+        tp, dp, dstate = k
+        last, acc = c
+        tree, _ = build_tree(drafter, dp, tp, tcfg, dstate, last, tc, policy, pstate, limit)
+        return tree.tokens[:, -1], acc + jnp.sum(tree.ancestors, (1, 2))
+
+    return loop_us(body, (tparams, dparams, state.dstate), (state.last, jnp.zeros(state.last.shape, jnp.int32)), n)
+
+
+def profile_method(tparams, tcfg, drafter, dparams, *, batch: int, policy="static", k_max: int = 6, tree: TreeConfig | None = None,
+                   prompt_len: int = 128, max_new: int = 256, n: int = 20, verify_ts=VERIFY_TS) -> dict[str, Any]:
+    """Round-cost profile of one speculative method at one batch size (µs; see the module doc)."""
+    depth = tree.depth if tree is not None else k_max
+    extra = tree.num_nodes + 1 if tree is not None else k_max + 1
+    max_new = max_new + (n + 1) * extra  # room for the timed rounds' progress
+    cache_len = prompt_len + max_new + extra + 8
+    pol = resolve_policy(policy, depth)
+    state = _start(tparams, tcfg, drafter, dparams, pol, depth, batch, prompt_len, max_new, cache_len)
+    capture = getattr(drafter, "capture_layers", ())
+    nodes = (tree.num_nodes + 1,) if tree is not None else ()
+    prof: dict[str, Any] = {"batch": batch}
+    prof["verify_us"] = verify_us(tparams, tcfg, batch, verify_ts, nodes, cache_len=cache_len, committed=prompt_len, n=n, capture=capture)
+    if not drafter.parallel:
+        if tree is None:
+            t1 = draft_loop_us(tparams, tcfg, drafter, dparams, state, 1, n)
+            tk = draft_loop_us(tparams, tcfg, drafter, dparams, state, k_max, n) if k_max > 1 else t1
+            prof["draft_first_us"] = t1
+            prof["draft_step_us"] = (tk - t1) / max(k_max - 1, 1)
+        else:
+            one = TreeConfig(tree.top_k, 1, tree.top_k)
+            deep = TreeConfig(tree.top_k, tree.depth, tree.top_k)
+            t1 = tree_build_us(tparams, tcfg, drafter, dparams, state, one, n)
+            td = tree_build_us(tparams, tcfg, drafter, dparams, state, deep, n)
+            prof["tree_level_us"] = (td - t1) / max(tree.depth - 1, 1)
+            prof["draft_step_us"] = prof["tree_level_us"]
+            prof["tree_build_us"] = tree_build_us(tparams, tcfg, drafter, dparams, state, tree, n)
+    prof["policy_us"] = policy_us(pol, batch, depth, tcfg.vocab_size, n)
+    if tree is None:
+        body = lambda k, st: spec_round(k[0], tcfg, drafter, k[1], pol, k_max, max_new, GREEDY, "lossless", 1, st)  # noqa: E731
+    else:
+        body = lambda k, st: tree_round(k[0], tcfg, drafter, k[1], pol, tree, max_new, GREEDY, 1, st)  # noqa: E731
+    prof["round_us"] = loop_us(body, (tparams, dparams), state, n)
+    prof["commit_us"] = commit_us(tparams, tcfg, drafter, dparams, state, extra, n)
+    return prof
+
+
+def policy_us(policy, batch: int, k_max: int, vocab: int, n: int) -> float:
+    """start_round + k_max observes + update of a policy on random draft logits."""
+    logits = jax.random.normal(jax.random.PRNGKey(5), (batch, vocab), jnp.float32)
+    feats = None
+
+    def body(k, c):
+        ps, i = c
+        ps, limit = policy.start_round(ps, k_max, feats)
+        for s in range(k_max):
+            ps, _ = policy.observe(ps, jnp.int32(s), logits + i.astype(jnp.float32) * 1e-6, jnp.zeros((batch,), jnp.int32))
+        ps = policy.update(ps, limit, limit // 2, jnp.ones((batch,), bool))
+        return ps, i + 1
+
+    try:
+        return loop_us(body, (), (policy.init(batch, jax.random.PRNGKey(0)), jnp.int32(0)), n)
+    except (TypeError, ValueError):  # policies that need round features (LDLP) are timed inside round_us only
+        return float("nan")
+
+
+def commit_us(tparams, tcfg, drafter, dparams, state, T: int, n: int) -> float:
+    """drafter.commit over a verified block of T tokens (the EAGLE re-read, n-gram bookkeeping)."""
+    block = jnp.zeros((state.last.shape[0], T), jnp.int32)
+    vout = jax.jit(lambda p, t, c: M.forward(p, tcfg, t, c, capture=getattr(drafter, "capture_layers", ())))(tparams, block, state.cache)
+    n_acc = jnp.zeros_like(state.last)
+
+    def body(k, ds):
+        tp, dp, vo = k
+        return drafter.commit(dp, tp, tcfg, ds, block, n_acc, state.last, vo)
+
+    return loop_us(body, (tparams, dparams, vout), state.dstate, n)
+
+
+# ---- the auto policy's per-card cost table ------------------------------------------------------------
+
+
+def measure_batch_costs(costs: dict, tparams, tcfg, drafter=None, dparams=None, *, batch: int, k_max: int = 6,
+                        tree: TreeConfig | None = None, Ts=(1, 2, 4, 8, 16), tree_nodes=(16, 24, 32, 48, 60), n: int = 20) -> dict:
+    """Add one batch size to a cost table (policies.auto's format): verify_us[B][T], and with an
+    autoregressive drafter draft_step_us / draft_first_us / round_overhead_us[B] (chain) and
+    tree_level_us / tree_overhead_us[B] (when `tree` is given)."""
+    b = str(batch)
+    costs.setdefault("card", card_name())
+    costs.setdefault("dtype", str(tparams["embed"].dtype))
+    v = costs.setdefault("verify_us", {})[b] = verify_us(tparams, tcfg, batch, Ts, tree_nodes if tree is not None else (), n=n)
+    if drafter is None or drafter.parallel:
+        return costs
+    prof = profile_method(tparams, tcfg, drafter, dparams, batch=batch, k_max=k_max, n=n, verify_ts=())
+    costs.setdefault("draft_step_us", {})[b] = prof["draft_step_us"]
+    costs.setdefault("draft_first_us", {})[b] = prof["draft_first_us"]
+    loop = prof["draft_first_us"] + (k_max - 1) * prof["draft_step_us"]
+    costs.setdefault("round_overhead_us", {})[b] = max(prof["round_us"] - loop - row_value(v, str(k_max + 1)), 0.0)
+    if tree is not None:
+        tp = profile_method(tparams, tcfg, drafter, dparams, batch=batch, tree=tree, n=n, verify_ts=())
+        costs.setdefault("tree_level_us", {})[b] = tp["tree_level_us"]
+        costs.setdefault("tree_overhead_us", {})[b] = max(tp["round_us"] - tp["tree_build_us"] - row_value(v, f"tree{tree.num_nodes + 1}"), 0.0)
+    return costs
+
+
+def ensure_costs(tparams, tcfg, drafter, dparams, *, batch: int, preset: str | None, models_dir: str = "models",
+                 tree: bool = True) -> dict:
+    """This card's cost table with `batch` measured (measured now and cached when missing)."""
+    path = cost_table_path(preset, models_dir)
+    costs = load_card_costs(path) or {}
+    need = str(batch) not in costs.get("verify_us", {}) or (
+        drafter is not None and not drafter.parallel and str(batch) not in costs.get("draft_step_us", {}))
+    if need:
+        print(f"round_cost: measuring batch {batch} on {card_name()} for the auto policy -> {path}")
+        measure_batch_costs(costs, tparams, tcfg, drafter, dparams, batch=batch, tree=TreeConfig() if tree else None)
+        save_card_costs(costs, path)
+    return costs
+
+
+def attach_profile(rows: list[dict], method, batch: int, prof: dict) -> None:
+    """Add a method's (a MethodSpec or a bench method) round-cost profile to its JSON rows
+    (top-level draft_step_us, verify_us, round_us; the whole profile under round_cost)."""
+    for row in rows:
+        same = all(row.get(k) == getattr(method, k) for k in ("method", "drafter", "policy", "tree"))
+        if same and row.get("batch") == batch:
+            row["round_cost"] = prof
+            for key in ("draft_step_us", "verify_us", "round_us", "commit_us", "policy_us", "tree_level_us"):
+                if key in prof:
+                    row[key] = prof[key]
+
+
+def plot_round_cost(rows: list[dict], path: Path) -> Path | None:
+    """Verify cost against block size T per batch (lines), with each method's draft step marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if isinstance(r.get("verify_us"), dict)]
+    if not rows:
+        return None
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    seen = set()
+    for r in sorted(rows, key=lambda r: r["batch"]):
+        if r["batch"] in seen:
+            continue
+        seen.add(r["batch"])
+        pts = sorted((int(k), v) for k, v in r["verify_us"].items() if k.isdigit())
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"batch {r['batch']}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("verify block size T (tokens)")
+    ax.set_ylabel("µs per target forward")
+    ax.set_title("verify(T, batch)")
+    ax.legend()
+    labels = [f"{r['method']} b{r['batch']}" for r in rows if "draft_step_us" in r]
+    vals = [r["draft_step_us"] for r in rows if "draft_step_us" in r]
+    bx.barh(labels, vals)
+    bx.set_xlabel("µs per draft step (chain) / tree level")
+    bx.set_title("draft cost")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def save_card_costs(costs: dict, path: Path) -> Path:
+    """Write the table, merged per batch into what is on disk (bench processes on several GPUs of
+    one host each measure their own batch sizes)."""
+    merged = load_card_costs(path) or {}
+    for key, value in costs.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
+    tmp.replace(path)
+    return path
+
+
+def load_card_costs(path: Path) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None

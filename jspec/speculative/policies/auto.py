@@ -1,0 +1,269 @@
+"""`auto`: batch-aware draft budgets from a measured cost model, so speculation is never planned
+slower than plain decoding.
+
+A round that drafts k tokens costs   c(k) = first + k * step + verify(T, B) + overhead
+and, with per-token acceptance a, yields   tau(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)
+tokens. Plain decoding yields 1 token per verify(1, B). The expected gain of a budget is
+    gain(k) = tau(k) * verify(1, B) / c(k).
+
+Two decisions use it:
+
+* Host side, once per generate call (`plan`): the static budget. Chains: K = argmax_k gain(k)
+  with verify at T = K + 1 (the engine verifies a padded [B, K+1] block). Trees (EAGLE-2's
+  total_tokens tuning, on the measured cost of this card and batch): over EAGLE's candidate sizes
+  N in (15, 23, 31, 47, 59) and depths D <= the configured depth, the gain of D tree levels and a
+  verify of N + 1 tokens, where a wider tree accepts more per level (`tree_acceptance`; EAGLE
+  credits larger trees with fixed weights instead). If no budget's gain reaches
+  `min_gain` (1.05 by default: a margin for the model's error), `plan` returns "ar": the call runs
+  plain decoding.
+* Device side, per round and per row (`round_limit`): with the verify cost of the static block,
+  the draft length (or tree depth) k in [1, K] that maximises tau(k) / c(k) under the row's own
+  running acceptance estimate (a geometric fit of accepted / drafted, smoothed over rounds).
+  Rows whose drafts are rejected draft less: at worst one token per round.
+
+The cost table (verify_us[B][T], draft_step_us[B], tree_level_us[B]) is measured once per card by
+`jspec.bench.round_cost.card_costs` and cached as JSON (models/<preset>/round_cost_<card>.json or
+the user cache); the engine-agnostic part of this module takes it as a plain dict. Without a
+table for this card, `REFERENCE_COSTS` (SmolLM2-135M, bf16, an H200) is used.
+The acceptance prior per drafter is `ACCEPTANCE_PRIOR` unless the table records a measured one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from .base import Policy, clip_limit, count_rounds
+
+TREE_SIZES = (15, 23, 31, 47, 59)  # EAGLE's total_tokens candidates, minus the root
+TREE_WIDTH_EXPONENT = 0.176  # [I] fit to jspec's H200 rows: 59-node trees accepted 2.6 tokens where chains took 1.8
+
+
+def tree_acceptance(alpha, nodes: int, depth: int):
+    """Per-level acceptance of a tree of `nodes` nodes over `depth` levels, from the chain's alpha:
+    the miss rate shrinks with the tree's width, 1 - a_tree = (1 - a) * (depth / nodes) ** 0.176
+    ([I] a one-parameter fit; a chain, nodes == depth, keeps a)."""
+    return 1.0 - (1.0 - alpha) * (depth / max(nodes, depth)) ** TREE_WIDTH_EXPONENT
+
+# Per-token acceptance priors (a), until a row's own estimate takes over: geometric fits of jspec's
+# H200 MT-Bench rows (shipped EAGLE-3 head: 1.82 tokens per round at K=6 -> a ~ 0.45; n-gram
+# lookup: ~1.7 tokens per round from ~3.4 drafts -> a ~ 0.4). A table's "acceptance" overrides them.
+ACCEPTANCE_PRIOR = {"eagle": 0.45, "ngram": 0.4}
+DEFAULT_PRIOR = 0.4
+
+# Measured on an H200 (bf16, SmolLM2-135M shape, batch x block size; µs). Used only when this card
+# has no cached table; `plan` rescales it by the ratio of AR steps when one is known.
+REFERENCE_COSTS = {
+    "card": "reference_H200",
+    "verify_us": {
+        "1": {"1": 986, "2": 1118, "4": 1113, "8": 1071, "16": 1079, "32": 1182, "64": 1300, "tree16": 1098, "tree32": 1225, "tree60": 1426},
+        "8": {"1": 1126, "2": 1125, "4": 1212, "8": 1265, "16": 1429, "tree16": 1457, "tree32": 1588, "tree60": 1875},
+        "16": {"1": 1178, "2": 1261, "4": 1316, "8": 1473, "16": 1576, "32": 1750, "64": 1992, "tree16": 1607, "tree32": 1789, "tree60": 2022},
+        "32": {"1": 1388, "2": 1445, "4": 1593, "8": 1697, "16": 1830, "tree16": 1871, "tree32": 2220, "tree60": 2967},
+    },
+    "draft_step_us": {"1": 75, "16": 77},
+    "draft_first_us": {"1": 39, "16": 56},
+    "tree_level_us": {"1": 124, "16": 180},
+    # whole round minus (draft + verify): commit, emit, bookkeeping (chain, tree)
+    "round_overhead_us": {"1": 40, "16": 330},
+    "tree_overhead_us": {"1": 150, "16": 185},
+}
+
+
+def expected_tokens(alpha, k):
+    """tau(k) = sum_{i=0..k} alpha^i (accepted drafts + the bonus token), elementwise."""
+    alpha = jnp.clip(alpha, 0.0, 0.999)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def _interp(table: dict, x: float) -> float:
+    """Piecewise-linear interpolation of {str(x): y} (linear extrapolation from the end points)."""
+    pts = sorted((float(k), float(v)) for k, v in table.items())
+    xs, ys = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+    if len(xs) == 1:
+        return float(ys[0])
+    if x <= xs[0]:
+        i = 0
+    elif x >= xs[-1]:
+        i = len(xs) - 2
+    else:
+        return float(np.interp(x, xs, ys))
+    return float(ys[i] + (ys[i + 1] - ys[i]) * (x - xs[i]) / (xs[i + 1] - xs[i]))
+
+
+class CostModel:
+    """Round costs at one batch size from a card's table (see the module doc)."""
+
+    def __init__(self, costs: dict, batch: int):
+        self.costs, self.batch = costs, batch
+
+    def _over_batch(self, per_batch: dict, key=None) -> float:
+        vals = {b: (row if key is None else row_value(row, key)) for b, row in per_batch.items()}
+        vals = {b: v for b, v in vals.items() if v is not None}
+        return _interp(vals, self.batch)
+
+    def verify(self, T: int, tree: bool = False) -> float:
+        key = f"tree{T}" if tree else str(T)
+        return self._over_batch(self.costs["verify_us"], key)
+
+    def ar_step(self) -> float:
+        return self.verify(1)
+
+    def draft_step(self) -> float:
+        return self._over_batch(self.costs.get("draft_step_us") or {"1": 0.0})
+
+    def draft_first(self) -> float:
+        return self._over_batch(self.costs.get("draft_first_us") or {"1": 0.0})
+
+    def tree_level(self) -> float:
+        return self._over_batch(self.costs.get("tree_level_us") or self.costs.get("draft_step_us") or {"1": 0.0})
+
+    def overhead(self, tree: bool = False) -> float:
+        return max(self._over_batch(self.costs.get("tree_overhead_us" if tree else "round_overhead_us") or {"1": 0.0}), 0.0)
+
+
+def row_value(row: dict, key: str) -> float | None:
+    """verify_us[B][key]; a missing chain T or tree size is interpolated over the row's sizes."""
+    if key in row:
+        return float(row[key])
+    tree = key.startswith("tree")
+    pts = {k[4:] if tree else k: v for k, v in row.items() if k.startswith("tree") == tree}
+    if not pts and tree:  # no tree sizes measured: a chain block of the same size
+        pts = {k: v for k, v in row.items() if not k.startswith("tree")}
+    return _interp(pts, float(key[4:] if tree else key)) if pts else None
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoPlan:
+    mode: str  # "ar" | "chain" | "tree"
+    k_max: int  # chain K or tree depth
+    num_nodes: int  # tree nodes (0 for chains)
+    gain: float  # expected speed-up over plain decoding at the prior acceptance
+    policy: "AutoPolicy | None"
+
+
+def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: int = 8, tree: bool = False,
+         tree_top_k: int = 10, tree_depth: int = 6, alpha: float | None = None, min_gain: float = 1.05) -> AutoPlan:
+    """The static budget for one generate call (module doc). `parallel` drafters (n-gram) cost
+    nothing per draft step."""
+    cm = CostModel(costs, batch)
+    a = alpha if alpha is not None else costs.get("acceptance", {}).get(drafter_name, ACCEPTANCE_PRIOR.get(drafter_name, DEFAULT_PRIOR))
+    ar = cm.ar_step()
+    step = 0.0 if parallel else cm.draft_step()
+    first = (0.0 if parallel else cm.draft_first()) + cm.overhead(tree)  # fixed per-round cost
+    best = AutoPlan("ar", 0, 0, 1.0, None)
+    if tree:
+        level = cm.tree_level()
+        for depth in range(2, tree_depth + 1):
+            for n in TREE_SIZES:
+                if n > tree_top_k + (depth - 1) * tree_top_k**2:
+                    continue
+                tau = float(expected_tokens(tree_acceptance(a, n, depth), depth))
+                gain = tau * ar / (first + depth * level + cm.verify(n + 1, tree=True))
+                if gain > best.gain + 1e-9:
+                    best = AutoPlan("tree", depth, n, gain, None)
+        unit, verify_at = level, cm.verify(best.num_nodes + 1, tree=True) if best.mode == "tree" else 0.0
+    else:
+        for k in range(1, k_cap + 1):
+            gain = float(expected_tokens(a, k)) * ar / (first + k * step + cm.verify(k + 1))
+            if gain > best.gain + 1e-9:
+                best = AutoPlan("chain", k, 0, gain, None)
+        unit, verify_at = step, cm.verify(best.k_max + 1) if best.mode == "chain" else 0.0
+    if best.mode == "ar" or best.gain < min_gain:
+        return AutoPlan("ar", 0, 0, best.gain, None)
+    policy = AutoPolicy(k_max=best.k_max, alpha0=float(a), step_us=float(unit), first_us=float(first), verify_us=float(verify_at))
+    return dataclasses.replace(best, policy=policy)
+
+
+@struct.dataclass
+class AutoState:
+    alpha: jax.Array  # [B] float32 running per-token acceptance estimate
+    rounds: jax.Array  # [B] int32
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoPolicy(Policy):
+    """Per-row draft length (or tree depth) maximising expected tokens per µs (module doc).
+
+    step_us: one draft step / tree level; first_us: the draft's fixed start; verify_us: the static
+    verify block's forward. alpha0: acceptance prior; smoothing: weight of the past in the
+    running estimate. Built by `plan` from a card's cost table; `make_policy("auto", k_max=K)`
+    gives the reference costs at batch 1."""
+
+    name = "auto"
+
+    alpha0: float = 0.6
+    smoothing: float = 0.7
+    step_us: float = 75.0
+    first_us: float = 40.0
+    verify_us: float = 1070.0
+
+    def init(self, batch, key):
+        del key
+        return AutoState(alpha=jnp.full((batch,), self.alpha0, jnp.float32), rounds=jnp.zeros((batch,), jnp.int32))
+
+    def round_limit(self, state, k_max, features=None):
+        self._check_k_max(k_max)
+        k = jnp.arange(1, k_max + 1, dtype=jnp.float32)  # [K]
+        rate = expected_tokens(state.alpha[:, None], k[None]) / (self.first_us + k * self.step_us + self.verify_us)
+        return clip_limit(jnp.argmax(rate, axis=1) + 1, k_max)
+
+    def update(self, state, n_drafted, n_accepted, active):
+        # geometric fit of one round: successes = accepted, trials = accepted + (1 if a draft was rejected)
+        rejected = (n_accepted < n_drafted).astype(jnp.float32)
+        acc = n_accepted.astype(jnp.float32)
+        observed = jnp.where(acc + rejected > 0, acc / jnp.maximum(acc + rejected, 1.0), state.alpha)
+        alpha = self.smoothing * state.alpha + (1.0 - self.smoothing) * observed
+        return AutoState(alpha=jnp.where(active, alpha, state.alpha), rounds=count_rounds(state.rounds, active))
+
+
+# ---- the per-card cost table and the host-side budget --------------------------------------------
+
+
+def card_name() -> str:
+    d = jax.devices()[0]
+    return getattr(d, "device_kind", d.platform).replace(" ", "_")
+
+
+def cost_table_path(preset: str | None = None, models_dir: str = "models") -> Path:
+    """models/<preset>/round_cost_<card>.json when that preset directory exists, else the user
+    cache ($JSPEC_CACHE, default ~/.cache/jspec)."""
+    name = f"round_cost_{card_name()}.json"
+    if preset and (Path(models_dir) / preset).is_dir():
+        return Path(models_dir) / preset / name
+    root = Path(os.environ.get("JSPEC_CACHE", Path.home() / ".cache" / "jspec"))
+    return root / (f"{preset}_{name}" if preset else name)
+
+
+def load_costs(preset: str | None = None, models_dir: str = "models") -> dict:
+    """This card's cached cost table, or REFERENCE_COSTS when none has been measured."""
+    for path in (cost_table_path(preset, models_dir), cost_table_path(None)):
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return REFERENCE_COSTS
+
+
+def auto_budget(policy, drafter, batch: int, k_max: int, tree, costs: dict | None = None):
+    """(drafter, policy, k_max, tree) for a generate call whose policy is "auto" or an AutoPlan:
+    the drafter is None when plain decoding is expected to be faster. `tree` is None (chains) or
+    the caller's tree config, whose depth and num_nodes the plan replaces."""
+    if isinstance(policy, AutoPlan):
+        p = policy
+    else:
+        p = plan(costs if costs is not None else load_costs(), batch=batch, drafter_name=drafter.name,
+                 parallel=drafter.parallel, k_cap=k_max, tree=tree is not None,
+                 tree_top_k=getattr(tree, "top_k", 10), tree_depth=getattr(tree, "depth", 6))
+    if p.mode == "ar":
+        return None, None, k_max, None
+    if p.mode == "tree":
+        return drafter, p.policy, k_max, dataclasses.replace(tree, depth=p.k_max, num_nodes=p.num_nodes)
+    return drafter, p.policy, p.k_max, None

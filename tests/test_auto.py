@@ -1,0 +1,91 @@
+"""The `auto` policy: budgets from a round-cost table, AR fallback, greedy identity."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jspec import model as M
+from jspec.generate import generate
+from jspec.speculative.engines.tree import TreeConfig
+from jspec.speculative.policies import make_policy
+from jspec.speculative.policies.auto import REFERENCE_COSTS, TREE_SIZES, AutoPolicy, plan
+from test_spec import CFG, _drafters, _prompts
+
+# verify grows steeply with the block: speculation cannot pay
+COSTLY = {"verify_us": {"1": {"1": 100, "2": 190, "8": 800, "tree16": 1600, "tree60": 6000}},
+          "draft_step_us": {"1": 50}, "tree_level_us": {"1": 80}}
+
+
+def test_plan_picks_a_budget_or_plain_decoding():
+    p = plan(REFERENCE_COSTS, batch=1, drafter_name="eagle", parallel=False)
+    assert p.mode == "chain" and 1 <= p.k_max <= 8 and p.gain > 1 and p.policy.k_max == p.k_max
+    t = plan(REFERENCE_COSTS, batch=1, drafter_name="eagle", parallel=False, tree=True)
+    assert t.mode == "tree" and t.num_nodes in TREE_SIZES
+    for tree in (False, True):
+        assert plan(COSTLY, batch=1, drafter_name="eagle", parallel=False, tree=tree).mode == "ar"
+    # the n-gram drafter costs nothing per step, so only verify's growth limits K
+    assert plan(REFERENCE_COSTS, batch=1, drafter_name="ngram", parallel=True).mode == "chain"
+
+
+def test_round_limit_follows_acceptance():
+    pol = AutoPolicy(k_max=8, alpha0=0.9, step_us=75, first_us=40, verify_us=1000)
+    st = pol.init(2, jax.random.PRNGKey(0))
+    st = st.replace(alpha=jnp.asarray([0.05, 0.9], jnp.float32))
+    lim = pol.round_limit(st, 8)
+    assert int(lim[0]) == 1 and int(lim[1]) > 3
+    st2 = pol.update(st, jnp.asarray([8, 8]), jnp.asarray([0, 8]), jnp.asarray([True, True]))
+    assert float(st2.alpha[0]) < 0.05 and float(st2.alpha[1]) > 0.9
+    assert make_policy("auto", k_max=4).k_max == 4
+
+
+@pytest.fixture(scope="module")
+def target():
+    return M.init_params(CFG, jax.random.PRNGKey(0), scale=0.35)
+
+
+@pytest.mark.parametrize("tree", [None, TreeConfig(top_k=3, depth=4, num_nodes=12)])
+def test_auto_greedy_identical_to_ar(target, tree):
+    drafter, dparams = _drafters(target)["eagle3"]
+    prompts = _prompts(3)
+    ar = generate(target, CFG, prompts, max_new_tokens=12)
+    costs = {**REFERENCE_COSTS, "verify_us": {"1": {"1": 1000, "8": 1050, "tree16": 1100, "tree60": 1400}}}
+    p = plan(costs, batch=len(prompts), drafter_name="eagle", parallel=False, tree=tree is not None,
+             tree_top_k=3, tree_depth=4, alpha=0.8)
+    assert p.mode != "ar"
+    out = generate(target, CFG, prompts, max_new_tokens=12, drafter=drafter, drafter_params=dparams, policy=p, tree=tree)
+    for b in range(len(prompts)):
+        assert out.row(b) == ar.row(b)
+    assert int(out.drafted.sum()) > 0
+    slow = plan(COSTLY, batch=len(prompts), drafter_name="eagle", parallel=False)
+    out = generate(target, CFG, prompts, max_new_tokens=12, drafter=drafter, drafter_params=dparams, policy=slow)
+    assert int(out.drafted.sum()) == 0 and all(out.row(b) == ar.row(b) for b in range(len(prompts)))
+
+
+def test_bench_cli_auto_rows_carry_round_costs(tmp_path, monkeypatch):
+    import argparse
+    import json
+
+    from jspec.bench import cli
+    from jspec.config import ModelConfig
+    from test_bench import CharTokenizer
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=256, eos_token_ids=(3,))
+    params = M.init_params(cfg, jax.random.PRNGKey(0))
+    monkeypatch.setattr(cli, "resolve_model", lambda name: (cfg, params, CharTokenizer()))
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cli, "VERIFY_TS", (1, 2))
+    # a cached table for this card: the bench reads it instead of measuring
+    from jspec.speculative.policies.auto import cost_table_path
+    path = cost_table_path("tiny", str(tmp_path / "models"))
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"verify_us": {"1": {"1": 100.0, "2": 101.0, "8": 110.0}}}))
+    args = cli.add_bench_args(argparse.ArgumentParser()).parse_args(
+        ["--model", "tiny", "--tasks", "mt_bench", "--n-prompts", "2", "--max-new-tokens", "4", "--batch", "1",
+         "--methods", "ar,spec:ngram:auto", "--round-cost", "1", "--no-plots",
+         "--models-dir", str(tmp_path / "models"), "--benchmarks-md", str(tmp_path / "B.md")])
+    rows = cli.run_bench(args)
+    spec = [r for r in rows if r["method"] == "spec"][0]
+    assert spec["policy"] == "auto"
+    assert "plan" in spec["round_cost"] or (spec["round_us"] > 0 and spec["verify_us"]["1"] > 0)
+    assert spec["round_cost"]["verify_us"]["2"] > 0 and "round_us" in spec  # ngram plan: a chain
