@@ -1,0 +1,70 @@
+"""Measure the `auto` policy's per-card cost table with random weights of a preset's shape.
+
+Timing does not depend on the weights' values, so a new card's table can be measured before its
+checkpoint is staged (and in parallel, one batch size per GPU):
+
+    CUDA_VISIBLE_DEVICES=0 python3 scripts/measure_card_costs.py --batch 1 --out /root/costs/b1.json
+    python3 scripts/measure_card_costs.py --merge /root/costs/b*.json --out models/smollm2-135m-instruct/round_cost_<card>.json
+
+The shape is SmolLM2-135M's with an EAGLE-3 head (the shipped preset's drafter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jspec import model as M
+from jspec.bench.round_cost import measure_batch_costs, save_card_costs
+from jspec.config import ModelConfig
+from jspec.heads import eagle as H
+from jspec.speculative.drafters.eagle import EagleDrafter
+from jspec.speculative.engines.tree import TreeConfig
+
+SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                      num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                      max_position_embeddings=8192, tie_word_embeddings=True, eos_token_ids=())
+
+
+def merge(paths: list[str]) -> dict:
+    """Union of per-batch tables (each file measured one batch size on the same card)."""
+    out: dict = {}
+    for p in paths:
+        part = json.loads(Path(p).read_text())
+        for key, value in part.items():
+            if isinstance(value, dict):
+                out.setdefault(key, {}).update(value)
+            else:
+                out.setdefault(key, value)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, help="batch size to measure")
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--merge", nargs="*", help="per-batch tables to merge instead of measuring")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    if args.merge:
+        save_card_costs(merge(args.merge), Path(args.out))
+        print(f"merged {len(args.merge)} tables -> {args.out}")
+        return
+    if not args.batch or args.batch < 1:
+        sys.exit("measure_card_costs: error: --batch must be a positive batch size")
+    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    tparams = M.init_params(SMOLLM2, jax.random.PRNGKey(0), dtype)
+    hcfg = H.HeadConfig("eagle3", SMOLLM2, draft_vocab_size=args.draft_vocab)
+    hparams = H.init_head(hcfg, jax.random.PRNGKey(1), dtype)
+    costs = measure_batch_costs({}, tparams, SMOLLM2, EagleDrafter(hcfg), hparams, batch=args.batch, tree=TreeConfig())
+    save_card_costs(costs, Path(args.out))
+    print(json.dumps({k: v for k, v in costs.items() if k in ("card", "draft_step_us", "tree_level_us")}))
+
+
+if __name__ == "__main__":
+    main()
