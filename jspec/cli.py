@@ -8,20 +8,30 @@ import sys
 import time
 
 from .checkpoint.convert import add_convert_args, run_convert
-from .decode import pack_prompts
+from .checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from .config import UnsupportedModelError
+from .decode import PromptError, pack_prompts
+from .errors import UsageError
 from .generate import generate, generate_stream
 from .presets import list_presets, resolve_model
 from .sampling import Sampling
 from .sharding import parse_mesh
+from .speculative.drafters.base import DrafterError
 from .speculative.engines.chain import speculative_stream
-from .speculative.factory import build_drafter
-from .speculative.policies import make_policy
+from .speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights
+from .speculative.policies import POLICY_NAMES, make_policy
+from .speculative.policies.ldlp import load_ldlp
+from .speculative.verify.consultant import DEFAULT_EPS, ConsultantRule
 from .tokenizer import prompt_ids
 
 # `bench` and `train-head` are imported where they run: they pull heavy optional stacks
 # (transformers/torch peers, matplotlib; optax/orbax training extras, which may be absent).
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_K_MAX = 8
+
+# What a user can get wrong: reported as one line `jspec: error: ...` with exit code 2.
+USER_ERRORS = (UsageError, PromptError, DrafterError, CheckpointError, CheckpointNotFoundError, UnsupportedModelError)
 
 
 def _dtype_arg(name: str | None):
@@ -42,24 +52,112 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto (float32 on CPU, bfloat16 elsewhere)")
     p.add_argument("--drafter", default=None,
                    help="speculative drafter: ngram[:N], early-exit[:E], model:PATH, eagle[:PATH], eagle3[:PATH]")
-    p.add_argument("--policy", default="static",
-                   help="draft-length policy: static, confidence, heuristic, svip, adaedl, tapout, ldlp, adl")
-    p.add_argument("--k-max", type=int, default=8, help="maximum draft tokens per round")
-    p.add_argument("--verify", default="lossless", choices=["lossless", "consultant"],
-                   help="'consultant' is Consultant Decoding's LOSSY rule (output differs from the target's)")
+    p.add_argument("--policy", default=None,
+                   help=f"draft-length policy (needs --drafter; default static): {', '.join(POLICY_NAMES)}")
+    p.add_argument("--ldlp-weights", default=None, metavar="DIR",
+                   help="--policy ldlp: directory with ldlp.safetensors (default: the one shipped beside the EAGLE head)")
+    p.add_argument("--k-max", type=int, default=None,
+                   help=f"maximum draft tokens per round (needs --drafter; default {DEFAULT_K_MAX}); at most what "
+                        "the model's context leaves after the prompt and --max-new-tokens")
+    p.add_argument("--verify", default=None, choices=["lossless", "consultant"],
+                   help="needs --drafter; 'consultant' is Consultant Decoding's LOSSY rule (output differs from the target's)")
+    p.add_argument("--consultant-eps", type=float, default=None,
+                   help=f"--verify consultant: accept a draft while the target's NLL of it is <= EPS nats (default {DEFAULT_EPS})")
+    p.add_argument("--consultant-smoothing", type=float, default=None, metavar="BETA",
+                   help="--verify consultant: compare the running mean r = BETA*r + (1-BETA)*NLL instead (0 = off; 0.2 in the paper)")
     p.add_argument("--no-stream", action="store_true", help="print only when generation finishes")
     p.add_argument("--mesh", default=None,
                    help="run on several devices: data=N (rows split, each device loops on its own) or "
                         "model=N (tensor-parallel target); implies --no-stream")
 
 
-def cmd_generate(a) -> int:
+def check_generate_args(a) -> None:
+    """Every check that needs no model, run before the model loads (a bad flag costs no loading
+    time). Fills in the defaults of the speculative options and builds `a.policy_obj`,
+    `a.verify_rule` and `a.policy_params`. Raises UsageError / DrafterError."""
+    if a.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    if a.temperature < 0 or a.top_k < 0 or not 0 < a.top_p <= 1:
+        raise UsageError("--temperature and --top-k must be >= 0 and --top-p in (0, 1]")
     if a.mesh:
         try:
-            a.mesh, a.no_stream = parse_mesh(a.mesh), True  # a bad spec fails here, before loading
+            a.mesh, a.no_stream = parse_mesh(a.mesh), True
         except ValueError as e:
-            print(f"jspec generate: {e}", file=sys.stderr)
-            return 2
+            raise UsageError(str(e)) from None
+    speculative = {"--policy": a.policy, "--k-max": a.k_max, "--verify": a.verify, "--ldlp-weights": a.ldlp_weights,
+                   "--consultant-eps": a.consultant_eps, "--consultant-smoothing": a.consultant_smoothing}
+    if a.drafter is None:
+        given = [flag for flag, value in speculative.items() if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to speculative decoding: add --drafter "
+                             "(ngram, early-exit, model:PATH, eagle, eagle3)")
+        return
+    drafter_cls = check_drafter_spec(a.drafter)
+    a.policy = a.policy or "static"
+    a.k_max = DEFAULT_K_MAX if a.k_max is None else a.k_max
+    a.verify = a.verify or "lossless"
+    if a.k_max < 1:
+        raise UsageError(f"--k-max must be >= 1, got {a.k_max}")
+    try:
+        a.policy_obj = make_policy(a.policy, k_max=a.k_max)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if drafter_cls.parallel and a.policy_obj.needs_draft_logits:
+        raise UsageError(f"policy {a.policy!r} reads draft distributions, which the {a.drafter!r} drafter does not "
+                         "have; use static, heuristic or adl")
+    consultant = {"--consultant-eps": a.consultant_eps, "--consultant-smoothing": a.consultant_smoothing}
+    if a.verify == "consultant":
+        try:
+            a.verify_rule = ConsultantRule(eps=DEFAULT_EPS if a.consultant_eps is None else a.consultant_eps,
+                                           smoothing=a.consultant_smoothing or 0.0)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    elif any(v is not None for v in consultant.values()):
+        raise UsageError(f"{', '.join(f for f, v in consultant.items() if v is not None)} need --verify consultant")
+    else:
+        a.verify_rule = "lossless"
+    a.policy_params = None
+    if a.policy == "ldlp":
+        a.policy_params = find_ldlp_weights(a.drafter, a.model, a.ldlp_weights)  # loaded after the checks
+    elif a.ldlp_weights:
+        raise UsageError("--ldlp-weights needs --policy ldlp")
+
+
+class CompileClock:
+    """Seconds JAX spends compiling (tracing, lowering, XLA) while active: the part of a first call
+    that later calls skip, so `tokens / (wall - compile)` approximates the steady-state rate."""
+
+    _registered = False
+    _seconds = 0.0
+
+    def __enter__(self):
+        if not CompileClock._registered:
+            from jax import monitoring
+
+            def on_event(name, seconds, **_):
+                if name.startswith("/jax/core/compile/"):
+                    CompileClock._seconds += seconds
+
+            monitoring.register_event_duration_secs_listener(on_event)
+            CompileClock._registered = True
+        self._start, self.t0 = CompileClock._seconds, time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.t0
+        self.compile = min(CompileClock._seconds - self._start, self.wall)
+
+    def rates(self, n_tokens: int) -> str:
+        steady = self.wall - self.compile
+        steady_text = f"{n_tokens / steady:.1f} tok/s steady state" if steady > 1e-3 else "steady state n/a"
+        return (f"{n_tokens} tokens in {self.wall:.2f}s: {n_tokens / self.wall:.1f} tok/s incl. compile, "
+                f"{steady_text} ({self.compile:.1f}s compiling)")
+
+
+def cmd_generate(a) -> int:
+    check_generate_args(a)
+    if a.drafter is not None and a.policy_params is not None:
+        a.policy_params = load_ldlp(str(a.policy_params))[0]
     t0 = time.perf_counter()
     cfg, params, tok = resolve_model(a.model, dtype=_dtype_arg(a.dtype))
     prompts = [prompt_ids(tok, text, a.chat) for text in a.prompt]
@@ -69,35 +167,32 @@ def cmd_generate(a) -> int:
     if a.drafter is not None and len(prompts) == 1 and not a.no_stream:
         return _stream_speculative(a, cfg, params, tok, prompts[0], sampling)
     if a.drafter is None and len(prompts) == 1 and not a.no_stream:
-        t0 = time.perf_counter()
         ids: list[int] = []
         printed = ""
-        for chunk in generate_stream(params, cfg, prompts[0], max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed):
-            ids += chunk
-            text = tok.decode(ids, skip_special_tokens=True)
-            print(text[len(printed):], end="", flush=True)
-            printed = text
-        dt = time.perf_counter() - t0
-        print(f"\n[jspec] {len(ids)} tokens in {dt:.2f}s ({len(ids) / dt:.1f} tok/s incl. compile)", file=sys.stderr)
+        with CompileClock() as clock:
+            for chunk in generate_stream(params, cfg, prompts[0], max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed):
+                ids += chunk
+                text = tok.decode(ids, skip_special_tokens=True)
+                print(text[len(printed):], end="", flush=True)
+                printed = text
+        print(f"\n[jspec] {clock.rates(len(ids))}", file=sys.stderr)
         return 0
 
-    policy = None
     drafter = None
     if a.drafter:
         drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)
-        policy = make_policy(a.policy, k_max=a.k_max)
     kw = dict(max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed, mesh=a.mesh)
     if drafter is not None:
-        kw.update(drafter=drafter, drafter_params=dparams, policy=policy, k_max=a.k_max, verify=a.verify)
-    t0 = time.perf_counter()
-    res = generate(params, cfg, prompts, **kw)
-    dt = time.perf_counter() - t0
+        kw.update(drafter=drafter, drafter_params=dparams, policy=a.policy_obj, policy_params=a.policy_params,
+                  k_max=a.k_max, verify=a.verify_rule)
+    with CompileClock() as clock:
+        res = generate(params, cfg, prompts, **kw)
     for b in range(len(prompts)):
         if len(prompts) > 1:
             print(f"--- [{b}]")
         print(tok.decode(res.row(b), skip_special_tokens=True))
     n = int(res.lengths.sum())
-    print(f"[jspec] {n} tokens in {dt:.2f}s ({n / dt:.1f} tok/s incl. compile); target calls {res.target_calls.tolist()}", file=sys.stderr)
+    print(f"[jspec] {clock.rates(n)}; target calls {res.target_calls.tolist()}", file=sys.stderr)
     if drafter is not None:
         mat = (res.lengths / res.target_calls).round(2).tolist()
         rate = (res.accepted / res.drafted.clip(1)).round(3).tolist()
@@ -111,22 +206,21 @@ def _stream_speculative(a, cfg, params, tok, prompt, sampling) -> int:
     import jax
 
     drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)
-    policy = make_policy(a.policy, k_max=a.k_max)
     tokens, lens, cache_len = pack_prompts(cfg, [prompt], a.max_new_tokens, a.k_max + 1)
-    t0 = time.perf_counter()
     ids: list[int] = []
     printed, state = "", None
-    for chunk, state in speculative_stream(
-        params, cfg, tokens, lens, jax.random.PRNGKey(a.seed), drafter=drafter, drafter_params=dparams,
-        policy=policy, k_max=a.k_max, max_new=a.max_new_tokens, cache_len=cache_len, sampling=sampling, verify=a.verify,
-    ):
-        ids += chunk
-        text = tok.decode(ids, skip_special_tokens=True)
-        print(text[len(printed):], end="", flush=True)
-        printed = text
-    dt = time.perf_counter() - t0
+    with CompileClock() as clock:
+        for chunk, state in speculative_stream(
+            params, cfg, tokens, lens, jax.random.PRNGKey(a.seed), drafter=drafter, drafter_params=dparams,
+            policy=a.policy_obj, policy_params=a.policy_params, k_max=a.k_max, max_new=a.max_new_tokens,
+            cache_len=cache_len, sampling=sampling, verify=a.verify_rule,
+        ):
+            ids += chunk
+            text = tok.decode(ids, skip_special_tokens=True)
+            print(text[len(printed):], end="", flush=True)
+            printed = text
     calls, drafted, accepted = (int(x) for x in jax.device_get((state.target_calls[0], state.drafted[0], state.accepted[0])))
-    print(f"\n[jspec] {len(ids)} tokens in {dt:.2f}s ({len(ids) / dt:.1f} tok/s incl. compile)", file=sys.stderr)
+    print(f"\n[jspec] {clock.rates(len(ids))}", file=sys.stderr)
     print(f"[jspec] drafter {a.drafter} policy {a.policy} verify {a.verify}: target calls {calls}, drafted {drafted}, "
           f"accepted {accepted} (acceptance {accepted / max(drafted, 1):.3f}), "
           f"mean accepted tokens per target call {len(ids) / max(calls, 1):.2f}", file=sys.stderr)
@@ -168,6 +262,14 @@ def main(argv=None) -> int:
         pass
 
     a = parser.parse_args(argv)
+    try:
+        return run_command(a)
+    except USER_ERRORS as e:
+        print(f"jspec: error: {' '.join(str(e).split())}", file=sys.stderr)  # one line, no traceback
+        return 2
+
+
+def run_command(a) -> int:
     if a.cmd == "generate":
         return cmd_generate(a)
     if a.cmd == "info":

@@ -105,13 +105,35 @@ def test_group_must_share_batch_and_dtype(clock):
 
 
 def test_method_spec_parsing():
-    assert parse_method_spec("spec:eagle:entropy:tree") == MethodSpec("spec", "eagle", "entropy", True)
+    assert parse_method_spec("spec:eagle:svip:tree") == MethodSpec("spec", "eagle", "svip", True)
     assert parse_method_spec("hf_pld") == MethodSpec("hf", drafter="prompt_lookup")
     assert [s.name for s in parse_method_specs("ar,hf,hf_pld,spec:ngram:static")] == [
         "ar", "hf", "hf_pld", "spec:ngram:static"]
     for bad in ("spec:ngram", "beam", "spec:a:b:c"):
         with pytest.raises(ValueError):
             parse_method_spec(bad)
+
+
+def test_method_specs_carry_arguments_and_are_all_checked_first():
+    from jspec.bench.protocol import MethodSpecError
+    from jspec.speculative.engines.tree import TreeConfig
+    from jspec.speculative.verify.consultant import ConsultantRule
+
+    spec = parse_method_spec("spec:early-exit:8:svip:k=7")
+    assert (spec.drafter, spec.policy, spec.name) == ("early-exit:8", "svip", "spec:early-exit:8:svip:k=7")
+    assert spec.generate_kwargs() == {"drafter": "early-exit:8", "k_max": 7, "policy": "svip"}
+    tree = parse_method_spec("spec:eagle3:static:nodes=47:depth=8")
+    assert tree.tree and tree.generate_kwargs()["tree"] == TreeConfig(top_k=10, depth=8, num_nodes=47)
+    assert parse_method_spec("spec:eagle3:static:nodes=auto").generate_kwargs()["tree"] == "auto"
+    kw = parse_method_spec("spec:eagle:adaedl:lambda_rule=B:lambda_init=0.3:verify=consultant:eps=3").generate_kwargs()
+    assert (kw["policy"].lambda_rule, kw["policy"].lambda_init, kw["policy"].k_max) == ("B", 0.3, 8)
+    assert kw["verify"] == ConsultantRule(eps=3.0)
+    # One bad entry fails the whole list before anything runs, naming the entry.
+    for bad, message in [("spec:ngram:tapout", "draft distributions"), ("spec:ngram:static:tree", "EAGLE head"),
+                         ("spec:eagle:svip:threshhold=1", "no field 'threshhold'"), ("spec:eagle:nosuch", "unknown policy"),
+                         ("spec:ngram:static:k=0", "positive"), ("spec:eagle:static:eps=3", "verify=consultant")]:
+        with pytest.raises(MethodSpecError, match=message):
+            parse_method_specs(f"ar,spec:ngram:static,{bad}")
 
 
 def test_jspec_adapter_reads_generation_result():
@@ -146,7 +168,7 @@ def test_cut_at_eos_keeps_the_eos():
 
 
 def sample_rows(clock):
-    specs = [MethodSpec("ar"), parse_method_spec("spec:ngram:static"), parse_method_spec("spec:ngram:entropy")]
+    specs = [MethodSpec("ar"), parse_method_spec("spec:ngram:static"), parse_method_spec("spec:ngram:heuristic")]
     tables = [ar_table(), spec_table(), spec_table()]
     return benchmark_group(ctx(), [FakeMethod(clock, s, t) for s, t in zip(specs, tables)], PROMPTS, task="mt_bench")
 

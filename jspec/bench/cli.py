@@ -11,11 +11,13 @@ from jspec import presets
 from jspec.bench.harness import RunContext, batches_of, benchmark_group
 from jspec.bench.methods import HFGenerateMethod, JspecMethod, canonical_dtype, load_hf_model
 from jspec.bench.prompts import encode_questions
-from jspec.bench.protocol import MethodSpec, parse_method_specs
+from jspec.bench.protocol import METHOD_GRAMMAR, MethodSpec, parse_method_specs
 from jspec.bench.report import bench_dir, write_benchmarks_md, write_rows
 from jspec.model import cast_params
 from jspec.sharding import parse_mesh
-from jspec.speculative.factory import build_drafter
+from jspec.speculative.factory import build_drafter, find_ldlp_weights
+from jspec.speculative.policies import POLICY_NAMES
+from jspec.speculative.policies.ldlp import load_ldlp
 from jspec.speculative.drafters.eagle import EagleDrafter
 from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.policies.auto import AutoPlan
@@ -33,6 +35,8 @@ def _str_list(text: str) -> list[str]:
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = METHOD_GRAMMAR.format(policies=", ".join(POLICY_NAMES))
     parser.add_argument("--model", required=True, help="preset name or checkpoint path (jspec.presets.resolve_model)")
     parser.add_argument("--tasks", default="mt_bench", help="comma list of mt_bench, humaneval, chitchat ('' for none)")
     parser.add_argument("--questions", help="extra Spec-Bench questions .jsonl; its task name is the file stem")
@@ -40,8 +44,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch", default="1", help="comma list of batch sizes, e.g. 1,16")
     parser.add_argument("--dtype", default=None, help="comma list; default bfloat16 on accelerators, float32 on CPU")
-    parser.add_argument("--methods", default="ar,hf", help="comma list: ar, hf, hf_pld, spec:<drafter>:<policy>[:tree]")
-    parser.add_argument("--k-max", type=int, default=None, help="passed to jspec generate for spec methods")
+    parser.add_argument("--methods", default="ar,hf",
+                        help="comma list of ar, hf, hf_pld, spec:DRAFTER[:ARG]:POLICY[:OPTION]... (grammar below)")
+    parser.add_argument("--k-max", type=int, default=None, help="spec methods' k_max unless a method sets k=N (default 8)")
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="hf_pld draft length")
     parser.add_argument("--hf-checkpoint", help="checkpoint dir or .gguf file for the HF peer (default: from --model)")
     parser.add_argument("--no-chat-template", action="store_true", help="feed raw text even to chat models")
@@ -139,6 +144,15 @@ class MethodFactory:
             self._hf = {dtype: load_hf_model(directory, dtype=dtype, gguf_file=gguf_file)}
         return self._hf[dtype]
 
+    def check(self, specs: list[MethodSpec]) -> None:
+        """What needs the model, checked for every method before any runs: each drafter builds
+        for this target (head files, exit layer, vocabulary), LDLP weights exist."""
+        for spec in specs:
+            if spec.method == "spec":
+                build_drafter(spec.drafter, self.cfg, self.params, model_name=self.args.model)
+                if spec.policy == "ldlp":
+                    find_ldlp_weights(spec.drafter, self.args.model)
+
     def supports(self, spec: MethodSpec, batch: int) -> bool:
         return not (spec.method == "hf" and spec.drafter == "prompt_lookup" and batch != 1)
 
@@ -163,6 +177,8 @@ class MethodFactory:
         if spec.method == "spec":
             params = self.jax_params(dtype)
             extra["drafter"], extra["drafter_params"] = build_drafter(spec.drafter, self.cfg, params, model_name=self.args.model)
+            if spec.policy == "ldlp":  # the predictor shipped beside the EAGLE head
+                extra["policy_params"] = load_ldlp(str(find_ldlp_weights(spec.drafter, self.args.model)))[0]
             if spec.policy == "auto":  # the budget from this card's measured round costs (cached per card)
                 extra["policy"] = self.auto_plan(spec, params, extra["drafter"], extra["drafter_params"], batch)
         return JspecMethod(self.jax_params(dtype), self.cfg, spec, dtype=dtype, batch=batch,
@@ -182,7 +198,7 @@ def _total_batches(prompts: dict[str, list], specs, batches, dtypes, factory) ->
 def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
-    specs = parse_method_specs(args.methods)
+    specs = parse_method_specs(args.methods)  # every method checked before the model loads
     batches = _int_list(args.batch)
     dtypes = [canonical_dtype(d) for d in _str_list(args.dtype or default_dtype_name())]
     questions = load_questions(args)
@@ -191,10 +207,12 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     chat = False if args.no_chat_template else None
     prompts = {task: encode_questions(tokenizer, qs, chat=chat) for task, qs in questions.items()}
     factory = MethodFactory(args, cfg, params, tokenizer)
+    factory.check(specs)  # ... and against the model, before any method runs
     ctx = RunContext(target=preset_name(args.model), max_new_tokens=args.max_new_tokens,
                      reproduce=reproduce_command(args, dtypes))
     print(f"bench {ctx.target} on {ctx.card} (JAX {ctx.jax_version}): {len(specs)} methods, tasks {list(prompts)}")
 
+    out_dir = bench_dir(args.models_dir, ctx.target)
     rows: list[dict[str, Any]] = []
     with tqdm(total=_total_batches(prompts, specs, batches, dtypes, factory), unit="batch") as progress:
         for dtype in dtypes:  # outermost: one param copy / HF model per dtype at a time
@@ -208,9 +226,9 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                     if batch in _int_list(args.round_cost):
                         add_round_costs(group, methods, batch, progress)
                     rows += group
+                    write_rows(out_dir / f"{args.out}.json", rows)  # after every group: a killed run keeps its rows
 
-    out_dir = bench_dir(args.models_dir, ctx.target)
-    print(f"rows: {write_rows(out_dir / f'{args.out}.json', rows)}")
+    print(f"rows: {out_dir / f'{args.out}.json'}")
     if not args.no_plots:
         from jspec.bench.plots import plot_all  # here, not at the top: matplotlib is slow to import
 

@@ -95,10 +95,12 @@ class JspecMethod:
     def _generate_kwargs(self, extra: dict[str, Any]) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, **extra}
         if self.method == "spec":
-            kwargs.setdefault("drafter", self.drafter)  # a built drafter object may come in `extra`
-            kwargs.setdefault("policy", self.policy)
-            if self.tree:
-                kwargs["tree"] = True
+            from_spec = self.spec.generate_kwargs(default_k_max=extra.get("k_max") or 8)
+            # A built drafter or a planned policy may come in `extra`; the spec's own options
+            # (k=, tree shape, verify=) are this method's and win over the run-wide defaults.
+            for key in ("drafter", "policy"):
+                kwargs.setdefault(key, from_spec.pop(key))
+            kwargs.update(from_spec)
         return kwargs
 
     def _check_tree_supported(self) -> None:

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from jspec.errors import UsageError
+from jspec.speculative.drafters.eagle import EagleDrafter
+from jspec.speculative.engines.tree import TreeConfig
+from jspec.speculative.factory import DRAFTER_NAMES, check_drafter_spec
+from jspec.speculative.policies import POLICY_NAMES, make_policy
+from jspec.speculative.verify.consultant import DEFAULT_EPS, ConsultantRule
 
 
 @dataclasses.dataclass
@@ -43,26 +50,143 @@ class Method(Protocol):
         """Generate for exactly ``batch`` prompts; must return only once results are on the host."""
 
 
+class MethodSpecError(UsageError):
+    """A --methods entry that cannot run: bad syntax, unknown name, or a combination that fails."""
+
+
+METHOD_GRAMMAR = """\
+Methods (--methods, comma-separated; all are checked before any runs):
+  ar                         jspec autoregressive decoding
+  hf                         transformers generate (greedy) on the same checkpoint
+  hf_pld                     transformers prompt-lookup decoding (batch 1 only)
+  spec:DRAFTER[:ARG]:POLICY[:OPTION]...
+    DRAFTER[:ARG]            ngram[:N]  early-exit[:E]  model:PATH  eagle[:PATH]  eagle3[:PATH]
+    POLICY                   a draft-length policy: {policies}
+    OPTION   tree            EAGLE-2 dynamic tree (EAGLE heads; EAGLE-2's top_k 10, depth 6, 59 nodes)
+             nodes=N|auto    tree: draft nodes kept, i.e. EAGLE's total_token - 1 (auto: timed on
+                             this device over EAGLE's candidates, default tree shape); implies tree
+             topk=N depth=N  tree shape; imply tree
+             k=N             chain: most draft tokens per round (k_max; default --k-max, else 8)
+             verify=consultant   Consultant Decoding's LOSSY rule; eps=X and smoothing=B set it
+             FIELD=VALUE     any field of the policy, e.g. threshold=0.4, lambda_rule=B,
+                             arms=svip+adaedl (tuple fields: values joined by +)
+  The positional fields come first: two of them are DRAFTER:POLICY, three DRAFTER:ARG:POLICY.
+  e.g. spec:ngram:heuristic  spec:early-exit:8:svip:k=7  spec:eagle3:static:nodes=60
+       spec:eagle3:svip:tree:depth=8  spec:eagle3:static:nodes=auto  spec:eagle:static:verify=consultant:eps=3
+"""
+
+TREE_KEYS = ("nodes", "topk", "depth")
+ENGINE_KEYS = ("k", "verify", "eps", "smoothing") + TREE_KEYS
+
+
 @dataclasses.dataclass(frozen=True)
 class MethodSpec:
     """A method named on the command line: ``ar``, ``hf``, ``hf_pld`` or
-    ``spec:<drafter>:<policy>[:tree]``."""
+    ``spec:<drafter>[:<arg>]:<policy>[:tree][:key=value]...`` (``METHOD_GRAMMAR``).
+
+    ``options`` keeps the key=value options in the order given; ``name`` (a row's label) is the
+    canonical spec text, so two specs that differ in any option are different rows."""
 
     method: str
     drafter: str | None = None
     policy: str | None = None
     tree: bool = False
+    options: tuple[tuple[str, str], ...] = ()
 
     @property
     def name(self) -> str:
         if self.method == "spec":
-            return ":".join(["spec", self.drafter or "", self.policy or ""] + (["tree"] if self.tree else []))
+            parts = ["spec", self.drafter or "", self.policy or ""] + (["tree"] if self.tree else [])
+            return ":".join(parts + [f"{k}={v}" for k, v in self.options])
         if self.method == "hf" and self.drafter == "prompt_lookup":
             return "hf_pld"
         return self.method
 
+    @property
+    def option_dict(self) -> dict[str, str]:
+        return dict(self.options)
+
+    def generate_kwargs(self, default_k_max: int = 8) -> dict[str, Any]:
+        """Keyword arguments of jspec.generate.generate for this method (checked by
+        `check_method_spec`): drafter (spec string), policy (a name, or a Policy when fields are
+        set), k_max, tree (True, "auto" or a TreeConfig) and verify."""
+        if self.method != "spec":
+            return {}
+        opts = self.option_dict
+        k_max = int(opts.get("k", default_k_max))
+        kwargs: dict[str, Any] = {"drafter": self.drafter, "k_max": k_max}
+        tree = None
+        if self.tree:
+            if opts.get("nodes") == "auto":
+                tree = "auto"
+            else:
+                base = TreeConfig()
+                tree = TreeConfig(top_k=int(opts.get("topk", base.top_k)), depth=int(opts.get("depth", base.depth)),
+                                  num_nodes=int(opts.get("nodes", base.num_nodes)))
+                tree = True if tree == base else tree
+            kwargs["tree"] = tree
+        fields = {k: v for k, v in self.options if k not in ENGINE_KEYS}
+        if fields:
+            engine_k = (TreeConfig().depth if tree in (True, "auto") else tree.depth) if self.tree else k_max
+            kwargs["policy"] = make_policy(self.policy, k_max=engine_k, **policy_fields(self.policy, fields))
+        else:
+            kwargs["policy"] = self.policy
+        if opts.get("verify", "lossless") == "consultant":
+            kwargs["verify"] = ConsultantRule(eps=float(opts.get("eps", DEFAULT_EPS)), smoothing=float(opts.get("smoothing", 0.0)))
+        return kwargs
+
+
+def policy_fields(policy: str, text_fields: dict[str, str]) -> dict[str, Any]:
+    """Policy field values from option text, typed by each field's default (bool, int, float,
+    str; tuples joined by '+'; None-default fields: int, else float, else str)."""
+    if policy not in POLICY_NAMES:
+        raise MethodSpecError(f"unknown policy {policy!r}; valid names: {', '.join(POLICY_NAMES)}")
+    cls = type(make_policy(policy))
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    out: dict[str, Any] = {}
+    for key, text in text_fields.items():
+        if key not in defaults:
+            valid = ", ".join(sorted(set(defaults) - {"k_max"}) + list(ENGINE_KEYS))
+            raise MethodSpecError(f"option {key}={text}: policy {policy!r} has no field {key!r}; valid options: {valid}")
+        default = defaults[key]
+        try:
+            if isinstance(default, bool):
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                out[key] = text.lower() in ("true", "1")
+            elif isinstance(default, int):
+                out[key] = int(text)
+            elif isinstance(default, float):
+                out[key] = float(text)
+            elif isinstance(default, tuple):
+                out[key] = tuple(t for t in text.split("+") if t)
+            elif default is None:
+                out[key] = _number_or_text(text)
+            elif isinstance(default, str):
+                out[key] = text
+            else:
+                raise MethodSpecError(f"option {key}: policy field of type {type(default).__name__} cannot be set here")
+        except ValueError:
+            raise MethodSpecError(f"option {key}={text}: expected a {type(default).__name__}") from None
+    return out
+
+
+def _number_or_text(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _positive_int(key: str, text: str, spec: str) -> None:
+    if not (text.isdigit() and int(text) >= 1):
+        raise MethodSpecError(f"method {spec!r}: {key}={text} must be a positive integer")
+
 
 def parse_method_spec(text: str) -> MethodSpec:
+    """Parse one method (syntax and names); `check_method_spec` checks that it can run."""
     text = text.strip()
     if text == "ar":
         return MethodSpec("ar")
@@ -70,19 +194,80 @@ def parse_method_spec(text: str) -> MethodSpec:
         return MethodSpec("hf")
     if text == "hf_pld":
         return MethodSpec("hf", drafter="prompt_lookup")
-    parts = text.split(":")
-    if parts[0] == "spec" and len(parts) in (3, 4) and parts[1] and parts[2]:
-        if len(parts) == 4 and parts[3] != "tree":
-            raise ValueError(f"method {text!r}: the optional 4th field must be 'tree'")
-        return MethodSpec("spec", drafter=parts[1], policy=parts[2], tree=len(parts) == 4)
-    raise ValueError(
-        f"unknown method {text!r}; expected ar, hf, hf_pld or spec:<drafter>:<policy>[:tree]"
-    )
+    fields = text.split(":")
+    if fields[0] != "spec":
+        raise MethodSpecError(f"unknown method {text!r}; expected ar, hf, hf_pld or spec:DRAFTER[:ARG]:POLICY[:OPTION]... "
+                              "(see `jspec bench --help`)")
+    is_option = [f == "tree" or "=" in f for f in fields[1:]]
+    n_pos = is_option.index(True) if True in is_option else len(is_option)
+    if any(not o for o in is_option[n_pos:]):
+        raise MethodSpecError(f"method {text!r}: positional fields (drafter, policy) must come before the options")
+    positional, raw_options = fields[1 : 1 + n_pos], fields[1 + n_pos :]
+    if len(positional) not in (2, 3) or not all(positional):
+        raise MethodSpecError(f"method {text!r}: expected spec:DRAFTER:POLICY or spec:DRAFTER:ARG:POLICY, then options")
+    drafter, policy = ":".join(positional[:-1]), positional[-1]
+    if drafter.split(":")[0] not in DRAFTER_NAMES + ("eagle1",):
+        raise MethodSpecError(f"method {text!r}: unknown drafter {drafter.split(':')[0]!r}; choose from {', '.join(DRAFTER_NAMES)}")
+    if policy not in POLICY_NAMES:
+        raise MethodSpecError(f"method {text!r}: unknown policy {policy!r}; valid names: {', '.join(POLICY_NAMES)}")
+    tree, options, seen = False, [], set()
+    for raw in raw_options:
+        if raw == "tree":
+            tree = True
+            continue
+        key, _, value = raw.partition("=")
+        key, value = key.strip(), value.strip()
+        if not key or not value or key in seen:
+            raise MethodSpecError(f"method {text!r}: option {raw!r} must be key=value, each key once")
+        seen.add(key)
+        options.append((key, value))
+    tree = tree or any(k in TREE_KEYS for k, _ in options)
+    return MethodSpec("spec", drafter=drafter, policy=policy, tree=tree, options=tuple(options))
+
+
+def check_method_spec(spec: MethodSpec) -> None:
+    """Everything about a spec method that can be checked without a model: option values, policy
+    fields, drafter/policy/tree/verify compatibility. Raises MethodSpecError (or DrafterError)."""
+    if spec.method != "spec":
+        return
+    text, opts = spec.name, spec.option_dict
+    drafter_cls = check_drafter_spec(spec.drafter)
+    for key in ("k", "topk", "depth"):
+        if key in opts:
+            _positive_int(key, opts[key], text)
+    if "nodes" in opts and opts["nodes"] != "auto":
+        _positive_int("nodes", opts["nodes"], text)
+    if opts.get("nodes") == "auto" and ({"topk", "depth"} & set(opts)):
+        raise MethodSpecError(f"method {text!r}: nodes=auto times EAGLE-2's default tree (top_k 10, depth 6); drop topk/depth")
+    if "verify" in opts and opts["verify"] not in ("lossless", "consultant"):
+        raise MethodSpecError(f"method {text!r}: verify={opts['verify']}: choose lossless or consultant")
+    if ({"eps", "smoothing"} & set(opts)) and opts.get("verify") != "consultant":
+        raise MethodSpecError(f"method {text!r}: eps / smoothing set Consultant Decoding: add verify=consultant")
+    if spec.tree:
+        if not issubclass(drafter_cls, EagleDrafter):
+            raise MethodSpecError(f"method {text!r}: trees need an EAGLE head drafter (eagle, eagle3), not {spec.drafter!r}")
+        if "k" in opts:
+            raise MethodSpecError(f"method {text!r}: k sets a chain's draft length; a tree's is depth=N")
+        if opts.get("verify") == "consultant":
+            raise MethodSpecError(f"method {text!r}: Consultant Decoding verifies chains, not trees")
+    try:
+        kwargs = spec.generate_kwargs()  # builds the TreeConfig, the policy with its fields, the rule
+        policy = kwargs["policy"]
+        if isinstance(policy, str):
+            policy = make_policy(policy)
+    except ValueError as e:  # MethodSpecError included: name the method
+        raise MethodSpecError(f"method {text!r}: {e}" if not str(e).startswith("method ") else str(e)) from None
+    if drafter_cls.parallel and policy.needs_draft_logits:
+        raise MethodSpecError(f"method {text!r}: policy {spec.policy!r} reads draft distributions, which the "
+                              f"{spec.drafter!r} drafter does not have; use static, heuristic or adl")
 
 
 def parse_method_specs(text: str) -> list[MethodSpec]:
+    """Parse and check every method of a --methods list, before any runs."""
     specs = [parse_method_spec(t) for t in text.split(",") if t.strip()]
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
-        raise ValueError(f"methods listed twice in {text!r}")
+        raise MethodSpecError(f"methods listed twice in {text!r}")
+    for spec in specs:
+        check_method_spec(spec)
     return specs

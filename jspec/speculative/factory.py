@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ..checkpoint.draft_format import is_draft_model_dir, load_draft_model
@@ -22,13 +23,70 @@ from .drafters.eagle import EagleDrafter
 from .drafters.early_exit import EarlyExitDrafter
 from .drafters.model import ModelDrafter
 from .drafters.ngram import NgramDrafter
+from .policies.ldlp import WEIGHTS_FILE as LDLP_WEIGHTS_FILE
 
 DRAFTER_NAMES = ("ngram", "early-exit", "model", "eagle", "eagle3")
+
+
+DRAFTER_CLASSES = {"ngram": NgramDrafter, "early-exit": EarlyExitDrafter, "model": ModelDrafter,
+                   "eagle": EagleDrafter, "eagle1": EagleDrafter, "eagle3": EagleDrafter}
 
 
 def _split(spec: str) -> tuple[str, str | None]:
     name, _, arg = spec.partition(":")
     return name.strip(), (arg.strip() or None)
+
+
+def check_drafter_spec(spec: str) -> type:
+    """Validate a drafter spec without loading anything (so a CLI can reject it before the model
+    loads): the name, the argument's form, and that a head path given exists. Returns the
+    drafter's class (its class attributes, e.g. `parallel`, say what policies it can serve)."""
+    name, arg = _split(spec)
+    if name not in DRAFTER_CLASSES:
+        raise DrafterError(f"unknown drafter {spec!r}; choose from {', '.join(DRAFTER_NAMES)} (e.g. ngram, early-exit:8, model:PATH)")
+    if name in ("ngram", "early-exit") and arg is not None and not (arg.isdigit() and int(arg) >= 1):
+        what = "the longest n-gram" if name == "ngram" else "the exit layer"
+        raise DrafterError(f"drafter {spec!r}: {what} must be a positive integer, e.g. {name}:3")
+    if name == "model" and not arg:
+        raise DrafterError("model drafter needs a path or preset: --drafter model:PATH")
+    if name.startswith("eagle") and arg is not None and not Path(arg).is_dir():
+        raise DrafterError(f"drafter {spec!r}: {arg} is not a head directory (config.json + model.safetensors)")
+    return DRAFTER_CLASSES[name]
+
+
+def head_dir(spec: str, model_name: str | None) -> Path | None:
+    """The EAGLE head directory a drafter spec uses (given by path, or shipped with the preset);
+    None for other drafters or when there is none."""
+    name, arg = _split(spec)
+    if not name.startswith("eagle"):
+        return None
+    return Path(arg) if arg else shipped_head_path(model_name, "eagle3" if name == "eagle3" else "eagle")
+
+
+def find_ldlp_weights(drafter_spec: str | None, model_name: str | None, explicit: str | None = None) -> Path:
+    """The directory holding LDLP predictor weights (ldlp.safetensors + ldlp.json, written by
+    `jspec train-ldlp`): ``explicit`` if given, else beside the drafter's EAGLE head
+    (models/<preset>/heads/<head>/ for a preset's shipped head). Raises DrafterError, one line."""
+    if explicit:
+        if not (Path(explicit) / LDLP_WEIGHTS_FILE).is_file():
+            raise DrafterError(f"no LDLP predictor weights at {Path(explicit) / LDLP_WEIGHTS_FILE}")
+        return Path(explicit)
+    name = _split(drafter_spec)[0] if drafter_spec else None
+    if not name or not name.startswith("eagle"):
+        raise DrafterError(
+            f"policy ldlp predicts draft lengths for an EAGLE head, and its weights ship beside the head: "
+            f"use --drafter eagle3 (or eagle), or pass --ldlp-weights DIR for drafter {name!r}"
+        )
+    head = head_dir(drafter_spec, model_name)
+    if head is None:
+        raise DrafterError(f"policy ldlp: no {name} head shipped for model {model_name!r}, so no predictor weights either")
+    for candidate in (head, *sorted(p for p in head.glob("ldlp*") if p.is_dir())):
+        if (candidate / LDLP_WEIGHTS_FILE).is_file():
+            return candidate
+    raise DrafterError(
+        f"policy ldlp needs trained predictor weights and none ship with this head ({head / LDLP_WEIGHTS_FILE} "
+        f"is missing): train them with `jspec train-ldlp --head {head}`, or pass --ldlp-weights DIR"
+    )
 
 
 def shipped_head_path(model_name: str | None, kind: str):

@@ -31,7 +31,9 @@ class TrainConfig:
     ce_weight: float = 0.1
     # uniform noise (U(0,1) - 0.5) * std * 512 / row_length on the first step's input features
     feature_noise_std: float = 0.0
-    # optimisation
+    # optimisation. lr, warm-up, clipping and noise differ from EAGLE's reference recipes (lr 3e-5 /
+    # 5e-5, clip 0.5, thousands of warm-up steps, EAGLE-1 noise 0.2) on purpose: those train for
+    # 20-40 epochs, jspec's recipes for ~15 minutes; docs/methods.md §2.2 gives the reasons.
     batch_size: int = 32  # global, over all hosts and devices
     seq_len: int = 1024
     steps: int = 2000

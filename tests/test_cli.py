@@ -1,0 +1,138 @@
+"""The command line as a new user meets it: bad arguments are one line `jspec: error: ...` with
+exit code 2, caught before the model loads; the limits are named; the stats line reports
+steady-state tok/s; `jspec bench` checks every method before running any."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jspec import cli
+from jspec import model as M
+from jspec.bench import cli as bench_cli
+from jspec.config import ModelConfig
+from jspec.speculative.drafters.base import DrafterError
+from jspec.speculative.factory import find_ldlp_weights
+from jspec.speculative.policies.ldlp import init_ldlp, save_ldlp
+
+CFG = ModelConfig(
+    arch="llama", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=8, eos_token_ids=(3,), max_position_embeddings=512,
+)
+
+
+class FakeTokenizer:
+    chat_template = None
+
+    def __call__(self, text):
+        return {"input_ids": [4 + ord(c) % 40 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(map(str, ids))
+
+
+class ModelLoaded(Exception):
+    """Raised by the stand-in loader: the arguments passed every check that runs before loading."""
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise ModelLoaded
+
+    monkeypatch.setattr(cli, "resolve_model", refuse)
+    monkeypatch.setattr(bench_cli, "resolve_model", refuse)
+
+
+@pytest.fixture
+def tiny_model(monkeypatch):
+    params = M.init_params(CFG, jax.random.PRNGKey(0), scale=0.35)
+    monkeypatch.setattr(cli, "resolve_model", lambda *a, **k: (CFG, params, FakeTokenizer()))
+
+
+def run(capsys, *argv):
+    rc = cli.main(list(argv))
+    err = capsys.readouterr().err
+    return rc, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policy", "nosuch"], "--policy applies only to speculative decoding: add --drafter"),
+    (["--k-max", "4", "--verify", "consultant"], "--k-max, --verify apply only to speculative decoding"),
+    (["--drafter", "ngram", "--policy", "nosuch"], "unknown policy 'nosuch'; valid names: static"),
+    (["--drafter", "ngram", "--policy", "svip"], "reads draft distributions, which the 'ngram' drafter does not have"),
+    (["--drafter", "nosuch"], "unknown drafter 'nosuch'"),
+    (["--drafter", "early-exit:x"], "the exit layer must be a positive integer"),
+    (["--drafter", "ngram", "--k-max", "0"], "--k-max must be >= 1"),
+    (["--drafter", "ngram", "--consultant-eps", "3"], "--consultant-eps need --verify consultant"),
+    (["--drafter", "ngram", "--verify", "consultant", "--consultant-eps", "-1"], "eps must be > 0"),
+    (["--drafter", "ngram", "--policy", "ldlp"], "policy ldlp predicts draft lengths for an EAGLE head"),
+    (["--drafter", "ngram", "--ldlp-weights", "x"], "--ldlp-weights needs --policy ldlp"),
+])
+def test_user_errors_are_one_line_before_the_model_loads(no_model, capsys, argv, message):
+    rc, err = run(capsys, "generate", *argv, "hello")
+    assert rc == 2
+    assert err.startswith("jspec: error: ") and err.count("\n") == 1, err
+    assert message in err, err
+
+
+def test_valid_arguments_reach_the_loader(no_model):
+    with pytest.raises(ModelLoaded):
+        cli.main(["generate", "--drafter", "ngram", "--policy", "heuristic", "--verify", "consultant",
+                  "--consultant-eps", "2.5", "--consultant-smoothing", "0.2", "hello"])
+
+
+def test_ldlp_weights_are_found_beside_the_presets_head(no_model, capsys, tmp_path, monkeypatch):
+    models = tmp_path / "models"
+    head = models / "tiny" / "heads" / "eagle3"
+    head.mkdir(parents=True)
+    (models / "tiny" / "preset.json").write_text(json.dumps(
+        {"name": "tiny", "source": {"type": "path", "path": "x.gguf"}, "drafters": {"eagle3": "heads/eagle3"}}))
+    monkeypatch.setenv("JSPEC_MODELS_DIR", str(models))
+    rc, err = run(capsys, "generate", "--model", "tiny", "--drafter", "eagle3", "--policy", "ldlp", "hi")
+    assert rc == 2 and "none ship with this head" in err and "jspec train-ldlp --head" in err
+    save_ldlp(str(head), init_ldlp(CFG.hidden_size, jax.random.PRNGKey(0), hidden=8), {"d_model": CFG.hidden_size})
+    assert find_ldlp_weights("eagle3", "tiny") == head
+    with pytest.raises(ModelLoaded):  # found: on to loading the model
+        cli.main(["generate", "--model", "tiny", "--drafter", "eagle3", "--policy", "ldlp", "hi"])
+    with pytest.raises(DrafterError, match="no LDLP predictor weights"):
+        find_ldlp_weights("eagle3", "tiny", explicit=str(tmp_path))
+
+
+def test_k_max_beyond_the_context_names_the_limit(tiny_model, capsys):
+    rc, err = run(capsys, "generate", "--drafter", "ngram", "--k-max", "100000", "--max-new-tokens", "8", "hello")
+    assert rc == 2 and err.splitlines()[-1].startswith("jspec: error: ")
+    assert "context of 512 positions" in err and "k_max <= 498" in err  # 512 - 5 prompt - 8 new - 1
+
+
+@pytest.mark.parametrize("extra", [[], ["--no-stream"], ["--drafter", "ngram", "--policy", "heuristic"],
+                                   ["--drafter", "ngram", "--no-stream", "--verify", "consultant"]])
+def test_stats_report_steady_state_rate(tiny_model, capsys, extra):
+    rc = cli.main(["generate", "--max-new-tokens", "6", *extra, "hello"])
+    out = capsys.readouterr()
+    assert rc == 0 and out.out.strip()
+    assert "tok/s incl. compile" in out.err and "tok/s steady state" in out.err and "s compiling)" in out.err, out.err
+
+
+def test_compile_clock_subtracts_compilation():
+    clock = cli.CompileClock()
+    with clock:
+        jax.jit(lambda x: x * 3 + 1)(np.arange(7.0)).block_until_ready()
+    assert 0 < clock.compile <= clock.wall
+    assert "steady state" in clock.rates(10)
+
+
+def test_bench_checks_every_method_before_loading(no_model, capsys):
+    rc, err = run(capsys, "bench", "--model", "tiny", "--tasks", "", "--questions", "x.jsonl",
+                  "--methods", "ar,spec:ngram:static,spec:ngram:tapout")
+    assert rc == 2 and "spec:ngram:tapout" in err and "draft distributions" in err
+    rc, err = run(capsys, "bench", "--model", "tiny", "--methods", "ar,spec:early-exit:8:svip:k=7:threshhold=1")
+    assert rc == 2 and "no field 'threshhold'" in err
+
+
+def test_bench_help_documents_the_method_grammar(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert "spec:DRAFTER[:ARG]:POLICY[:OPTION]..." in out and "nodes=N|auto" in out and "k=N" in out
