@@ -63,7 +63,7 @@ def run(capsys, *argv):
     (["--drafter", "ngram", "--policy", "nosuch"], "unknown policy 'nosuch'; valid names: static"),
     (["--drafter", "ngram", "--policy", "svip"], "reads draft distributions, which the 'ngram' drafter does not have"),
     (["--drafter", "nosuch"], "unknown drafter 'nosuch'"),
-    (["--drafter", "early-exit:x"], "the exit layer must be a positive integer"),
+    (["--drafter", "early-exit:x"], "positive integer"),
     (["--drafter", "ngram", "--k-max", "0"], "--k-max must be >= 1"),
     (["--drafter", "ngram", "--consultant-eps", "3"], "--consultant-eps need --verify consultant"),
     (["--drafter", "ngram", "--verify", "consultant", "--consultant-eps", "-1"], "eps must be > 0"),
