@@ -144,7 +144,8 @@ def test_sharded_step_matches_single_device(data_dir):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["smollm2-eagle3", "smollm2-eagle1", "gemma3-eagle3"])
+@pytest.mark.parametrize("name", ["smollm2-eagle3", "smollm2-eagle1", "gemma3-eagle3", "smollm2-eagle3-corpus",
+                                  "smollm2-eagle1-corpus"])
 def test_recipes_parse(name):
     here = os.path.dirname(__file__)
     r = load_recipe(os.path.join(here, "..", "training", f"{name}.json"))

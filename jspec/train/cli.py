@@ -90,6 +90,16 @@ def _uses_chat(target: str, tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def _is_v2(data_dir: str) -> bool:
+    from . import shards
+
+    path = os.path.join(data_dir, shards.META_FILE)
+    if not os.path.isfile(path):
+        return False
+    with open(path) as fh:
+        return json.load(fh).get("format") == shards.FORMAT
+
+
 def _ensure_data(data_dir: str, recipe, cfg, params, tokenizer, progress: bool) -> None:
     import jax
 
@@ -136,8 +146,9 @@ def train_from_args(args: argparse.Namespace):
     data_dir = args.data or os.path.join(out, "data")
     first_host = jax.process_index() == 0
     progress = not args.no_progress
-    cfg, params, tokenizer = resolve_model(args.target)
-    if not _uses_chat(args.target, tokenizer):
+    v2_data = _is_v2(data_dir)  # distilled by `jspec distill`: no tokenizer needed here
+    cfg, params, tokenizer = resolve_model(args.target, tokenizer=not v2_data)
+    if not v2_data and not _uses_chat(args.target, tokenizer):
         recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, chat_template=False))
     os.makedirs(out, exist_ok=True)
     if first_host:

@@ -415,7 +415,7 @@ class SlotEngine:
     def _refill(self, slots: Slots, group, held) -> Slots:
         n_dev, B, R = self.n_dev, self.B, self.R
         longest = max(len(job.prompt) for g in group for _, job in g)
-        pb = max(bucket(longest), 32)
+        pb = max(bucket(longest), 64)  # few prefill shapes to compile: 64, 128, 256 (+ longer continuations)
         n = n_dev * R
         tokens = np.full((n, pb), self.cfg.pad_token_id, np.int32)
         lens, items = np.ones(n, np.int32), np.full(n, -1, np.int32)
@@ -511,10 +511,22 @@ def _eos_ids(cfg: ModelConfig) -> set[int]:
     return set(int(t) for t in cfg.eos_token_ids)
 
 
+def corpus_roots(corpus: C.Corpus) -> np.ndarray:
+    """Index of each item's standalone ancestor (itself for standalone prompts)."""
+    root = np.arange(len(corpus))
+    for _ in range(int(corpus.depth.max(initial=0))):
+        has = corpus.parent[root] >= 0
+        root = np.where(has, corpus.parent[root], root)
+    return root
+
+
 def distill(params, cfg: ModelConfig, tokenizer, corpus: C.Corpus, out_dir: str, dc: DistillConfig, *,
             chat: bool, time_budget_s: float | None = None, max_prompts: int | None = None,
-            mesh: Mesh | None = None, progress: bool = True, log=print) -> dict:
-    """Answer the corpus (resumably) into a jspec-distill-v2 directory. Returns the run's summary."""
+            part: tuple[int, int] = (0, 1), mesh: Mesh | None = None, progress: bool = True, log=print) -> dict:
+    """Answer the corpus (resumably) into a jspec-distill-v2 directory. Returns the run's summary.
+
+    part=(i, n): only conversations whose standalone prompt index is i mod n (and self-written
+    prompts k with k mod n == i): n hosts distil disjoint parts into n directories."""
     t_start = time.perf_counter()
     deadline = t_start + time_budget_s if time_budget_s else math.inf
     corpus.check_target(cfg, chat)
@@ -581,14 +593,15 @@ def distill(params, cfg: ModelConfig, tokenizer, corpus: C.Corpus, out_dir: str,
     done = writer.done_items()
     lengths = corpus.lengths()
     temps = _temperatures(len(corpus), dc, 0)
-    standalone = [i for i in np.flatnonzero(corpus.parent < 0) if int(i) not in done]
+    in_part = corpus_roots(corpus) % part[1] == part[0]
+    standalone = [i for i in np.flatnonzero((corpus.parent < 0) & in_part) if int(i) not in done]
     if max_prompts is not None:
         standalone = standalone[:max_prompts]
     jobs = [Job(int(i), corpus.ids(int(i)), float(temps[i]), dc.max_new_tokens, int(corpus.source[i]))
             for i in standalone if lengths[i] <= dc.max_prompt_tokens]
     self_temps = _temperatures(len(self_prompts), dc, 1)
     self_jobs = [Job(SELF_ITEM_BASE + k, p["ids"], float(self_temps[k]), dc.max_new_tokens, DATA_SOURCES.index(SELF_SOURCE))
-                 for k, p in enumerate(self_prompts) if SELF_ITEM_BASE + k not in done]
+                 for k, p in enumerate(self_prompts) if SELF_ITEM_BASE + k not in done and k % part[1] == part[0]]
     if self_jobs:  # spread the self-written prompts evenly through the corpus prompts
         step = max(len(jobs) // len(self_jobs), 1)
         merged = []
@@ -610,7 +623,7 @@ def distill(params, cfg: ModelConfig, tokenizer, corpus: C.Corpus, out_dir: str,
         if not has_conts or time.perf_counter() > deadline - 60.0:
             break
         done = writer.done_items()
-        candidates = [int(i) for i in np.flatnonzero(corpus.depth == depth) if int(i) not in done]
+        candidates = [int(i) for i in np.flatnonzero((corpus.depth == depth) & in_part) if int(i) not in done]
         parents = _parent_rows(out_dir, {int(corpus.parent[i]) for i in candidates})
         jobs = []
         for i in candidates:
@@ -660,9 +673,11 @@ def _parent_rows(data_dir: str, wanted: set[int]) -> dict[int, tuple[list[int], 
 def add_distill_args(p):
     p.add_argument("--target", required=True, help="target preset or path")
     p.add_argument("--corpus", default=".stage/corpus/prompts.npz", help="prompt corpus (jspec build-corpus)")
+    p.add_argument("--recipe", default=None, help="recipe JSON whose \"distill\" section gives the defaults")
     p.add_argument("--out", required=True, help="dataset directory (jspec-distill-v2; resumed when it exists)")
     p.add_argument("--time-budget-s", type=float, default=None, help="stop cleanly within this many seconds")
     p.add_argument("--max-prompts", type=int, default=None, help="answer at most this many standalone prompts")
+    p.add_argument("--part", default="0/1", help="I/N: this host's share of the corpus (conversations i mod N)")
     p.add_argument("--dtype", default="auto", help="target dtype: auto (bf16 on GPU, f32 on CPU), bfloat16, float32")
     p.add_argument("--no-progress", action="store_true")
     for f in dataclasses.fields(DistillConfig):
@@ -676,14 +691,28 @@ def add_distill_args(p):
 
 
 def config_from_args(args) -> DistillConfig:
+    """The recipe's "distill" section (if any), then the command line's flags."""
+    base = {}
+    if getattr(args, "recipe", None):
+        with open(args.recipe) as fh:
+            base = json.load(fh).get("distill", {})
+        names = {f.name for f in dataclasses.fields(DistillConfig)}
+        unknown = sorted(set(base) - names)
+        if unknown:
+            raise ValueError(f"{args.recipe}: unknown distill fields {', '.join(unknown)}")
     over = {f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig) if getattr(args, f.name, None) is not None}
-    return DistillConfig(**over)
+    return DistillConfig(**{**base, **over})
 
 
 def run_distill(args) -> int:
     from ..presets import list_presets, load_preset, resolve_model
 
     dc = config_from_args(args)
+    try:
+        part = tuple(int(x) for x in args.part.split("/"))
+        assert len(part) == 2 and 0 <= part[0] < part[1]
+    except (ValueError, AssertionError):
+        raise ValueError(f"--part {args.part!r}: expected I/N with 0 <= I < N") from None
     if args.time_budget_s is not None and args.time_budget_s < 60:
         raise ValueError(f"--time-budget-s {args.time_budget_s} is below the minimum of 60")
     corpus = C.load_corpus(args.corpus)
@@ -694,7 +723,7 @@ def run_distill(args) -> int:
     chat = load_preset(args.target).chat if args.target in list_presets() else bool(getattr(tok, "chat_template", None))
     budget = None if args.time_budget_s is None else args.time_budget_s - (time.perf_counter() - _T0)
     summary = distill(params, cfg, tok, corpus, args.out, dc, chat=chat, time_budget_s=budget,
-                      max_prompts=args.max_prompts, progress=not args.no_progress)
+                      max_prompts=args.max_prompts, part=part, progress=not args.no_progress)
     meta = read_meta(args.out)
     train = shard_files(meta, "all")
     print(json.dumps(summary))

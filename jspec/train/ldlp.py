@@ -162,9 +162,14 @@ def collect(hcfg, head_params, tparams, data_dir: str, split: str, lc: LDLPTrain
     return out
 
 
+@functools.partial(jax.jit, static_argnames=("k_max",))
+def _lengths(params, e, f, *, k_max: int):
+    return L.length_from_prediction(L.ldlp_apply(params, e.astype(jnp.float32), f.astype(jnp.float32)), k_max)
+
+
 def predicted_lengths(params, e, f, k_max: int, batch: int = 65536) -> np.ndarray:
-    preds = [np.asarray(L.length_from_prediction(L.ldlp_apply(params, jnp.asarray(e[i : i + batch], jnp.float32),
-                                                              jnp.asarray(f[i : i + batch], jnp.float32)), k_max))
+    """The policy's draft length, clip(round(LDLP(e, f)), 1, k_max), for stored pairs."""
+    preds = [np.asarray(_lengths(params, e[i : i + batch], f[i : i + batch], k_max=k_max))
              for i in range(0, len(e), batch)]
     return np.concatenate(preds) if preds else np.zeros((0,), np.int32)
 
@@ -197,9 +202,8 @@ def evaluate(params, data: dict, k_max: int, under_weight: float) -> dict:
 
 def fit(data: dict, lc: LDLPTrainConfig, log=print) -> tuple[dict, dict]:
     """Train on 90% of the rows; return (params, metrics on the other 10%)."""
-    rows = data["row"]
-    u = np.random.default_rng(lc.seed).random(int(rows.max(initial=0)) + 1) if len(rows) else np.zeros(0)
-    held = u[rows] < lc.val_share if len(rows) else np.zeros(0, bool)
+    mixed = (data["row"].astype(np.uint64) * np.uint64(2654435761) + np.uint64(lc.seed)) % np.uint64(1 << 32)
+    held = mixed.astype(np.float64) / float(1 << 32) < lc.val_share  # split by row, not by position
     train = {k: v[~held] for k, v in data.items()}
     val = {k: v[held] for k, v in data.items()}
     n = len(train["label"])

@@ -19,8 +19,9 @@ Directory (FORMAT "jspec-distill-v2"):
 
 Writes are atomic (a shard is written under a temporary name, then renamed; meta.json likewise),
 so a killed writer leaves a readable dataset and a resumed one appends shard numbers after the
-last one listed. Shards alternate between splits: every `holdout_every`-th shard is "holdout"
-(for the LDLP predictor and held-out metrics), the rest "train".
+last one listed. One shard in every `holdout_every` is "holdout" (numbers every//2, every//2 +
+every, ...: the first comes after every//2 shards), for the LDLP predictor and held-out metrics;
+the rest is "train".
 
 Training reads rows through `pack_rows`: prompt + response cut to the training sequence length
 (counted, never silent: `PackStats`), right-padded, loss on response tokens.
@@ -127,7 +128,8 @@ class RowWriter:
             os.replace(tmp, os.path.join(self.out_dir, name))
             entry = {"file": name, "rows": len(rows), "response_tokens": int(sum(len(r) for _, r, *_ in rows))}
             if sp != "eval":
-                entry["split"] = "holdout" if self.holdout_every and index % self.holdout_every == self.holdout_every - 1 else "train"
+                every = self.holdout_every
+                entry["split"] = "holdout" if every and index % every == every // 2 else "train"
             self.meta[key].append(entry)
             self._pending[sp] = []
             self.write_meta()

@@ -143,7 +143,7 @@ def train(
 
     deadline (a time.perf_counter() value): the process stops before it, with a checkpoint, when
     the next step would not fit (resume continues exactly). fit_to_deadline: on a fresh run, after
-    measuring the step time (steps 5..25 after the start), set the run's total steps to what fits
+    measuring the step time (steps 3..13 after the start), set the run's total steps to what fits
     before the deadline (at most tc.steps); the learning-rate schedule then ends where the run ends.
     """
     from tqdm import tqdm
@@ -180,7 +180,7 @@ def train(
                      n_devices=mesh.size)
     meta = {"kind": hcfg.kind, "seed": tc.seed, "data_dir": os.path.abspath(data_dir)}
     fit_pending = fit_to_deadline and deadline is not None and not fitted and start == 0
-    measure_from, measure_to = start + 5, start + 25
+    measure_from, measure_to = start + 3, start + 13  # after compilation; synced at both ends
     t_measure = step_seconds = None
     t_ckpt = time.perf_counter()
     stopped = False
@@ -188,7 +188,7 @@ def train(
     step = start
     try:
         while step < total and (stop_at is None or step < stop_at):
-            if deadline is not None and step_seconds is not None and time.perf_counter() + 1.5 * step_seconds + reserve > deadline:
+            if deadline is not None and time.perf_counter() + 1.5 * (step_seconds or 0.0) + reserve > deadline:
                 stopped = True
                 break
             batch = S.global_batch(mesh, loader.batch(step))
@@ -204,7 +204,7 @@ def train(
                     step_seconds = (time.perf_counter() - t_measure) / (measure_to - measure_from)
                     if fit_pending:
                         room = deadline - time.perf_counter() - reserve
-                        total = int(min(tc.steps, max(step + 1, step + room / step_seconds)))
+                        total = int(min(tc.steps, step + max(int(room / step_seconds) - 2, 1)))
                         state["total_steps"] = jax.device_put(jnp.asarray(total, jnp.int32), state["total_steps"].sharding)
                         fitted, fit_pending = True, False
                         bar.total = total

@@ -154,7 +154,9 @@ def train_ldlp(
     feat = jnp.asarray(feat, jnp.float32)
     labels = jnp.asarray(labels, jnp.float32)
     init_key, data_key = jax.random.split(key)
-    params = init_ldlp(emb.shape[-1], init_key, hidden=hidden, num_layers=num_layers)
+    # one compiled program for the three random draws (eagerly, each draw compiles on its own)
+    init = jax.jit(init_ldlp, static_argnums=0, static_argnames=("hidden", "num_layers"))
+    params = init(emb.shape[-1], init_key, hidden=hidden, num_layers=num_layers)
     # Start from the best constant predictor: the under_weight/(1+under_weight) quantile of the labels.
     params["b_out"] = jnp.quantile(labels, under_weight / (1.0 + under_weight)).astype(jnp.float32)
     batch = min(batch_size, labels.shape[0])

@@ -1,0 +1,127 @@
+"""The head-training pipeline end to end on CPU with a tiny random target, as the device driver
+(scripts/device_train_heads.sh) runs it: corpus -> distillation on 8 devices -> EAGLE-3 training
+on the v2 shards -> LDLP -> export in pieces and unpack.
+
+One module-scoped run; the tests check what each stage left behind."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from pipeline_tiny import TARGET, CharChatTokenizer, tiny_sources
+
+from jspec.checkpoint.eagle_format import load_eagle_head, save_eagle_head
+from jspec.generate import generate
+from jspec.heads import eagle as H
+from jspec.model import init_params
+from jspec.speculative.policies.ldlp import load_ldlp
+from jspec.train import corpus as C
+from jspec.train import distill as D
+from jspec.train import ldlp as TL
+from jspec.train import shards as S
+from jspec.train import step as ST
+from jspec.train.config import RunConfig, TrainConfig
+from jspec.train.testing import numpy_params
+from jspec.train.trainer import train
+from jspec.train.vocab import coverage_report
+
+DC = D.DistillConfig(rows_per_device=2, refill_per_device=1, chunk_steps=4, max_new_tokens=10, max_prompt_tokens=64,
+                     max_cont_prompt_tokens=64, self_prompts=8, self_prompt_max_new=8, rows_per_shard=8,
+                     holdout_every=4, continuation_share=0.3)
+TC = TrainConfig(kind="eagle3", ttt_steps=1, batch_size=8, seq_len=48, steps=6, lr=1e-2, warmup_ratio=0.2,
+                 compute_dtype="float32", logits_chunk=8)
+HCFG = H.default_head_config("eagle3", TARGET, draft_vocab_size=64)
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    tok = CharChatTokenizer()
+    sharegpt, chitchat, evals = tiny_sources()
+    arrays = C.build_corpus(tok, TARGET, chat=True, sharegpt=sharegpt, chitchat=chitchat, evals=evals, progress=False)
+    C.save_corpus(str(root / "corpus.npz"), arrays)
+    corpus = C.load_corpus(str(root / "corpus.npz"))
+    target = numpy_params(init_params, TARGET, seed=0, scale=0.3)
+    data = str(root / "data")
+    summary = D.distill(target, TARGET, tok, corpus, data, DC, chat=True, progress=False, log=lambda *_: None)
+    run = root / "run" / "eagle3"
+    # one device: the sharded train step is checked against one device in test_train.py
+    res = train(HCFG, TC, target, data, str(run), run=RunConfig(ckpt_every=100, log_every=3),
+                mesh=ST.make_mesh(1, jax.devices()[:1]), head_params=numpy_params(H.init_head, HCFG, seed=1, scale=0.05),
+                progress=False, lm_head_init="target", log_fn=lambda *_: None)
+    save_eagle_head(str(run / "eagle"), HCFG, res.head_params, dtype="bfloat16")
+    lc = TL.LDLPTrainConfig(k_max=2, seq_len=48, batch_rows=4, max_positions=400, eval_positions=100, hidden=16,
+                            epochs=2, batch_size=64)
+    ldlp_cfg = TL.train_ldlp_for_head(HCFG, res.head_params, target, data, str(run / "eagle"), lc, pad_id=0,
+                                      log=lambda *_: None)
+    return dict(root=root, corpus=corpus, target=target, data=data, summary=summary, result=res, run=run,
+                ldlp=ldlp_cfg)
+
+
+def test_corpus_drops_eval_leaks_and_links_continuations(pipeline):
+    corpus = pipeline["corpus"]
+    stats = corpus.meta["stats"]
+    assert stats["sharegpt_first"]["eval_normalized"] == 1  # "what is the capital of france"
+    assert stats["sharegpt_first"]["kept"] == 24 and stats["sharegpt_cont"]["kept"] == 24
+    conts = np.flatnonzero(corpus.parent >= 0)
+    assert (corpus.parent[conts] < conts).all() and (corpus.parent[corpus.parent[conts]] == -1).all()
+    assert [t for t, _ in corpus.eval_prompts()] == ["mt_bench", "humaneval", "chitchat"]
+
+
+def test_distilled_rows_are_the_targets_answers(pipeline):
+    data, target = pipeline["data"], pipeline["target"]
+    meta = S.read_meta(data)
+    assert {s["split"] for s in meta["shards"]} == {"train", "holdout"} and meta["eval_shards"]
+    rows = [(S.row_tokens(r, i).tolist(), int(r["prompt_lens"][i]), float(r["temperature"][i]), int(r["items"][i]))
+            for s in S.shard_files(meta, "all") for r in [S.load_rows(data, s["file"])] for i in range(len(r["items"]))]
+    greedy = [(seq, p) for seq, p, t, _ in rows if t == 0][:6]
+    ref = generate(target, TARGET, [seq[:p] for seq, p in greedy], max_new_tokens=DC.max_new_tokens)
+    for b, (seq, p) in enumerate(greedy):
+        assert ref.row(b) == seq[p:]
+    assert any(t > 0 for _, _, t, _ in rows)  # a sampled share
+    corpus = pipeline["corpus"]
+    by_item = {item: seq for seq, _, _, item in rows}
+    conts = [(seq, p, item) for seq, p, _, item in rows if item < len(corpus) and corpus.parent[item] >= 0]
+    assert conts, "no continuation was answered"
+    for seq, p, item in conts:  # parent's prompt + answer, then the turn suffix (its EOS not repeated)
+        parent = by_item[int(corpus.parent[item])]
+        assert seq[: len(parent)] == parent and seq[len(parent) : p] == corpus.ids(item)[1:]
+
+
+def test_training_reads_v2_shards_with_target_lm_head(pipeline):
+    res, run = pipeline["result"], pipeline["run"]
+    assert res.finished and res.last_step == TC.steps
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert {"acc_0", "tokens_per_s_per_device", "elapsed_s"} <= set(rows[-1])
+    hcfg, head = load_eagle_head(str(run / "eagle"), TARGET)
+    assert hcfg.draft_vocab_size == 64
+    cov = coverage_report(pipeline["data"], res.head_params["t2d"])
+    assert set(cov) == {"mt_bench", "humaneval", "chitchat"} and 0 < cov["mt_bench"]["coverage"] <= 1
+
+
+def test_ldlp_weights_saved_beside_the_head(pipeline):
+    params, cfg = load_ldlp(str(pipeline["run"] / "eagle"))
+    assert cfg["d_model"] == TARGET.hidden_size and cfg["k_max"] == 2 and cfg["labels_from"] == "holdout"
+    assert params["w_in"].shape == (2 * TARGET.hidden_size, 16)
+    val = cfg["metrics"]["val"] or cfg["metrics"]["train"]
+    assert val["positions"] > 0 and set(val["rounds"]) >= {"ldlp", "static_2"}
+
+
+def test_driver_exports_in_pieces_and_unpacks(pipeline, tmp_path):
+    run_root = pipeline["root"] / "run"
+    out = tmp_path / "out"
+    env = {**os.environ, "JSPEC_RUN": str(run_root), "OUT": str(out), "PYTHON": sys.executable}
+    subprocess.run(["bash", "scripts/device_train_heads.sh", "export", "eagle3"], cwd=ROOT, env=env, check=True,
+                   capture_output=True)
+    files = sorted(os.listdir(out))
+    assert "eagle3.tar.part0" in files and "eagle3_summary.json" in files and len(files) <= 8
+    subprocess.run(["bash", "scripts/unpack_device_out.sh", str(out), str(tmp_path / "back")], cwd=ROOT, check=True,
+                   capture_output=True)
+    back = tmp_path / "back" / "eagle3"
+    for name in ("eagle/model.safetensors", "eagle/ldlp.safetensors", "metrics.jsonl"):
+        assert (back / name).read_bytes() == (pipeline["run"] / name).read_bytes()
