@@ -13,6 +13,10 @@ string such as "data=2" or "data=2,model=2"):
     partitions every forward pass and the vocab-wide acceptance arithmetic (tensor parallelism).
 Greedy outputs equal one device's; sampled outputs are lossless but follow other random streams.
 
+`engine="pearl"` / `engine="ppsd"` run the parallel engines, which draft while the target verifies
+(jspec.speculative.engines.pearl / .ppsd): one device runs both roles one after the other; a mesh
+"role=2" (or "data=N,role=2", or a pearl_mesh) puts the drafter and the target on a pair of devices.
+
 This module sits above every engine; engines import jspec.decode, never this module.
 """
 
@@ -32,7 +36,11 @@ from .decode import GenerationResult, decode_chunk_jit, generate_ar_jit, pack_pr
 from .sampling import GREEDY, Sampling
 from .sharding import axis_size, parse_mesh, replicate, shard_params
 from .speculative.drafters.eagle import EagleDrafter
+from .speculative.drafters.early_exit import EarlyExitDrafter
+from .speculative.drafters.model import ModelDrafter
 from .speculative.engines.chain import check_compatible, speculative_generate, speculative_generate_jit
+from .speculative.engines.pearl import DATA_AXIS as ROLE_MESH_DATA, measure_gamma, parse_role_mesh, pearl_generate
+from .speculative.engines.ppsd import ppsd_generate
 from .speculative.engines.tree import TreeConfig, autotuned_tree, tree_generate, tree_generate_jit
 from .speculative.factory import build_drafter
 from .speculative.policies import resolve_policy
@@ -59,6 +67,8 @@ def generate(
     cache_len: int | None = None,
     unroll: int | bool = 1,
     mesh: Mesh | str | None = None,
+    engine: str | None = None,
+    gamma: int | None = None,
 ) -> GenerationResult:
     """Generate up to max_new_tokens per prompt (token-id lists), batched.
 
@@ -74,8 +84,22 @@ def generate(
     serving loop would; None starts fresh. Speculative results carry their final `policy_state`.
     `mesh` spreads the call over devices (see the module docstring); a batch that does not divide
     the data axis is padded with repeated rows whose results are dropped.
+    `engine`: None (the engines above), "pearl" (a draft model, `drafter="model:PATH"`, drafts γ
+    tokens while the target verifies; `gamma` None measures round(t_target / t_draft) once per
+    process) or "ppsd" (the two-stage early-exit pipeline; `drafter="early-exit:PATH"` of a trained
+    exit head). Their `mesh` is None (one device) or "role=2" / "data=N,role=2" (device pairs);
+    policies, trees and other verify rules do not apply to them. Their results are
+    ParallelResults (rollback_rate, devices, gamma).
     """
     sampling = sampling or GREEDY
+    if engine is not None:
+        if policy is not None or tree is not None or verify != "lossless" or policy_state is not None:
+            raise ValueError(f"engine={engine!r} has its own schedule: policy, policy_state, tree and verify do not apply")
+        return _generate_parallel(engine, params, cfg, prompts, drafter=drafter, drafter_params=drafter_params,
+                                  gamma=gamma, max_new=max_new_tokens, sampling=sampling, seed=seed,
+                                  cache_len=cache_len, mesh=mesh)
+    if gamma is not None:
+        raise ValueError("gamma sets PEARL's window: pass engine='pearl' (chains take k_max)")
     mesh = parse_mesh(mesh)
     if isinstance(drafter, str):
         drafter, drafter_params = build_drafter(drafter, cfg, params)
@@ -175,6 +199,52 @@ def _generate_data_parallel(mesh, params, cfg, tokens, lens, key, *, drafter, dr
         static = dict(tcfg=cfg, drafter=drafter, policy=policy, k_max=k_max, verify=verify, **common)
         fn = _data_parallel(speculative_generate_jit, mesh, shared, _items(static))
     res = result_from_device(fn((params, drafter_params, policy_params), tokens, lens, key))
+    return dataclasses.replace(res, **{  # drop the padding rows
+        f.name: getattr(res, f.name)[:B] for f in dataclasses.fields(res) if isinstance(getattr(res, f.name), np.ndarray)
+    })
+
+
+PARALLEL_ENGINES = ("pearl", "ppsd")
+_GAMMAS: dict = {}  # (target cfg, draft cfg, batch, devices, dtype) -> measured γ
+
+
+def _generate_parallel(engine, params, cfg, prompts, *, drafter, drafter_params, gamma, max_new, sampling, seed,
+                       cache_len, mesh):
+    if engine not in PARALLEL_ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose from {', '.join(PARALLEL_ENGINES)}")
+    mesh = parse_role_mesh(mesh)
+    if isinstance(drafter, str):
+        drafter, drafter_params = build_drafter(drafter, cfg, params)
+    groups = 1 if mesh is None else int(mesh.shape[ROLE_MESH_DATA])
+    B = len(prompts)
+    rows = np.arange(-(-B // groups) * groups) % B  # pad the batch to a multiple of the device pairs
+    prompts = [prompts[i] for i in rows]
+    key = jax.random.PRNGKey(seed)
+    if engine == "pearl":
+        if not isinstance(drafter, ModelDrafter):
+            raise ValueError("engine='pearl' drafts with a draft model: drafter='model:PATH' (or a ModelDrafter and its params)")
+        drafter.check(cfg)
+        if gamma is None:
+            devices = tuple(mesh.devices[0]) if mesh is not None else tuple(jax.devices()[:1])
+            k = (cfg, drafter.cfg, len(prompts) // groups, tuple(d.id for d in devices), str(params["embed"].dtype))
+            if k not in _GAMMAS:
+                _GAMMAS[k] = measure_gamma(params, cfg, drafter_params, drafter.cfg, batch=k[2], devices=devices)[0]
+            gamma = _GAMMAS[k]
+        tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new, 2 * gamma, cache_len)
+        res = pearl_generate(params, cfg, drafter_params, drafter.cfg, tokens, lens, key, gamma=gamma, max_new=max_new,
+                             cache_len=cache_len, sampling=sampling, mesh=mesh)
+    else:
+        if not isinstance(drafter, EarlyExitDrafter):
+            raise ValueError("engine='ppsd' drafts with the target's first layers: drafter='early-exit:PATH' (a trained "
+                             "exit head) or 'early-exit:E' (untrained)")
+        if gamma is not None:
+            raise ValueError("gamma is PEARL's window; PPSD drafts one token a tick")
+        drafter.check(cfg)
+        tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new, 1, cache_len)
+        res = ppsd_generate(params, cfg, drafter_params, drafter.head, drafter.exit_layer, tokens, lens, key,
+                            max_new=max_new, cache_len=cache_len, sampling=sampling, mesh=mesh)
+    if len(rows) == B:
+        return res
     return dataclasses.replace(res, **{  # drop the padding rows
         f.name: getattr(res, f.name)[:B] for f in dataclasses.fields(res) if isinstance(getattr(res, f.name), np.ndarray)
     })

@@ -20,6 +20,7 @@ from jspec.generate import generate
 from jspec.heads import exit_head as EH
 from jspec.sampling import GREEDY, Sampling, probs
 from jspec.speculative.engines.ppsd import ppsd_generate, ppsd_mesh
+from jspec.speculative.factory import build_drafter
 
 CFG = ModelConfig(
     arch="llama", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=4,
@@ -153,8 +154,38 @@ def test_exit_head_training_lowers_kl(tmp_path):
     assert exit_layer_of(str(out / "draft")) == 1
     ecfg, eparams = load_draft_model(str(out / "draft"), tcfg, tparams)
     assert ecfg.num_layers == 1
-    tokens, lens, cache_len = pack_prompts(tcfg, [[5, 6, 7], [8, 9, 10, 11]], 8, 1)
-    r = ppsd_generate(tparams, tcfg, eparams, ecfg, 1, tokens, lens, jax.random.PRNGKey(0), max_new=8,
-                      cache_len=cache_len, sampling=GREEDY)
-    ar = generate(tparams, tcfg, [[5, 6, 7], [8, 9, 10, 11]], max_new_tokens=8)
+    # the head drafts for plain speculative decoding (early-exit:PATH) and for PPSD through generate()
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    ar = generate(tparams, tcfg, prompts, max_new_tokens=8)
+    spec = f"early-exit:{out / 'draft'}"
+    drafter, hp = build_drafter(spec, tcfg, tparams)
+    assert drafter.exit_layer == 1 and drafter.head == ecfg
+    chain = generate(tparams, tcfg, prompts, max_new_tokens=8, drafter=drafter, drafter_params=hp, k_max=3)
+    np.testing.assert_array_equal(chain.tokens, ar.tokens)
+    assert chain.drafted.sum() > 0
+    r = generate(tparams, tcfg, prompts, max_new_tokens=8, engine="ppsd", drafter=spec)
     np.testing.assert_array_equal(r.tokens, ar.tokens)
+
+
+def test_generate_dispatches_parallel_engines(models):
+    """generate(engine=...) with a device-pair mesh and a batch that does not divide the pairs."""
+    from jspec.heads import draft_model as DM
+    from jspec.speculative.drafters.early_exit import EarlyExitDrafter
+    from jspec.speculative.drafters.model import ModelDrafter
+
+    tparams, ecfg, eparams = models
+    prompts = _prompts(batch=3, seed=3)
+    ar = generate(tparams, CFG, prompts, max_new_tokens=MAX_NEW)
+    r = generate(tparams, CFG, prompts, max_new_tokens=MAX_NEW, engine="ppsd", drafter=EarlyExitDrafter(E, head=ecfg),
+                 drafter_params=eparams, mesh="data=2,role=2")
+    np.testing.assert_array_equal(r.tokens, ar.tokens)
+    assert r.devices == 4 and r.tokens.shape[0] == 3
+    dcfg, dparams = DM.init_from_target(tparams, CFG, (0, 3))
+    r = generate(tparams, CFG, prompts, max_new_tokens=MAX_NEW, engine="pearl", drafter=ModelDrafter(dcfg),
+                 drafter_params=dparams, gamma=2, mesh="role=2")
+    np.testing.assert_array_equal(r.tokens, ar.tokens)
+    assert r.gamma == 2 and 0 <= r.rollback_rate <= 1
+    with pytest.raises(ValueError, match="draft model"):
+        generate(tparams, CFG, prompts, engine="pearl", drafter=EarlyExitDrafter(E), gamma=2)
+    with pytest.raises(ValueError, match="role"):
+        generate(tparams, CFG, prompts, engine="ppsd", drafter=EarlyExitDrafter(E), mesh="model=2")

@@ -2,9 +2,12 @@
 
     ngram[:N]          prompt lookup with n-grams of length N..1 (default 3)
     early-exit[:E]     the target's first E layers + its LM head (default L // 4)
-    model:PATH         an independent draft model (preset, HF dir, GGUF or Orbax dir), or a
+    early-exit:PATH    the target's first E layers + a trained exit head (heads/exit_head.py;
+                       `scripts/train_draft_model.py --exit-layer E` writes PATH, which records E)
+    model[:PATH]       an independent draft model (preset, HF dir, GGUF or Orbax dir), or a
                        tied draft model distilled from the target (jspec.train.draft_model),
-                       whose embeddings and LM head are the target's
+                       whose embeddings and LM head are the target's (default: the draft model
+                       shipped with the preset, preset.json "drafters": {"model": DIR})
     eagle[:PATH]       EAGLE-1 head (default: the head shipped with the preset)
     eagle3[:PATH]      EAGLE-3 head (default: the head shipped with the preset)
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.draft_format import is_draft_model_dir, load_draft_model
+from ..checkpoint.draft_format import exit_layer_of, is_draft_model_dir, load_draft_model
 from ..checkpoint.eagle_format import load_eagle_head
 from ..config import ModelConfig
 from ..presets import list_presets, load_preset, resolve_model
@@ -44,11 +47,13 @@ def check_drafter_spec(spec: str) -> type:
     name, arg = _split(spec)
     if name not in DRAFTER_CLASSES:
         raise DrafterError(f"unknown drafter {spec!r}; choose from {', '.join(DRAFTER_NAMES)} (e.g. ngram, early-exit:8, model:PATH)")
-    if name in ("ngram", "early-exit") and arg is not None and not (arg.isdigit() and int(arg) >= 1):
+    if name == "early-exit" and arg is not None and not arg.isdigit():
+        if exit_layer_of(arg) is None:
+            raise DrafterError(f"drafter {spec!r}: {arg} is neither an exit layer (a positive integer) nor an exit-head "
+                               "directory (scripts/train_draft_model.py --exit-layer E)")
+    elif name in ("ngram", "early-exit") and arg is not None and not (arg.isdigit() and int(arg) >= 1):
         what = "the longest n-gram" if name == "ngram" else "the exit layer"
         raise DrafterError(f"drafter {spec!r}: {what} must be a positive integer, e.g. {name}:3")
-    if name == "model" and not arg:
-        raise DrafterError("model drafter needs a path or preset: --drafter model:PATH")
     if name.startswith("eagle") and arg is not None and not Path(arg).is_dir():
         raise DrafterError(f"drafter {spec!r}: {arg} is not a head directory (config.json + model.safetensors)")
     return DRAFTER_CLASSES[name]
@@ -90,7 +95,7 @@ def find_ldlp_weights(drafter_spec: str | None, model_name: str | None, explicit
 
 
 def shipped_head_path(model_name: str | None, kind: str):
-    """The head a preset ships for `kind` ("eagle" or "eagle3"), or None."""
+    """The head a preset ships for `kind` ("eagle", "eagle3", "model" or "exit-head"), or None."""
     if not model_name:
         return None
     if model_name not in list_presets():
@@ -105,14 +110,24 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
     if name == "ngram":
         n = int(arg) if arg else 3
         return NgramDrafter(max_ngram=n), None
+    if name == "early-exit" and arg is not None and not arg.isdigit():
+        if exit_layer_of(arg) is None:
+            raise DrafterError(f"drafter {spec!r}: {arg} is not an exit-head directory")
+        hcfg, hparams = load_draft_model(arg, cfg, params, dtype=dtype)
+        drafter = EarlyExitDrafter(exit_layer=exit_layer_of(arg), head=hcfg)
+        drafter.check(cfg)
+        return drafter, hparams
     if name == "early-exit":
         exit_layer = int(arg) if arg else max(1, cfg.num_layers // 4)
         drafter = EarlyExitDrafter(exit_layer=exit_layer)
         drafter.check(cfg)
         return drafter, None
     if name == "model":
+        arg = arg or shipped_head_path(model_name, "model")
         if not arg:
-            raise DrafterError("model drafter needs a path or preset: --drafter model:PATH")
+            raise DrafterError(f"no draft model given and none shipped for model {model_name!r}: "
+                               "--drafter model:PATH (train one with scripts/train_draft_model.py)")
+        arg = str(arg)
         if is_draft_model_dir(arg):
             dcfg, dparams = load_draft_model(arg, cfg, params, dtype=dtype)
         else:

@@ -84,8 +84,11 @@ def _stage1(tparams, tcfg, eparams, ecfg, exit_layer, sampling, key, kernels, s:
     cur = s.cache.lengths + s.has_mid.astype(jnp.int32)
     inp = jnp.where(s.has_mid, s.draft, s.tok)
     trunk = EH.trunk_hidden(tparams, tcfg, inp[:, None], s.cache.replace(lengths=cur), exit_layer, kernels=kernels)
-    logits, ecache = EH.head_logits(eparams, ecfg, trunk.hidden, s.ecache.replace(lengths=cur), kernels=kernels)
-    logits = logits[:, 0]
+    if ecfg is None:  # no trained head: the target's own final norm and LM head
+        logits, ecache = M.lm_head(tparams, tcfg, M.rms_norm(trunk.hidden[:, 0], tparams["final_norm"], tcfg.rms_norm_eps)), s.ecache
+    else:
+        logits, ecache = EH.head_logits(eparams, ecfg, trunk.hidden, s.ecache.replace(lengths=cur), kernels=kernels)
+        logits = logits[:, 0]
     if sampling.greedy:
         draft, q = jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((logits.shape[0], 1), jnp.float32)
     else:
@@ -150,8 +153,11 @@ def _run(tparams, eparams, tokens, lens, key, row_id, *, tcfg, ecfg, exit_layer,
     # is role 1's, sent over, like every decision).
     cache = M.init_cache(tcfg, B, cache_len, dtype)
     full = M.forward(tparams, tcfg, tokens, cache, capture=(exit_layer,), kernels=kernels)
-    _, ecache = EH.head_logits(eparams, ecfg, full.captured[0], M.init_cache(ecfg, B, cache_len, eparams["embed"].dtype),
-                               kernels=kernels)
+    if ecfg is None:
+        ecache = M.init_cache(tcfg, B, 1, dtype, num_layers=1)  # unused
+    else:
+        _, ecache = EH.head_logits(eparams, ecfg, full.captured[0], M.init_cache(ecfg, B, cache_len, eparams["embed"].dtype),
+                                   kernels=kernels)
     h = jnp.take_along_axis(full.hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
     logits = M.lm_head(tparams, tcfg, h)
     if sampling.greedy:
@@ -237,9 +243,9 @@ def _two_device_fn(mesh: Mesh, tcfg, ecfg, exit_layer, max_new, cache_len, sampl
     return jax.jit(fn)
 
 
-def check_ppsd(tcfg: ModelConfig, ecfg: ModelConfig, exit_layer: int) -> None:
+def check_ppsd(tcfg: ModelConfig, ecfg: ModelConfig | None, exit_layer: int) -> None:
     EH.check_exit_layer(tcfg, exit_layer)
-    if ecfg.num_layers != 1 or ecfg.vocab_size != tcfg.vocab_size or ecfg.hidden_size != tcfg.hidden_size:
+    if ecfg is not None and (ecfg.num_layers != 1 or ecfg.vocab_size != tcfg.vocab_size or ecfg.hidden_size != tcfg.hidden_size):
         raise ValueError(f"the exit head must be one layer of the target's shape (got {ecfg.num_layers} layers, "
                          f"hidden {ecfg.hidden_size} vs {tcfg.hidden_size}, vocab {ecfg.vocab_size} vs {tcfg.vocab_size})")
 
@@ -247,6 +253,8 @@ def check_ppsd(tcfg: ModelConfig, ecfg: ModelConfig, exit_layer: int) -> None:
 def ppsd_generate(tparams, tcfg, eparams, ecfg, exit_layer: int, tokens, lens, key, *, max_new: int, cache_len: int,
                   sampling: Sampling, mesh: Mesh | None = None, kernels: str | None = None) -> ParallelResult:
     """PPSD generation. mesh=None: one device; else a ppsd_mesh (the batch must divide its data axis).
+    ecfg / eparams: the exit head, or None to draft with the target's own final norm and LM head
+    (untrained early exit: low acceptance).
     cache_len must hold prompt + max_new + 2 slots (decode.pack_prompts(extra=1)). In the result,
     `target_calls` counts ticks and `rolled_back` the rejected drafts (each cost a bubble tick)."""
     check_ppsd(tcfg, ecfg, exit_layer)
@@ -261,7 +269,8 @@ def ppsd_generate(tparams, tcfg, eparams, ecfg, exit_layer: int, tokens, lens, k
         if tokens.shape[0] % data:
             raise ValueError(f"batch {tokens.shape[0]} does not divide over the mesh's {data} data groups")
         rep = NamedSharding(mesh, P())
-        tparams, eparams = jax.device_put(tparams, rep), jax.device_put(eparams, rep)
+        tparams = jax.device_put(tparams, rep)
+        eparams = None if eparams is None else jax.device_put(eparams, rep)
         rows = NamedSharding(mesh, P(DATA_AXIS))
         outs = _two_device_fn(mesh, **static)(tparams, eparams, jax.device_put(tokens, rows), jax.device_put(lens, rows),
                                               jax.device_put(key, rep))
