@@ -6,6 +6,8 @@
 PPSD (engines/ppsd.py) drafts with the target's first E layers and the exit head of --exit-head (a
 directory from scripts/train_draft_model.py --exit-layer E, or `cut` for the untrained head copied
 from the target's last layer: a plumbing check); E comes from the directory unless --exit-layer.
+`spec_ee` is plain draft-then-verify with that same early-exit drafter (k = --ee-k drafts a round):
+the ppsd rows' `speedup_vs_spec` is against it.
 
 Per MT-Bench first turn (batch 1; all 80 unless --n-prompts or the budget cuts the list), every
 method runs on the same prompt before the next prompt starts, so a budget cut leaves the same
@@ -40,9 +42,10 @@ def _args(argv):
     ap.add_argument("--drafter", default=None, help="model:PATH (a draft-model dir) or cut:N (spec and pearl rows)")
     ap.add_argument("--exit-head", default=None, help="exit-head dir or `cut` (ppsd rows)")
     ap.add_argument("--exit-layer", type=int, default=0, help="0: the exit head's own, else L // 2")
+    ap.add_argument("--ee-k", type=int, default=4, help="draft length of the spec_ee rows (default 4)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--methods", default="ar,spec,pearl",
-                    help="of ar, spec, pearl (2 devices), pearl1 (1 device), ppsd (2 devices), ppsd1 (1 device)")
+                    help="of ar, spec, pearl (2 devices), pearl1 (1 device), ppsd (2 devices), ppsd1 (1 device), spec_ee")
     ap.add_argument("--n-prompts", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--gamma", type=int, default=0, help="0: measure")
@@ -57,12 +60,12 @@ def _args(argv):
 def main(argv=None):
     args = _args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in ("ar", "spec", "pearl", "pearl1", "ppsd", "ppsd1")]
+    bad = [m for m in methods if m not in ("ar", "spec", "pearl", "pearl1", "ppsd", "ppsd1", "spec_ee")]
     if bad:
-        raise SystemExit(f"unknown methods {bad}; choose from ar, spec, pearl, pearl1, ppsd, ppsd1")
+        raise SystemExit(f"unknown methods {bad}; choose from ar, spec, pearl, pearl1, ppsd, ppsd1, spec_ee")
     if args.drafter is None and {"spec", "pearl", "pearl1"} & set(methods):
         raise SystemExit("--drafter is needed for the spec and pearl rows")
-    if args.exit_head is None and {"ppsd", "ppsd1"} & set(methods):
+    if args.exit_head is None and {"ppsd", "ppsd1", "spec_ee"} & set(methods):
         raise SystemExit("--exit-head is needed for the ppsd rows (an exit-head dir, or `cut`)")
     import jax
 
@@ -84,6 +87,7 @@ def main(argv=None):
     from jspec.checkpoint.draft_format import exit_layer_of, load_draft_model
     from jspec.heads import exit_head as EH
     from jspec.speculative.engines.ppsd import ppsd_generate
+    from jspec.speculative.drafters.early_exit import EarlyExitDrafter
 
     t_start = time.perf_counter()
     deadline = t_start + args.time_budget_s
@@ -148,7 +152,7 @@ def main(argv=None):
         gamma, gamma_info = measure_gamma(tparams, tcfg, dparams, dcfg, batch=1, cache_len=plan_cache_len(W, args.max_new_tokens, 64),
                                           devices=devices[:2] if two else devices[:1])
     print(f"gamma {gamma} {gamma_info}", flush=True)
-    extra = 2 * gamma + 2
+    extra = max(2 * gamma + 2, args.ee_k + 1)
 
     def run(method, tparams, dparams, p, max_new):
         """(tokens list, target calls, drafted, accepted, rolled back, seconds)."""
@@ -166,6 +170,11 @@ def main(argv=None):
             r = speculative_generate(tparams, tcfg, tokens, lens, key, drafter=drafter, drafter_params=dparams,
                                      policy="static", policy_params=None, k_max=gamma, max_new=max_new,
                                      cache_len=cache_len, sampling=GREEDY, verify="lossless", unroll=1)
+        elif method == "spec_ee":
+            ecfg, eparams = exits[jnp.dtype(tparams["embed"].dtype).name]
+            r = speculative_generate(tparams, tcfg, tokens, lens, key, drafter=EarlyExitDrafter(exit_layer, head=ecfg),
+                                     drafter_params=eparams, policy="static", policy_params=None, k_max=args.ee_k,
+                                     max_new=max_new, cache_len=cache_len, sampling=GREEDY, verify="lossless", unroll=1)
         elif method.startswith("ppsd"):
             ecfg, eparams = exits[jnp.dtype(tparams["embed"].dtype).name]
             if method == "ppsd":
@@ -236,12 +245,14 @@ def main(argv=None):
                 "time_s": a["time_s"], "tok_per_s": a["tokens"] / max(a["time_s"], 1e-9),
                 "speedup_vs_ar": (base["ar"] / spt) if "ar" in base and a["tokens"] else None,
                 # PPSD's own drafter is the exit head, not the draft model of the spec row
-                "speedup_vs_spec": (base["spec"] / spt) if "spec" in base and a["tokens"] and not m.startswith("ppsd") else None,
+                "speedup_vs_spec": ((base["spec_ee"] / spt) if "spec_ee" in base and a["tokens"] else None)
+                if m.startswith("ppsd") else ((base["spec"] / spt) if "spec" in base and a["tokens"] else None),
                 "mean_accepted_tokens": a["tokens"] / max(a["calls"], 1),
                 "acceptance": a["accepted"] / max(a["drafted"], 1) if m != "ar" else None,
                 "rollback_rate": a["rolled"] / max(a["drafted"], 1) if m.startswith(("pearl", "ppsd")) else None,
-                "gamma": gamma if m in ("spec", "pearl", "pearl1") else None, "k_max": gamma if m == "spec" else None,
-                "exit_layer": exit_layer if m.startswith("ppsd") else None,
+                "gamma": gamma if m in ("spec", "pearl", "pearl1") else None,
+                "k_max": gamma if m == "spec" else (args.ee_k if m == "spec_ee" else None),
+                "exit_layer": exit_layer if m.startswith("ppsd") or m == "spec_ee" else None,
                 "greedy_identity": a["same"] / max(a["prompts"], 1) if "ar" in methods else None,
                 "max_new_tokens": max_new, "batch": 1, "error": a["error"],
             })
