@@ -147,7 +147,7 @@ def train_from_args(args: argparse.Namespace):
     first_host = jax.process_index() == 0
     progress = not args.no_progress
     v2_data = _is_v2(data_dir)  # distilled by `jspec distill`: no tokenizer needed here
-    cfg, params, tokenizer = resolve_model(args.target, tokenizer=not v2_data)
+    cfg, params, tokenizer = resolve_model(args.target, tokenizer=False) if v2_data else resolve_model(args.target)
     if not v2_data and not _uses_chat(args.target, tokenizer):
         recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, chat_template=False))
     os.makedirs(out, exist_ok=True)
