@@ -1,0 +1,343 @@
+"""Lossless speculative sampling, checked token by token against the target's exact law.
+
+The bugs this file exists to catch leave the first draft position alone: the bonus token drawn
+from the wrong position, the residual built with the first draft position's q, a rejected tree
+sibling left in p at depth >= 2. So every emitted position is checked, with drafters that are
+accepted often enough to reach every draft position and the bonus token.
+
+Method. One jitted `generate` call samples N continuations of 7 tokens of one prompt (a batch of N
+identical prompts; rows draw independent randomness). For row i and position n, the exact
+conditional law p_in = p(. | prompt, x_i<n) comes from teacher forcing: one causal target forward
+over the generated sequences, processed by the same temperature / top-p as the run. If the
+verifier is lossless, x_in ~ p_in given everything emitted before it, so over any stratum chosen
+from information known before token n, the token counts O = sum onehot(x_in) have mean
+E = sum p_in and covariance C = sum (diag p_in - p_in p_in^T): the terms are martingale
+differences, uncorrelated across positions and strata. Each stratum's (O-E)^T C^+ (O-E) is
+asymptotically chi-square with rank(C) degrees of freedom and the strata's statistics add (tokens
+expected fewer than 5 times are pooled into one category per stratum; a token with p_in = 0 is an
+outright failure).
+
+Strata: (round offset j, previous token x_i,n-1), pooled over the positions tested (each position
+1..6 is also tested alone). j is how many tokens of the same target call precede token n, read
+from the per-call token counts. Both are known before token n is drawn, and given them token n
+still follows p_in: the round's later drafts are drawn after the accepted ones, from their
+context. Splitting by offset separates the rules that act at each draft position, and by previous
+token the contexts (the tiny target's next-token law depends mostly on the last token), so a
+wrong distribution cannot hide in an average over contexts. With a draft length or tree depth of
+at most K, j = K means that K drafts were accepted: the token is a bonus token, so the stratum
+j = K tests bonus tokens alone.
+
+Drafters differ from the target and are accepted at every position: a noised copy of the target
+as a draft model (chain, static K = 3, top-p sampling), and a perturbed EAGLE-1 head built from
+the target's own layer (chain with the max-confidence draft length, K <= 3; EAGLE-2 tree of depth
+3 with the top-k children rule).
+
+Mutation check: the verifier is monkeypatched with mutants made from its own source, one line
+changed each (`MUTANTS`). The patched verifier serves each group of N rows with a different
+variant inside the same jitted call, and group 0 with the shipped verifier untouched, so one
+compile per engine covers the shipped verifier and its mutants. Tests assert that the shipped
+rows pass everywhere and that every mutant's rows are rejected, overall and in the stratum its
+bug lives in. Seeds are fixed, so the outcome is deterministic; the thresholds leave wide margins
+(shipped p-values are far above PASS, mutant p-values are far below REJECT).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jspec import model as M
+from jspec.config import ModelConfig
+from jspec.generate import generate
+from jspec.heads import eagle as H
+from jspec.sampling import Sampling, probs
+from jspec.speculative.drafters.eagle import EagleDrafter
+from jspec.speculative.drafters.model import ModelDrafter
+from jspec.speculative.engines import chain as chain_engine
+from jspec.speculative.engines import tree as tree_engine
+from jspec.speculative.engines.tree import TreeConfig
+from jspec.speculative.verify import chain as chain_verify
+from jspec.speculative.verify import tree as tree_verify
+
+CFG = ModelConfig(
+    arch="llama", vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=1,
+    num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64,
+)
+PROMPT = [5, 9, 2, 7, 11, 3, 14, 6, 19, 10, 4, 12]
+MAX_NEW = 7  # position 0 comes from the prefill, 1..6 from speculative rounds
+K = 3  # chain draft length and tree depth
+TREE = TreeConfig(top_k=3, depth=K, num_nodes=10)
+N = 2000  # rows per verifier variant
+CACHE_LEN = 32
+PASS = 1e-4  # the shipped verifier's p-values must exceed this
+REJECT = 1e-8  # every mutant's p-value must fall below this
+MIN_EXPECTED = 5.0
+# Relative weight noise of both drafters: q is far enough from p that rejections at later draft
+# positions are common (so is a wrong residual's effect), and drafts are still accepted often.
+NOISE = 0.3
+
+
+# ---------------------------------------------------------------------------------------------
+# Target and drafters
+# ---------------------------------------------------------------------------------------------
+
+
+def eagle_copy_head(tparams):
+    """An EAGLE-1 head that is the target's own layer: fc passes the token embedding through and
+    ignores the feature. The head then computes the target's pre-norm residual stream over the
+    same tokens (it misses only the first prompt token), so it drafts well without training."""
+    D = CFG.hidden_size
+    layer = tparams["layers"]
+    hp = {
+        "fc": jnp.concatenate([jnp.eye(D), jnp.zeros((D, D))], 0),
+        "fc_bias": jnp.zeros((D,)),
+        "layer": {k: layer[k][0] for k in ("wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")},
+    }
+    return H.default_head_config("eagle1", CFG), hp
+
+
+def make_target():
+    """A 1-layer target with unit-RMS embeddings (its input norm is then the identity, as in the
+    head) and weak layers (so the next token depends mostly, not only, on the last one). Its
+    final norm weight is the head's typical residual RMS r and its LM head is divided by r: p is
+    unchanged, and the head's un-normed output meets the LM head at the right scale."""
+    p = M.init_params(CFG, jax.random.PRNGKey(0), scale=0.15)
+    p["embed"] = p["embed"] / jnp.sqrt(jnp.mean(p["embed"] ** 2, -1, keepdims=True))
+    p["lm_head"] = 0.5 * jax.random.normal(jax.random.PRNGKey(1), p["lm_head"].shape)
+    hc, hp = eagle_copy_head(p)
+    seq = jnp.asarray([PROMPT])
+    out = M.forward(p, CFG, seq, M.init_cache(CFG, 1, CACHE_LEN))
+    h, _, _ = H.head_forward(hc, hp, p, seq[:, 1:], out.hidden[:, :-1], H.init_head_cache(hc, 1, CACHE_LEN))
+    r = jnp.sqrt(jnp.mean(h**2))
+    p["final_norm"] = p["final_norm"] * r
+    p["lm_head"] = p["lm_head"] / r
+    return p
+
+
+def noised(tree, key, rel):
+    """Every matrix plus Gaussian noise of `rel` times its own standard deviation."""
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(key, len(leaves))
+    noisy = [x + rel * jnp.std(x) * jax.random.normal(k, x.shape) if x.ndim > 1 else x for x, k in zip(leaves, keys)]
+    return jax.tree.unflatten(treedef, noisy)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+# ---------------------------------------------------------------------------------------------
+# Mutants of the verifiers, and a verifier that serves each group of rows with one variant
+# ---------------------------------------------------------------------------------------------
+
+
+def mutant(fn, old: str, new: str):
+    """`fn` recompiled from its own source with the line fragment `old` replaced by `new`."""
+    src = textwrap.dedent(inspect.getsource(fn))
+    assert src.count(old) == 1, f"mutation site not found in {fn.__name__} (update MUTANTS): {old!r}"
+    namespace = dict(fn.__globals__)
+    exec(compile(src.replace(old, new), f"<mutant of {fn.__name__}>", "exec"), namespace)
+    return namespace[fn.__name__]
+
+
+MUTANTS = {
+    "chain": {
+        # (a) the bonus token (n = K) drawn from p at position K-1 instead of K
+        "bonus_position": (
+            "p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]",
+            "p_n = jnp.take_along_axis(p, jnp.minimum(n, K - 1)[:, None, None], axis=1)[:, 0]",
+        ),
+        # (b) the residual max(0, p_n - q) always built with the first draft position's q
+        "residual_first_q": (
+            "q_n = jnp.take_along_axis(draft_probs, jnp.minimum(n, K - 1)[:, None, None], axis=1)[:, 0]",
+            "q_n = draft_probs[:, 0]",
+        ),
+    },
+    "tree": {
+        # (a) a depth-K leaf's bonus token drawn from its parent's distribution
+        "bonus_position": (
+            "p = jnp.where(moved[:, None], take_row(probs, node), p)",
+            "p = jnp.where(moved[:, None], take_row(probs, take_row(tree.parent, node) if d == max_depth - 1 else node), p)",
+        ),
+        # (c) a rejected child removed from p at the root only, not at depth >= 2
+        "sibling_kept": (
+            "p = jnp.where((has & ~take)[:, None],",
+            "p = jnp.where((has & ~take & (d == 0))[:, None],",
+        ),
+    },
+}
+# The stratum offsets where each bug acts (the mutant must be rejected there too).
+BUG_OFFSETS = {"bonus_position": (K,), "residual_first_q": (1, 2), "sibling_kept": (1, 2)}
+
+
+def by_row_group(variants, rows_per_group: int):
+    """A verifier that runs every variant and returns variant g's result for rows
+    [g * rows_per_group, (g + 1) * rows_per_group)."""
+
+    def verify(*args, **kwargs):
+        outs = [v(*args, **kwargs) for v in variants]
+        group = jnp.arange(outs[0][0].shape[0]) // rows_per_group
+
+        def pick(*xs):
+            y = xs[0]
+            for g, x in enumerate(xs[1:], start=1):
+                y = jnp.where((group == g).reshape((-1,) + (1,) * (x.ndim - 1)), x, y)
+            return y
+
+        return jax.tree.map(pick, *outs)
+
+    return verify
+
+
+# ---------------------------------------------------------------------------------------------
+# The statistic
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames="sampling")
+def teacher_forced_probs(tparams, seqs, sampling):
+    """[N, MAX_NEW, V]: p(. | prompt, x_<n) for every generated position n (seqs = prompt + x)."""
+    B, T = seqs.shape
+    out = M.forward(tparams, CFG, seqs, M.init_cache(CFG, B, T))
+    return probs(M.lm_head(tparams, CFG, out.hidden[:, len(PROMPT) - 1 : -1]), sampling)
+
+
+def round_offsets(step_tokens: np.ndarray, length: int) -> np.ndarray:
+    """[rows, length]: how many tokens of the same target call precede each emitted position."""
+    first = np.cumsum(step_tokens, 1) - step_tokens  # position of each call's first token
+    rows, calls = np.nonzero((step_tokens > 0) & (first < length))
+    starts = np.zeros((step_tokens.shape[0], length), bool)
+    starts[rows, first[rows, calls]] = True
+    pos = np.arange(length)
+    return pos - np.maximum.accumulate(np.where(starts, pos, 0), axis=1)
+
+
+def chi2_pvalue(tokens, p, strata) -> tuple[float, int]:
+    """(p-value, degrees of freedom) of the pooled test that tokens [S] ~ p [S, V], by strata [S]."""
+    if (p[np.arange(len(tokens)), tokens] == 0).any():
+        return 0.0, 0  # a token the target cannot emit
+    stat, df = 0.0, 0
+    for s in np.unique(strata):
+        x, ps = tokens[strata == s], p[strata == s]
+        expected = ps.sum(0)
+        order = np.argsort(-expected)
+        n_big = max(int((expected >= MIN_EXPECTED).sum()), 1)
+        # categories: each well-populated token; the rest pooled into the smallest of them
+        cat = np.empty(p.shape[1], int)
+        cat[order[:n_big]] = np.arange(n_big)
+        cat[order[n_big:]] = n_big - 1
+        if n_big < 2:
+            continue
+        P = np.zeros((len(x), n_big))
+        np.add.at(P.T, cat, ps.T)
+        dev = (np.bincount(cat[x], minlength=n_big) - P.sum(0))[1:]  # drop the largest category
+        cov = (np.diag(P.sum(0)) - P.T @ P)[1:, 1:]
+        w, u = np.linalg.eigh(cov)
+        keep = w > 1e-9 * w.max()
+        stat += float((((u.T @ dev)[keep]) ** 2 / w[keep]).sum())
+        df += int(keep.sum())
+    return float(stats.chi2.sf(stat, df)) if df else 1.0, df
+
+
+def group_pvalue(group, positions=None, offsets=None) -> tuple[float, int]:
+    """The pooled test over the chosen positions and round offsets; strata (offset, previous token)."""
+    tokens, p, j = group["tokens"], group["probs"], group["offsets"]
+    n = np.broadcast_to(np.arange(MAX_NEW), tokens.shape)
+    prev = np.concatenate([np.full((len(tokens), 1), PROMPT[-1]), tokens[:, :-1]], 1)
+    sel = np.ones(tokens.shape, bool)
+    if positions is not None:
+        sel &= np.isin(n, positions)
+    if offsets is not None:
+        sel &= np.isin(j, offsets)
+    return chi2_pvalue(tokens[sel], p[sel], (j * CFG.vocab_size + prev)[sel])
+
+
+# ---------------------------------------------------------------------------------------------
+# One jitted sampling run per engine: the shipped verifier and its mutants side by side
+# ---------------------------------------------------------------------------------------------
+
+
+def _model_drafter(tparams):
+    return dict(drafter=ModelDrafter(CFG), drafter_params=noised(tparams, jax.random.PRNGKey(2), NOISE), k_max=K)
+
+
+def _eagle_drafter(tparams, **kw):
+    hc, hp = eagle_copy_head(tparams)
+    return dict(drafter=EagleDrafter(hc), drafter_params=noised(hp, jax.random.PRNGKey(3), NOISE), **kw)
+
+
+RUNS = {  # static K for the model drafter and the tree, a dynamic draft length for the EAGLE chain
+    "chain-model": ("chain", _model_drafter, Sampling(temperature=0.9, top_p=0.95)),
+    "chain-eagle": ("chain", functools.partial(_eagle_drafter, k_max=K, policy="confidence"), Sampling(temperature=1.0)),
+    "tree-eagle": ("tree", functools.partial(_eagle_drafter, tree=TREE), Sampling(temperature=1.0)),
+}
+ENGINES = {  # where each engine looks its sampling verifier up, and that verifier
+    "chain": (chain_engine, "verify_sampling", chain_verify.verify_sampling, chain_engine.speculative_generate_jit),
+    "tree": (tree_engine, "verify_tree_sampling", tree_verify.verify_tree_sampling, tree_engine.tree_generate_jit),
+}
+
+
+@pytest.fixture(scope="module", params=list(RUNS))
+def run(request, target):
+    """{variant name: {"tokens", "probs", "offsets"}} for one engine/drafter, from one jitted call."""
+    engine, drafter, sampling = RUNS[request.param]
+    module, name, shipped, jitted = ENGINES[engine]
+    names = ["shipped"] + list(MUTANTS[engine])
+    variants = [shipped] + [mutant(shipped, *MUTANTS[engine][m]) for m in names[1:]]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, name, by_row_group(variants, N))
+        jitted.clear_cache()  # trace the patched verifier, and leave no patched program behind
+        try:
+            res = generate(target, CFG, [PROMPT] * (N * len(variants)), max_new_tokens=MAX_NEW, sampling=sampling,
+                           seed=4, cache_len=CACHE_LEN, **drafter(target))
+        finally:
+            jitted.clear_cache()
+    assert (res.lengths == MAX_NEW).all()  # the target has no EOS
+    seqs = np.concatenate([np.tile(PROMPT, (len(res.tokens), 1)), res.tokens], 1)
+    p = np.asarray(teacher_forced_probs(target, jnp.asarray(seqs, jnp.int32), sampling))
+    offsets = round_offsets(res.step_tokens, MAX_NEW)
+    rows = lambda g: slice(g * N, (g + 1) * N)  # noqa: E731
+    return request.param, {
+        m: {"tokens": res.tokens[rows(g)], "probs": p[rows(g)], "offsets": offsets[rows(g)]}
+        for g, m in enumerate(names)
+    }
+
+
+def test_every_position_follows_the_target_law(run):
+    name, groups = run
+    shipped = groups["shipped"]
+    # Real acceptance: every draft position, and the bonus token, is reached often.
+    reached = np.bincount(shipped["offsets"].ravel(), minlength=K + 1) / N
+    assert (reached[1:] > 0.2).all(), (name, reached)
+    for n in range(MAX_NEW):
+        pval, df = group_pvalue(shipped, positions=[n])
+        assert pval > PASS, f"{name}: position {n} departs from the target's law (p = {pval:.2e}, df {df})"
+    pval, df = group_pvalue(shipped)
+    assert pval > PASS, f"{name}: all positions (p = {pval:.2e}, df {df})"
+
+
+def test_bonus_tokens_alone_follow_the_target_law(run):
+    name, groups = run
+    shipped = groups["shipped"]
+    assert (shipped["offsets"] == K).sum() > 0.2 * N
+    pval, df = group_pvalue(shipped, offsets=[K])
+    assert pval > PASS, f"{name}: bonus tokens depart from the target's law (p = {pval:.2e}, df {df})"
+
+
+def test_every_mutant_is_rejected(run):
+    name, groups = run
+    for m, group in groups.items():
+        if m == "shipped":
+            continue
+        pval, _ = group_pvalue(group)
+        assert pval < REJECT, f"{name}: mutant {m} passes the all-positions test (p = {pval:.2e})"
+        pval, _ = group_pvalue(group, offsets=BUG_OFFSETS[m])
+        assert pval < REJECT, f"{name}: mutant {m} passes at offsets {BUG_OFFSETS[m]} (p = {pval:.2e})"
