@@ -119,36 +119,60 @@ _GENERAL_TOPICS = (
     "philosophy", "geography", "music", "literature", "health", "nutrition", "climate",
     "technology", "business", "education", "travel", "sports", "art",
 )
+# (category, topics, instruction, primes): the job's prompt is the instruction in the chat template
+# followed by one of the primes as the start of the assistant's answer. A 135M target asked to
+# "write a task" mostly answers one instead; starting its reply with "Task:" or "Problem:" makes it
+# write the prompt itself, and the label is stripped afterwards.
 _SEED_TEMPLATES = (
     ("code", _CODE_TOPICS, "Write a short programming task that asks for a Python function about {t}. "
-     "Reply with the task only."),
+     "Reply with the task only.", ("Task: Write a Python function that", "Task: Write a Python function called",
+                                    "Task:", "Task: Implement")),
     ("code", _CODE_TOPICS, "Write a question a beginner programmer might ask about {t} in Python. "
-     "Reply with the question only."),
-    ("math", _MATH_TOPICS, "Write a math word problem about {t}. Reply with the problem only."),
+     "Reply with the question only.", ("Question: How do I", "Question:", "Question: Why")),
+    ("math", _MATH_TOPICS, "Write a math word problem about {t}. Reply with the problem only.", ("Problem:",)),
     ("math", _MATH_TOPICS, "Write a short math question about {t} that needs a step-by-step answer. "
-     "Reply with the question only."),
-    ("reasoning", _GENERAL_TOPICS, "Write a logic or reasoning puzzle about {t}. Reply with the puzzle only."),
+     "Reply with the question only.", ("Question:", "Question: What is", "Question: How many")),
+    ("reasoning", _GENERAL_TOPICS, "Write a logic or reasoning puzzle about {t}. Reply with the puzzle only.",
+     ("Puzzle:",)),
     ("writing", _GENERAL_TOPICS, "Write a request asking an AI assistant to write a short essay, email or "
-     "story about {t}. Reply with the request only."),
+     "story about {t}. Reply with the request only.", ("Request: Write", "Request: Please write")),
     ("extraction", _GENERAL_TOPICS, "Write a request that gives a short paragraph about {t} and asks an AI "
-     "assistant to extract or summarize information from it. Reply with the request only."),
+     "assistant to extract or summarize information from it. Reply with the request only.", ("Request:",)),
     ("knowledge", _GENERAL_TOPICS, "Write a question about {t} that asks for a detailed explanation. "
-     "Reply with the question only."),
+     "Reply with the question only.", ("Question:", "Question: Why", "Question: How does")),
 )
+_LABELS = ("User:", "user:", "Question:", "Task:", "Problem:", "Prompt:", "Request:", "Puzzle:")
+_STOP_LINES = ("```", "Answer", "Solution", "Response", "Step 1", "Explanation", "Output", "Example")
+_NOT_A_PROMPT = ("Here is", "Here's", "Sure", "Certainly", "I ", "As an AI", "def ", "import ", "class ")
 
 
-def self_instruct_seeds() -> list[tuple[str, str]]:
-    """(category, instruction) pairs asking the target to write one user prompt each."""
-    return [(cat, tmpl.format(t=t)) for cat, topics, tmpl in _SEED_TEMPLATES for t in topics]
+def self_instruct_seeds() -> list[tuple[str, str, str]]:
+    """(category, instruction, prime) triples asking the target to write one user prompt each; the
+    primes of a template take turns, so seeds[k] for k in range(n) cycles topics first."""
+    out = []
+    for cat, topics, tmpl, primes in _SEED_TEMPLATES:
+        for i, t in enumerate(topics):
+            out.append((cat, tmpl.format(t=t), primes[i % len(primes)]))
+    return out
 
 
 def clean_written_prompt(text: str) -> str:
-    """The first paragraph of what the target wrote, without labels or wrapping quotes."""
-    para = text.strip().split("\n\n")[0].strip()
-    for label in ("User:", "user:", "Question:", "Task:", "Problem:", "Prompt:", "Request:", "Puzzle:"):
+    """The prompt the target wrote: its first paragraph, cut before an answer, a solution or code,
+    without the label; "" when it is an answer rather than a prompt."""
+    lines = []
+    for line in text.strip().splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith(_STOP_LINES):
+            if lines:
+                break
+            continue
+        lines.append(stripped)
+    para = " ".join(lines)
+    for label in _LABELS:
         if para.startswith(label):
             para = para[len(label):].strip()
-    return para.strip('"').strip()
+    para = para.strip('"').strip()
+    return "" if para.startswith(_NOT_A_PROMPT) else para
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,9 +489,13 @@ def write_self_prompts(engine_factory, tokenizer, corpus: C.Corpus, dc: DistillC
     if not seeds or dc.self_prompts <= 0:
         return []
     enc = C.PromptEncoder(tokenizer, chat)
-    seed_ids = enc.standalone([s for _, s in seeds])
-    jobs = [Job(item=2 * SELF_ITEM_BASE + k, prompt=seed_ids[k % len(seeds)], temp=dc.self_prompt_temperature,
-                limit=dc.self_prompt_max_new, payload=seeds[k % len(seeds)][0]) for k in range(dc.self_prompts)]
+    seed_ids = enc.standalone([instruction for _, instruction, _ in seeds])
+    prime_ids = {p: [int(t) for t in tokenizer(p, add_special_tokens=False)["input_ids"]] for _, _, p in seeds}
+    jobs = []
+    for k in range(dc.self_prompts):
+        cat, _, prime = seeds[k % len(seeds)]
+        jobs.append(Job(item=2 * SELF_ITEM_BASE + k, prompt=seed_ids[k % len(seeds)] + prime_ids[prime],
+                        temp=dc.self_prompt_temperature, limit=dc.self_prompt_max_new, payload=(cat, prime)))
     written: list[tuple[str, list[int]]] = []
     engine = engine_factory(dc.max_prompt_tokens, dc.max_new_tokens)
     stats = engine.run(jobs, lambda job, resp: written.append((job.payload, resp)),
@@ -475,15 +503,20 @@ def write_self_prompts(engine_factory, tokenizer, corpus: C.Corpus, dc: DistillC
     log(f"self-instruct: {stats.line(engine.n_dev)}")
     eval_hashes = set(int(h) for h in corpus.meta.get("eval_normalized_hashes", []))
     seen: set[str] = set()
-    out, counts = [], {"written": len(written), "empty": 0, "short": 0, "eval": 0, "duplicate": 0, "too_long": 0}
+    out, counts = [], {"written": len(written), "cut": 0, "not_a_prompt": 0, "short": 0, "eval": 0, "duplicate": 0, "too_long": 0}
     texts = []
-    for cat, resp in written:
-        eos = set(corpus.meta["target"]["eos_token_ids"])
-        text = clean_written_prompt(tokenizer.decode([t for t in resp if t not in eos], skip_special_tokens=True))
+    eos = set(corpus.meta["target"]["eos_token_ids"])
+    for (cat, prime), resp in written:
+        answer = tokenizer.decode([t for t in resp if t not in eos], skip_special_tokens=True)
+        whole = prime + ("" if answer[:1].isspace() else " ") + answer
+        text = clean_written_prompt(whole)
         words = len(text.split())
         norm = C.normalize(text)
-        if not text:
-            counts["empty"] += 1
+        ended = (resp and resp[-1] in eos) or len(text) < len(" ".join(whole.split())) - 1
+        if not ended:  # cut at the length limit in the middle of the prompt
+            counts["cut"] += 1
+        elif not text:
+            counts["not_a_prompt"] += 1
         elif words < 4:
             counts["short"] += 1
         elif C.text_hash(norm) in eval_hashes:
