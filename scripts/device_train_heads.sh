@@ -2,8 +2,9 @@
 # Head training on a lent GPU machine in consecutive calls of at most 10 minutes each: every phase
 # is resumable and time-budgeted, and the machine's disk keeps $RUN between back-to-back calls.
 #
-#   bash scripts/device_train_heads.sh stage [FOLDER]     stage a GGUF part / wheels (device_stage.sh),
-#                                                         copy the carried corpus, check packages
+#   bash scripts/device_train_heads.sh stage [FOLDER [NPARTS]]  stage a GGUF part / wheels (device_stage.sh,
+#                                                         NPARTS parts in all, default 2), copy the carried
+#                                                         corpus, check packages once the GGUF is complete
 #   bash scripts/device_train_heads.sh distill [BUDGET_S] the target answers the corpus (jspec distill)
 #   bash scripts/device_train_heads.sh train KIND [BUDGET_S]   KIND = eagle3 | eagle1 (jspec train-head);
 #                                                         exports to $OUT when the run is complete
@@ -75,7 +76,7 @@ EOF
 
 case $phase in
   stage)
-    if [ $# -ge 1 ]; then bash scripts/device_stage.sh "$1"; fi
+    if [ $# -ge 1 ]; then bash scripts/device_stage.sh "$1" "${2:-2}"; fi
     if [ -f .stage/corpus/prompts.npz ]; then
       mkdir -p "$RUN/corpus" && cp .stage/corpus/prompts.npz "$RUN/corpus/" && echo "corpus staged in $RUN/corpus"
     fi
