@@ -15,8 +15,9 @@ answer lengths vary from 10 to 512 tokens.
 
 Work, in order, each part resumable:
     1. eval references: greedy answers to the evaluation prompts stored in the corpus (MT-Bench,
-       HumanEval, chitchat hold-out), written to eval-*.npz shards, never trained on (they give the
-       draft vocabulary's coverage of the target's greedy tokens and LDLP's test set)
+       HumanEval, chitchat hold-out; prompts up to max_cont_prompt_tokens), written to eval-*.npz
+       shards, never trained on (they give the draft vocabulary's coverage of the target's greedy
+       tokens and LDLP's test set)
     2. self-instruct: the target writes prompts itself from `self_instruct_seeds` (code, math,
        reasoning, writing, ...) sampled at T=1; cleaned, deduplicated, checked against the
        evaluation hashes, saved to selfprompts.json (a resumed run reuses them)
@@ -601,15 +602,17 @@ def distill(params, cfg: ModelConfig, tokenizer, corpus: C.Corpus, out_dir: str,
         log(f"{name}: {stats.line(n_dev)}")
 
     main_engine = engine_for(dc.max_prompt_tokens, dc.max_new_tokens)
+    cont_engine = engine_for(dc.max_cont_prompt_tokens, dc.max_new_tokens)
 
-    # 1. evaluation references (greedy, never trained on)
+    # 1. evaluation references (greedy, never trained on), with the continuations' longer cache:
+    #    a few MT-Bench and HumanEval prompts are longer than the corpus cap
     if dc.eval_refs:
         done_eval = writer.done_items("eval_shards")
         jobs = []
         for k, (task, ids) in enumerate(corpus.eval_prompts()):
-            if k not in done_eval and len(ids) <= dc.max_prompt_tokens:
+            if k not in done_eval and len(ids) <= dc.max_cont_prompt_tokens:
                 jobs.append(Job(k, ids, 0.0, dc.max_new_tokens, DATA_SOURCES.index(f"eval_{task}")))
-        run_wave("eval-refs", jobs, main_engine, deadline - 30.0, split="eval")
+        run_wave("eval-refs", jobs, cont_engine, deadline - 30.0, split="eval")
 
     # 2. self-written prompts
     self_path = os.path.join(out_dir, "selfprompts.json")
@@ -650,7 +653,6 @@ def distill(params, cfg: ModelConfig, tokenizer, corpus: C.Corpus, out_dir: str,
     run_wave("wave-0", jobs, main_engine, wave0_end)
 
     # 4. continuations, depth by depth, while parents are answered
-    cont_engine = engine_for(dc.max_cont_prompt_tokens, dc.max_new_tokens)
     skipped = {"parent_unanswered": 0, "parent_cut": 0, "too_long": 0}
     for depth in range(1, int(corpus.depth.max(initial=0)) + 1):
         if not has_conts or time.perf_counter() > deadline - 60.0:
