@@ -41,6 +41,7 @@ from .speculative.drafters.model import ModelDrafter
 from .speculative.engines.chain import check_compatible, speculative_generate, speculative_generate_jit
 from .speculative.engines.pearl import DATA_AXIS as ROLE_MESH_DATA, measure_gamma, parse_role_mesh, pearl_generate
 from .speculative.engines.ppsd import ppsd_generate
+from .speculative.engines.specbranch import SpecBranchConfig, specbranch_generate
 from .speculative.engines.tree import TreeConfig, autotuned_tree, tree_generate, tree_generate_jit
 from .speculative.factory import build_drafter
 from .speculative.policies import resolve_policy
@@ -67,7 +68,7 @@ def generate(
     cache_len: int | None = None,
     unroll: int | bool = 1,
     mesh: Mesh | str | None = None,
-    engine: str | None = None,
+    engine: "str | SpecBranchConfig | None" = None,
     gamma: int | None = None,
 ) -> GenerationResult:
     """Generate up to max_new_tokens per prompt (token-id lists), batched.
@@ -87,9 +88,10 @@ def generate(
     `engine`: None (the engines above), "pearl" (a draft model, `drafter="model:PATH"`, drafts γ
     tokens while the target verifies; `gamma` None measures round(t_target / t_draft) once per
     process) or "ppsd" (the two-stage early-exit pipeline; `drafter="early-exit:PATH"` of a trained
-    exit head). Their `mesh` is None (one device) or "role=2" / "data=N,role=2" (device pairs);
-    policies, trees and other verify rules do not apply to them. Their results are
-    ParallelResults (rollback_rate, devices, gamma).
+    exit head) or "specbranch" / a SpecBranchConfig (PEARL plus branches and hybrid lengths, a
+    draft model; `policy_params` are the H-RAD weights its cut="hrad" reads). Their `mesh` is None
+    (one device) or "role=2" / "data=N,role=2" (device pairs); policies, trees and other verify
+    rules do not apply to them. Their results are ParallelResults (rollback_rate, devices, gamma).
     """
     sampling = sampling or GREEDY
     if engine is not None:
@@ -97,7 +99,7 @@ def generate(
             raise ValueError(f"engine={engine!r} has its own schedule: policy, policy_state, tree and verify do not apply")
         return _generate_parallel(engine, params, cfg, prompts, drafter=drafter, drafter_params=drafter_params,
                                   gamma=gamma, max_new=max_new_tokens, sampling=sampling, seed=seed,
-                                  cache_len=cache_len, mesh=mesh)
+                                  cache_len=cache_len, mesh=mesh, hrad_params=policy_params)
     if gamma is not None:
         raise ValueError("gamma sets PEARL's window: pass engine='pearl' (chains take k_max)")
     mesh = parse_mesh(mesh)
@@ -204,12 +206,17 @@ def _generate_data_parallel(mesh, params, cfg, tokens, lens, key, *, drafter, dr
     })
 
 
-PARALLEL_ENGINES = ("pearl", "ppsd")
+PARALLEL_ENGINES = ("pearl", "ppsd", "specbranch")
 _GAMMAS: dict = {}  # (target cfg, draft cfg, batch, devices, dtype) -> measured γ
 
 
 def _generate_parallel(engine, params, cfg, prompts, *, drafter, drafter_params, gamma, max_new, sampling, seed,
-                       cache_len, mesh):
+                       cache_len, mesh, hrad_params=None):
+    if isinstance(engine, SpecBranchConfig):
+        engine, sb = "specbranch", engine
+    else:
+        sb = SpecBranchConfig(**({"gamma": gamma} if gamma is not None else {}),
+                              **({"cut": "hrad"} if hrad_params is not None else {}))
     if engine not in PARALLEL_ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose from {', '.join(PARALLEL_ENGINES)}")
     mesh = parse_role_mesh(mesh)
@@ -220,7 +227,16 @@ def _generate_parallel(engine, params, cfg, prompts, *, drafter, drafter_params,
     rows = np.arange(-(-B // groups) * groups) % B  # pad the batch to a multiple of the device pairs
     prompts = [prompts[i] for i in rows]
     key = jax.random.PRNGKey(seed)
-    if engine == "pearl":
+    if hrad_params is not None and engine != "specbranch":
+        raise ValueError(f"engine={engine!r} takes no policy_params (H-RAD weights are SpecBranch's)")
+    if engine == "specbranch":
+        if not isinstance(drafter, ModelDrafter):
+            raise ValueError("engine='specbranch' drafts with a draft model: drafter='model:PATH' (or a ModelDrafter and its params)")
+        drafter.check(cfg)
+        tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new, 2 * sb.gamma, cache_len)
+        res = specbranch_generate(params, cfg, drafter_params, drafter.cfg, tokens, lens, key, sb=sb, max_new=max_new,
+                                  cache_len=cache_len, sampling=sampling, hrad_params=hrad_params, mesh=mesh)
+    elif engine == "pearl":
         if not isinstance(drafter, ModelDrafter):
             raise ValueError("engine='pearl' drafts with a draft model: drafter='model:PATH' (or a ModelDrafter and its params)")
         drafter.check(cfg)

@@ -6,6 +6,9 @@
 PPSD (engines/ppsd.py) drafts with the target's first E layers and the exit head of --exit-head (a
 directory from scripts/train_draft_model.py --exit-layer E, or `cut` for the untrained head copied
 from the target's last layer: a plumbing check); E comes from the directory unless --exit-layer.
+`specbranch` (engines/specbranch.py) drafts with the same draft model and window γ as PEARL, plus
+--branches heads a window and the --cut rule (confidence, none, or hrad with --hrad DIR from
+scripts/train_hrad.py); its rows carry rollback_rate and branch_saves.
 `spec_ee` is plain draft-then-verify with that same early-exit drafter (k = --ee-k drafts a round):
 the ppsd rows' `speedup_vs_spec` is against it.
 
@@ -43,9 +46,14 @@ def _args(argv):
     ap.add_argument("--exit-head", default=None, help="exit-head dir or `cut` (ppsd rows)")
     ap.add_argument("--exit-layer", type=int, default=0, help="0: the exit head's own, else L // 2")
     ap.add_argument("--ee-k", type=int, default=4, help="draft length of the spec_ee rows (default 4)")
+    ap.add_argument("--branches", type=int, default=3, help="SpecBranch heads a window (default 3)")
+    ap.add_argument("--cut", default=None, help="SpecBranch cut: none | confidence | hrad (default: hrad with --hrad, else confidence)")
+    ap.add_argument("--threshold", type=float, default=0.3, help="SpecBranch confidence cut (default 0.3)")
+    ap.add_argument("--hrad", default=None, help="H-RAD weights directory (scripts/train_hrad.py OUT/hrad)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--methods", default="ar,spec,pearl",
-                    help="of ar, spec, pearl (2 devices), pearl1 (1 device), ppsd (2 devices), ppsd1 (1 device), spec_ee")
+                    help="of ar, spec, pearl (2 devices), pearl1 (1 device), specbranch, specbranch1, ppsd (2 devices), "
+                         "ppsd1 (1 device), spec_ee")
     ap.add_argument("--n-prompts", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--gamma", type=int, default=0, help="0: measure")
@@ -60,10 +68,14 @@ def _args(argv):
 def main(argv=None):
     args = _args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in ("ar", "spec", "pearl", "pearl1", "ppsd", "ppsd1", "spec_ee")]
+    known = ("ar", "spec", "pearl", "pearl1", "specbranch", "specbranch1", "ppsd", "ppsd1", "spec_ee")
+    bad = [m for m in methods if m not in known]
     if bad:
-        raise SystemExit(f"unknown methods {bad}; choose from ar, spec, pearl, pearl1, ppsd, ppsd1, spec_ee")
-    if args.drafter is None and {"spec", "pearl", "pearl1"} & set(methods):
+        raise SystemExit(f"unknown methods {bad}; choose from {', '.join(known)}")
+    cut = args.cut or ("hrad" if args.hrad else "confidence")
+    if (cut == "hrad") != (args.hrad is not None):
+        raise SystemExit("--cut hrad and --hrad DIR go together")
+    if args.drafter is None and {"spec", "pearl", "pearl1", "specbranch", "specbranch1"} & set(methods):
         raise SystemExit("--drafter is needed for the spec and pearl rows")
     if args.exit_head is None and {"ppsd", "ppsd1", "spec_ee"} & set(methods):
         raise SystemExit("--exit-head is needed for the ppsd rows (an exit-head dir, or `cut`)")
@@ -88,15 +100,17 @@ def main(argv=None):
     from jspec.heads import exit_head as EH
     from jspec.speculative.engines.ppsd import ppsd_generate
     from jspec.speculative.drafters.early_exit import EarlyExitDrafter
+    from jspec.speculative.engines.specbranch import SpecBranchConfig, specbranch_generate
+    from jspec.heads.hrad import load_hrad
 
     t_start = time.perf_counter()
     deadline = t_start + args.time_budget_s
     os.makedirs(args.out, exist_ok=True)
     devices = jax.devices()
     two = len(devices) >= 2
-    if ("pearl" in methods or "ppsd" in methods) and not two:
-        print("one device only: the two-device PEARL / PPSD rows are skipped")
-        methods = [m for m in methods if m not in ("pearl", "ppsd")]
+    if {"pearl", "ppsd", "specbranch"} & set(methods) and not two:
+        print("one device only: the two-device PEARL / SpecBranch / PPSD rows are skipped")
+        methods = [m for m in methods if m not in ("pearl", "ppsd", "specbranch")]
 
     tcfg, tparams32, tok = resolve_model(args.model, dtype="float32", tokenizer=args.prompts_file is None)
     if args.prompts_file:
@@ -153,9 +167,13 @@ def main(argv=None):
                                           devices=devices[:2] if two else devices[:1])
     print(f"gamma {gamma} {gamma_info}", flush=True)
     extra = max(2 * gamma + 2, args.ee_k + 1)
+    sb_cfg = SpecBranchConfig(branches=args.branches, gamma=gamma, cut=cut, threshold=args.threshold)
+    hrads = {}  # dtype name -> H-RAD weights (float32; the engine casts)
+    if args.hrad:
+        hrads = {name: load_hrad(args.hrad, tcfg) for name in ("float32", "bfloat16", "float16")}
 
     def run(method, tparams, dparams, p, max_new):
-        """(tokens list, target calls, drafted, accepted, rolled back, seconds)."""
+        """(tokens list, target calls, drafted, accepted, rolled back, branch saves, seconds)."""
         tokens, lens, cache_len = pack(p, max_new, extra)
         key = jax.random.PRNGKey(0)
         t0 = time.perf_counter()
@@ -165,7 +183,7 @@ def main(argv=None):
                 tparams, tcfg, jnp.asarray(tokens), jnp.asarray(lens), key, max_new=max_new, cache_len=cache_len,
                 sampling=GREEDY))
             toks = np.asarray(out)[0, : int(n_out[0])].tolist()
-            return toks, int(steps[0]), 0, 0, 0, time.perf_counter() - t0
+            return toks, int(steps[0]), 0, 0, 0, 0, time.perf_counter() - t0
         elif method == "spec":
             r = speculative_generate(tparams, tcfg, tokens, lens, key, drafter=drafter, drafter_params=dparams,
                                      policy="static", policy_params=None, k_max=gamma, max_new=max_new,
@@ -175,6 +193,13 @@ def main(argv=None):
             r = speculative_generate(tparams, tcfg, tokens, lens, key, drafter=EarlyExitDrafter(exit_layer, head=ecfg),
                                      drafter_params=eparams, policy="static", policy_params=None, k_max=args.ee_k,
                                      max_new=max_new, cache_len=cache_len, sampling=GREEDY, verify="lossless", unroll=1)
+        elif method.startswith("specbranch"):
+            if method == "specbranch":
+                tparams, dparams = placed[id(tparams)]
+            hp = hrads.get(jnp.dtype(tparams["embed"].dtype).name)
+            r = specbranch_generate(tparams, tcfg, dparams, dcfg, tokens, lens, key, sb=sb_cfg, max_new=max_new,
+                                    cache_len=cache_len, sampling=GREEDY, hrad_params=hp,
+                                    mesh=mesh if method == "specbranch" else None, kernels=kernels_of.get(method))
         elif method.startswith("ppsd"):
             ecfg, eparams = exits[jnp.dtype(tparams["embed"].dtype).name]
             if method == "ppsd":
@@ -190,18 +215,19 @@ def main(argv=None):
                                kernels=kernels_of.get(method))
         dt = time.perf_counter() - t0
         rolled = int(r.rolled_back[0]) if getattr(r, "rolled_back", None) is not None else 0
-        return r.row(0), int(r.target_calls[0]), int(r.drafted[0]), int(r.accepted[0]), rolled, dt
+        saves = int(r.branch_saves[0]) if getattr(r, "branch_saves", None) is not None else 0
+        return r.row(0), int(r.target_calls[0]), int(r.drafted[0]), int(r.accepted[0]), rolled, saves, dt
 
     placed_exit = {}  # the same for the target and the exit head (PPSD)
     placed = {}  # id(target params) -> both models replicated on the PEARL mesh, placed once
     kernels_of: dict[str, str] = {}  # PEARL falls back to the portable kernels if the fused ones fail
 
     def table(dt_name, tparams, dparams, prompt_list, max_new, budget_end):
-        if mesh is not None and "pearl" in methods:
+        if mesh is not None and {"pearl", "specbranch"} & set(methods):
             placed[id(tparams)] = place_on_mesh(mesh, tparams, dparams)
         if mesh is not None and "ppsd" in methods:
             placed_exit[id(tparams)] = place_on_mesh(mesh, tparams, exits[jnp.dtype(tparams["embed"].dtype).name][1])
-        acc = {m: {"tokens": 0, "time_s": 0.0, "calls": 0, "drafted": 0, "accepted": 0, "rolled": 0, "same": 0,
+        acc = {m: {"tokens": 0, "time_s": 0.0, "calls": 0, "drafted": 0, "accepted": 0, "rolled": 0, "saves": 0, "same": 0,
                    "prompts": 0, "error": None} for m in methods}
         outs = {}
         for m in methods:  # warm-up / compile on the first prompt, untimed
@@ -210,7 +236,7 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001 - reported in the row
                 traceback.print_exc()
                 acc[m]["error"] = f"{type(e).__name__}: {e}"[:500]
-                if m.startswith(("pearl", "ppsd")) and kernels_of.get(m) != "xla":
+                if m.startswith(("pearl", "ppsd", "specbranch")) and kernels_of.get(m) != "xla":
                     kernels_of[m] = "xla"
                     try:
                         run(m, tparams, dparams, prompt_list[0], max_new)
@@ -224,7 +250,8 @@ def main(argv=None):
             for m in methods:
                 if acc[m]["error"]:
                     continue
-                toks, calls, drafted, accepted, rolled, dt = run(m, tparams, dparams, p, max_new)
+                toks, calls, drafted, accepted, rolled, saves, dt = run(m, tparams, dparams, p, max_new)
+                acc[m]["saves"] += saves
                 a = acc[m]
                 a["tokens"] += len(toks); a["time_s"] += dt; a["calls"] += calls; a["drafted"] += drafted
                 a["accepted"] += accepted; a["rolled"] += rolled; a["prompts"] += 1
@@ -239,7 +266,7 @@ def main(argv=None):
             spt = base[m]
             rows.append({
                 "method": m.rstrip("1"), "variant": m,
-                "devices": 2 if m in ("pearl", "ppsd") else 1, "dtype": dt_name,
+                "devices": 2 if m in ("pearl", "ppsd", "specbranch") else 1, "dtype": dt_name,
                 "kernels": kernels_of.get(m) or os.environ.get("JSPEC_KERNELS", "default"),
                 "device": str(devices[0].device_kind), "prompts": a["prompts"], "tokens": a["tokens"],
                 "time_s": a["time_s"], "tok_per_s": a["tokens"] / max(a["time_s"], 1e-9),
@@ -249,8 +276,11 @@ def main(argv=None):
                 if m.startswith("ppsd") else ((base["spec"] / spt) if "spec" in base and a["tokens"] else None),
                 "mean_accepted_tokens": a["tokens"] / max(a["calls"], 1),
                 "acceptance": a["accepted"] / max(a["drafted"], 1) if m != "ar" else None,
-                "rollback_rate": a["rolled"] / max(a["drafted"], 1) if m.startswith(("pearl", "ppsd")) else None,
-                "gamma": gamma if m in ("spec", "pearl", "pearl1") else None,
+                "rollback_rate": a["rolled"] / max(a["drafted"], 1) if m.startswith(("pearl", "ppsd", "specbranch")) else None,
+                "gamma": gamma if m in ("spec", "pearl", "pearl1", "specbranch", "specbranch1") else None,
+                "branches": args.branches if m.startswith("specbranch") else None,
+                "cut": cut if m.startswith("specbranch") else None,
+                "branch_saves": a["saves"] if m.startswith("specbranch") else None,
                 "k_max": gamma if m == "spec" else (args.ee_k if m == "spec_ee" else None),
                 "exit_layer": exit_layer if m.startswith("ppsd") or m == "spec_ee" else None,
                 "greedy_identity": a["same"] / max(a["prompts"], 1) if "ar" in methods else None,

@@ -81,9 +81,6 @@ def test_two_and_eight_devices_match_one_device_and_ar(models):
     for f in ("target_calls", "drafted", "accepted", "rolled_back"):
         np.testing.assert_array_equal(getattr(two, f), getattr(one, f))
     assert two.devices == 2
-    s = Sampling(temperature=1.0)
-    np.testing.assert_array_equal(_ppsd(models, prompts, s, ppsd_mesh(jax.devices()[:2])).tokens,
-                                  _ppsd(models, prompts, s).tokens)
     if len(jax.devices()) >= 8:
         mesh = ppsd_mesh()  # data 4 x role 2
         assert mesh.devices.shape == (4, 2)
@@ -93,13 +90,16 @@ def test_two_and_eight_devices_match_one_device_and_ar(models):
 
 
 def test_sampling_is_lossless_chi_square():
-    """Joint law of the first three sampled tokens = the target's, over many independent rows."""
+    """Joint law of the first three sampled tokens = the target's, over many independent rows; on two
+    devices (stage 2 decides and broadcasts), the same tokens as on one."""
     cfg = CFG.replace(vocab_size=6, eos_token_ids=())
     tparams = M.init_params(cfg, jax.random.PRNGKey(4), scale=0.5)
     ecfg, eparams = EH.init_from_target(tparams, cfg, E)
     prompt = [2, 5, 1]
     n, new, s = 3000, 3, Sampling(temperature=1.0)
     r = _ppsd((tparams, ecfg, eparams), [prompt] * n, s, seed=7, cfg=cfg, max_new=new)
+    two = _ppsd((tparams, ecfg, eparams), [prompt] * 32, s, seed=7, cfg=cfg, max_new=new, mesh=ppsd_mesh(jax.devices()[:2]))
+    np.testing.assert_array_equal(two.tokens, r.tokens[:32])  # per-row streams: a sub-batch draws the same
     assert (r.accepted > 0).any() and (r.rolled_back > 0).any()  # both branches ran
     V = cfg.vocab_size
     observed = np.bincount(r.tokens[:, 0] * V * V + r.tokens[:, 1] * V + r.tokens[:, 2], minlength=V ** 3)
@@ -163,8 +163,6 @@ def test_exit_head_training_lowers_kl(tmp_path):
     chain = generate(tparams, tcfg, prompts, max_new_tokens=8, drafter=drafter, drafter_params=hp, k_max=3)
     np.testing.assert_array_equal(chain.tokens, ar.tokens)
     assert chain.drafted.sum() > 0
-    r = generate(tparams, tcfg, prompts, max_new_tokens=8, engine="ppsd", drafter=spec)
-    np.testing.assert_array_equal(r.tokens, ar.tokens)
 
 
 def test_generate_dispatches_parallel_engines(models):

@@ -67,6 +67,7 @@ class ParallelResult(GenerationResult):
     rolled_back: np.ndarray | None = None  # [B] drafted tokens thrown away
     devices: int = 1
     gamma: int = 0
+    branch_saves: np.ndarray | None = None  # SpecBranch: [B] windows kept by a head other than the first
 
     @property
     def rollback_rate(self) -> float:

@@ -187,11 +187,11 @@ def _run(tparams, eparams, tokens, lens, key, row_id, *, tcfg, ecfg, exit_layer,
         if two_device:
             def as_stage1(s):
                 h1, d1, q1, cache, ecache = stage1(s)
-                return (h1, d1, q1, jnp.zeros((B,), bool), zeros), cache, ecache
+                return (h1, d1, q1, zeros, zeros), cache, ecache
 
             def as_stage2(s):
                 accept, corr, cache = stage2(s)
-                return (s.h_mid, zeros, jnp.zeros_like(s.q), accept, corr), cache, s.ecache
+                return (s.h_mid, zeros, jnp.zeros_like(s.q), accept.astype(jnp.int32), corr), cache, s.ecache
 
             mine, cache, ecache = jax.lax.cond(role == STAGE1_ROLE, as_stage1, as_stage2, s)
             # One swap: role 0 sends its stage-1 outputs, role 1 its decision.
@@ -199,6 +199,7 @@ def _run(tparams, eparams, tokens, lens, key, row_id, *, tcfg, ecfg, exit_layer,
             is1 = role == STAGE1_ROLE
             h1, d1, q1 = (jnp.where(is1, a, b) for a, b in zip(mine[:3], other[:3]))
             accept, corr = (jnp.where(is1, b, a) for a, b in zip(mine[3:], other[3:]))
+            accept = accept.astype(bool)
         else:
             h1, d1, q1, cache, ecache = stage1(s)
             accept, corr, cache = stage2(s.replace(cache=cache.replace(lengths=base)))

@@ -1,0 +1,159 @@
+"""SpecBranch (engines/specbranch.py) and H-RAD (heads/hrad.py): greedy identity to AR with ragged
+batches, B = 1 equals PEARL, one vs 2 vs 8 fake CPU devices, and a chi-square test that the
+multi-head recursive rejection keeps sampled output exactly the target's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jspec import model as M
+from jspec.config import ModelConfig
+from jspec.decode import pack_prompts
+from jspec.generate import generate
+from jspec.heads import draft_model as DM
+from jspec.heads import hrad as HR
+from jspec.sampling import GREEDY, Sampling, probs
+from jspec.speculative.engines.pearl import pearl_generate, pearl_mesh
+from jspec.speculative.drafters.model import ModelDrafter
+from jspec.speculative.engines.specbranch import SpecBranchConfig, specbranch_generate
+
+CFG = ModelConfig(
+    arch="llama", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=4,
+    num_heads=4, num_kv_heads=2, head_dim=8, eos_token_ids=(3,), max_position_embeddings=512,
+)
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def models():
+    tparams = M.init_params(CFG, jax.random.PRNGKey(0), scale=0.35)
+    dcfg, dparams = DM.init_from_target(tparams, CFG, (0, 3))
+    return tparams, dcfg, dparams
+
+
+def _prompts(batch=4, seed=0):
+    rs = np.random.RandomState(seed)
+    return [list(rs.randint(4, CFG.vocab_size, n)) for n in rs.randint(2, 14, batch)]  # ragged
+
+
+def _sb(models, prompts, sb, sampling=GREEDY, mesh=None, seed=0, hp=None):
+    tparams, dcfg, dparams = models
+    tokens, lens, cache_len = pack_prompts(CFG, prompts, MAX_NEW, 2 * sb.gamma)
+    return specbranch_generate(tparams, CFG, dparams, dcfg, tokens, lens, jax.random.PRNGKey(seed), sb=sb,
+                               max_new=MAX_NEW, cache_len=cache_len, sampling=sampling, mesh=mesh, hrad_params=hp)
+
+
+def test_greedy_identical_to_ar_and_branches_save_windows(models):
+    prompts = _prompts()
+    ar = generate(models[0], CFG, prompts, max_new_tokens=MAX_NEW)
+    r = _sb(models, prompts, SpecBranchConfig(branches=3, gamma=3, cut="confidence", threshold=0.3))
+    np.testing.assert_array_equal(r.tokens, ar.tokens)
+    np.testing.assert_array_equal(r.lengths, ar.lengths)
+    assert r.branch_saves.sum() > 0  # some windows survived on a second or third head
+    assert 0.0 <= r.rollback_rate <= 1.0
+
+
+def test_one_branch_is_pearl(models):
+    prompts = _prompts(seed=1)
+    sb = SpecBranchConfig(branches=1, gamma=3, cut="none")
+    tparams, dcfg, dparams = models
+    tokens, lens, cache_len = pack_prompts(CFG, prompts, MAX_NEW, 6)
+    for s in (Sampling(temperature=1.0),):  # greedy B = 1 is covered by the identity to AR
+        a = _sb(models, prompts, sb, s)
+        b = pearl_generate(tparams, CFG, dparams, dcfg, tokens, lens, jax.random.PRNGKey(0), gamma=3, max_new=MAX_NEW,
+                           cache_len=cache_len, sampling=s)
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        for f in ("target_calls", "drafted", "accepted", "rolled_back"):
+            np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
+
+
+def test_two_and_eight_devices_match_one_device(models):
+    prompts = _prompts(seed=2)
+    sb = SpecBranchConfig(branches=3, gamma=3, cut="confidence")
+    ar = generate(models[0], CFG, prompts, max_new_tokens=MAX_NEW)
+    one = _sb(models, prompts, sb)
+    tparams, dcfg, dparams = models  # through the host API: generate(engine=SpecBranchConfig, mesh="role=2")
+    two = generate(tparams, CFG, prompts, max_new_tokens=MAX_NEW, engine=sb, drafter=ModelDrafter(dcfg),
+                   drafter_params=dparams, mesh="role=2")
+    np.testing.assert_array_equal(two.tokens, ar.tokens)
+    for f in ("target_calls", "drafted", "accepted", "rolled_back", "branch_saves"):
+        np.testing.assert_array_equal(getattr(two, f), getattr(one, f))
+    if len(jax.devices()) >= 8:  # 4 pairs, with H-RAD cuts: any classifier keeps the output exact
+        hp = HR.init_hrad(jax.random.PRNGKey(1), CFG)
+        eight = _sb(models, prompts, SpecBranchConfig(branches=2, gamma=3, cut="hrad"), mesh=pearl_mesh(), hp=hp)
+        np.testing.assert_array_equal(eight.tokens, ar.tokens)
+
+
+def test_sampling_is_lossless_chi_square():
+    """Joint law of the first three sampled tokens = the target's, with 3 i.i.d. heads a window; on
+    two devices (the target's decisions broadcast), the same tokens as on one."""
+    cfg = CFG.replace(vocab_size=6, eos_token_ids=())
+    tparams = M.init_params(cfg, jax.random.PRNGKey(4), scale=0.5)
+    dcfg, dparams = DM.init_from_target(tparams, cfg, (1,))
+    prompt = [2, 5, 1]
+    n, new, s = 3000, 3, Sampling(temperature=1.0)
+    sb = SpecBranchConfig(branches=3, gamma=2, cut="confidence", threshold=0.3)
+    tokens, lens, cache_len = pack_prompts(cfg, [prompt] * n, new, 4)
+    r = specbranch_generate(tparams, cfg, dparams, dcfg, tokens, lens, jax.random.PRNGKey(7), sb=sb, max_new=new,
+                            cache_len=cache_len, sampling=s)
+    two = specbranch_generate(tparams, cfg, dparams, dcfg, tokens[:32], lens[:32], jax.random.PRNGKey(7), sb=sb,
+                              max_new=new, cache_len=cache_len, sampling=s, mesh=pearl_mesh(jax.devices()[:2]))
+    np.testing.assert_array_equal(two.tokens, r.tokens[:32])  # per-row streams: a sub-batch draws the same
+    assert (r.branch_saves > 0).any() and (r.rolled_back > 0).any()
+    V = cfg.vocab_size
+    observed = np.bincount(r.tokens[:, 0] * V * V + r.tokens[:, 1] * V + r.tokens[:, 2], minlength=V ** 3)
+    seqs = np.array([prompt + [a, b] for a in range(V) for b in range(V)], np.int32)
+    p = np.asarray(probs(M.lm_head(tparams, cfg, M.forward(tparams, cfg, jnp.asarray(seqs), M.init_cache(cfg, len(seqs), 8)).hidden), s))
+    L = len(prompt)
+    joint = np.array([p[0, L - 1, a] * p[a * V + b, L, b] * p[a * V + b, L + 1, c]
+                      for a in range(V) for b in range(V) for c in range(V)])
+    expected = joint * n
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    _, pval = stats.chisquare(obs, exp * obs.sum() / exp.sum())
+    assert pval > 1e-3, pval
+
+
+def test_config_and_hrad_checks(models, tmp_path):
+    with pytest.raises(ValueError, match="branches"):
+        SpecBranchConfig(branches=0)
+    with pytest.raises(ValueError, match="cut"):
+        SpecBranchConfig(cut="max")
+    with pytest.raises(ValueError, match="hrad_params"):
+        _sb(models, [[5, 6]], SpecBranchConfig(cut="hrad"))
+    hp = HR.init_hrad(jax.random.PRNGKey(0), CFG)
+    HR.save_hrad(str(tmp_path), hp, CFG)
+    back = HR.load_hrad(str(tmp_path), CFG)
+    for k in hp:
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(hp[k]))
+    with pytest.raises(ValueError, match="another target"):
+        HR.load_hrad(str(tmp_path), CFG.replace(hidden_size=64))
+    assert HR.label_of(jnp.array([0, 1, 6, 7, 30])).tolist() == [0, 1, 1, 2, 2]
+
+
+def test_hrad_training_writes_a_classifier(tmp_path):
+    """A few steps of the H-RAD trainer on teacher-forced labels: the loss falls, the files load."""
+    from jspec.train.hrad import HradTrainConfig, train_hrad
+    from jspec.train.shards import RowWriter
+    from jspec.train.testing import numpy_params, tiny_target_config
+
+    tcfg = tiny_target_config(num_layers=3)
+    tparams = numpy_params(M.init_params, tcfg, seed=0, scale=0.3)
+    dcfg, dparams = DM.init_from_target(tparams, tcfg, (0, 2))
+    d = str(tmp_path / "data")
+    w = RowWriter(d, vocab_size=tcfg.vocab_size, pad_id=0, eos_token_ids=(1,), sources=["t"], rows_per_shard=8,
+                  holdout_every=4)
+    rng = np.random.default_rng(0)
+    for i in range(24):
+        w.add(rng.integers(2, 128, 4), np.asarray(list(rng.integers(2, 128, 12)) + [1]), item=i, source=0,
+              temperature=0.0, ended=True)
+    w.flush()
+    hc = HradTrainConfig(batch_size=8, seq_len=24, steps=12, lr=3e-3, compute_dtype="float32", log_every=4, eval_rows=8)
+    summary = train_hrad(tcfg, tparams, dcfg, dparams, d, str(tmp_path / "out"), hc, progress=False)
+    assert summary["steps"] == 12 and summary["held_out"]["positions"] > 0
+    assert 0.0 <= summary["held_out"]["accuracy"] <= 1.0
+    hp = HR.load_hrad(str(tmp_path / "out" / "hrad"), tcfg)
+    assert hp["w_f"].shape == (HR.feature_size(tcfg), 256)
