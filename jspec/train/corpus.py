@@ -62,6 +62,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from .. import tasks
+from ..presets import list_presets, load_preset, resolve_model
+
 FORMAT = "jspec-prompts-v1"
 SOURCES = ("sharegpt_first", "sharegpt_split", "sharegpt_cont", "chitchat")
 EVAL_TASKS = ("mt_bench", "humaneval", "chitchat")
@@ -201,8 +204,6 @@ def sharegpt_items(path: str | None = None) -> tuple[list[RawItem], dict]:
 
 def chitchat_items() -> list[RawItem]:
     """Every usable turn of chitchat's training conversations, standalone."""
-    from .. import tasks
-
     out = []
     for index, (conv_id, turns) in enumerate(tasks._chitchat_conversations()):
         if index % tasks.CHITCHAT_HOLDOUT_EVERY == 0:  # the `chitchat` task's hold-out
@@ -213,8 +214,6 @@ def chitchat_items() -> list[RawItem]:
 
 def eval_questions() -> dict[str, list]:
     """Every evaluation task's questions (all of them, all turns kept)."""
-    from .. import tasks
-
     return {name: tasks.load_task(name) for name in EVAL_TASKS}
 
 
@@ -560,8 +559,6 @@ def add_corpus_args(p):
 
 
 def run_corpus(args) -> int:
-    from ..presets import list_presets, load_preset, resolve_model
-
     sources = tuple(s for s in args.sources.split(",") if s)
     bad = sorted(set(sources) - set(SOURCES))
     if bad:

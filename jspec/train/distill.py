@@ -55,6 +55,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .. import model as M
 from ..config import ModelConfig
 from ..decode import bucket, emit, prefill
+from ..presets import list_presets, load_preset, resolve_model
 from . import corpus as C
 from .shards import RowWriter, load_rows, read_meta, row_tokens, shard_files
 
@@ -740,8 +741,6 @@ def config_from_args(args) -> DistillConfig:
 
 
 def run_distill(args) -> int:
-    from ..presets import list_presets, load_preset, resolve_model
-
     dc = config_from_args(args)
     try:
         part = tuple(int(x) for x in args.part.split("/"))

@@ -44,7 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..checkpoint.eagle_format import load_eagle_head
 from ..heads import eagle as H
+from ..model import cast_params
+from ..presets import resolve_model
 from ..speculative.policies import ldlp as L
 from . import losses
 from . import shards as S
@@ -266,10 +269,6 @@ def add_ldlp_args(p):
 
 
 def run_train_ldlp(args) -> int:
-    from ..checkpoint.eagle_format import load_eagle_head
-    from ..model import cast_params
-    from ..presets import resolve_model
-
     t0 = time.perf_counter()
     over = {f.name: getattr(args, f.name) for f in dataclasses.fields(LDLPTrainConfig) if getattr(args, f.name) is not None}
     lc = LDLPTrainConfig(**over)

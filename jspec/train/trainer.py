@@ -25,6 +25,7 @@ from ..model import cast_params
 from . import step as S
 from .config import RunConfig, TrainConfig
 from .data import ShardedLoader, token_counts
+from .vocab import init_lm_head_from_target
 
 
 class Checkpointer:
@@ -156,8 +157,6 @@ def train(
     if hcfg.reduced_vocab:
         head_params = H.with_draft_vocab(hcfg, head_params, token_counts(data_dir, hcfg.target.vocab_size))
     if lm_head_init == "target":
-        from .vocab import init_lm_head_from_target
-
         head_params = init_lm_head_from_target(hcfg, jax.device_get(head_params), jax.device_get(target_params))
     trainable, fixed = H.split_trainable(head_params)
     state = S.place(mesh, S.init_state(tc, trainable))
