@@ -157,3 +157,23 @@ def test_hrad_training_writes_a_classifier(tmp_path):
     assert 0.0 <= summary["held_out"]["accuracy"] <= 1.0
     hp = HR.load_hrad(str(tmp_path / "out" / "hrad"), tcfg)
     assert hp["w_f"].shape == (HR.feature_size(tcfg), 256)
+
+
+def test_bench_method_spec_runs_specbranch_on_device_pairs(models):
+    """`specbranch:model:...:gamma=3` through the bench harness's JspecMethod: rows carry the
+    rollback count, and the harness's rollback_rate reads them."""
+    from jspec.bench.methods import JspecMethod
+    from jspec.bench.metrics import TimedBatch, rollback_rate
+    from jspec.bench.protocol import parse_method_spec
+
+    tparams, dcfg, dparams = models
+    prompts = _prompts(seed=2)
+    spec = parse_method_spec("specbranch:model:unused:gamma=3:pairs=1")
+    m = JspecMethod(tparams, CFG, spec, dtype="float32", batch=4, max_new_tokens=MAX_NEW,
+                    generate_kwargs={"drafter": ModelDrafter(dcfg), "drafter_params": dparams})
+    assert m.devices == 2 and m.mesh == "data=1,role=2"
+    rows = m.run(prompts)
+    ar = generate(tparams, CFG, prompts, max_new_tokens=MAX_NEW)
+    assert [r.new_tokens for r in rows] == [ar.row(b) for b in range(len(prompts))]
+    rate = rollback_rate([TimedBatch(rows=rows, seconds=1.0)])
+    assert rate is not None and 0.0 <= rate <= 1.0

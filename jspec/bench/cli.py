@@ -11,8 +11,9 @@ from jspec import presets
 from jspec.bench.harness import RunContext, batches_of, benchmark_group
 from jspec.bench.methods import HFGenerateMethod, JspecMethod, canonical_dtype, load_hf_model
 from jspec.bench.prompts import encode_questions
-from jspec.bench.protocol import METHOD_GRAMMAR, MethodSpec, parse_method_specs
+from jspec.bench.protocol import METHOD_GRAMMAR, PARALLEL_METHODS, MethodSpec, parse_method_specs
 from jspec.bench.report import bench_dir, write_benchmarks_md, write_rows
+from jspec.heads.hrad import load_hrad
 from jspec.model import cast_params
 from jspec.sharding import parse_mesh
 from jspec.speculative.factory import build_drafter, find_ldlp_weights
@@ -148,6 +149,10 @@ class MethodFactory:
         """What needs the model, checked for every method before any runs: each drafter builds
         for this target (head files, exit layer, vocabulary), LDLP weights exist."""
         for spec in specs:
+            if spec.method in PARALLEL_METHODS:
+                build_drafter(spec.drafter, self.cfg, self.params, model_name=self.args.model)
+                if "hrad" in spec.option_dict:
+                    load_hrad(spec.option_dict["hrad"], self.cfg)
             if spec.method == "spec":
                 build_drafter(spec.drafter, self.cfg, self.params, model_name=self.args.model)
                 if spec.policy == "ldlp":
@@ -174,6 +179,11 @@ class MethodFactory:
             )
         extra = {"k_max": a.k_max} if spec.method == "spec" and a.k_max is not None else {}
         extra["mesh"] = self.mesh
+        if spec.method in PARALLEL_METHODS:  # drafter built once, not per call; device pairs from the spec
+            params = self.jax_params(dtype)
+            extra["drafter"], extra["drafter_params"] = build_drafter(spec.drafter, self.cfg, params, model_name=self.args.model)
+            if "hrad" in spec.option_dict:
+                extra["policy_params"] = load_hrad(spec.option_dict["hrad"], self.cfg)
         if spec.method == "spec":
             params = self.jax_params(dtype)
             extra["drafter"], extra["drafter_params"] = build_drafter(spec.drafter, self.cfg, params, model_name=self.args.model)

@@ -131,6 +131,7 @@ def make_row(
         "speedup_vs_hf": metrics.speedup(tps, metrics.tokens_per_s(hf_run.batches)) if hf_run else None,
         "mean_accepted_tokens": metrics.mean_accepted_tokens(run.batches),
         "acceptance_rate": metrics.acceptance_rate(run.batches),
+        "rollback_rate": metrics.rollback_rate(run.batches),  # parallel engines only
         "draft_tokens_per_round": metrics.draft_tokens_per_round(run.batches),
         "greedy_identical_to_ar": (
             metrics.greedy_identical_fraction(run.outputs, ar_run.outputs) if ar_run else None

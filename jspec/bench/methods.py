@@ -12,9 +12,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jspec.bench.protocol import MethodSpec, RowResult
+from jspec.bench.protocol import PARALLEL_METHODS, MethodSpec, RowResult
 from jspec.decode import bucket
 from jspec.generate import generate
+from jspec.speculative.engines.pearl import DATA_AXIS as PAIR_AXIS, parse_role_mesh
 from jspec.sharding import mesh_label, parse_mesh, replicate, shard_params
 
 TORCH_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -50,6 +51,7 @@ def rows_from_generation(result: Any) -> list[RowResult]:
                 accepted=int(result.accepted[b]),
                 draft_lengths=_row_trace(result, "draft_lengths", b),
                 step_tokens=_row_trace(result, "step_tokens", b),
+                rolled_back=None if getattr(result, "rolled_back", None) is None else int(result.rolled_back[b]),
             )
         )
     return rows
@@ -70,14 +72,26 @@ class JspecMethod:
         generate_kwargs: dict[str, Any] | None = None,
         generate_fn: Callable[..., Any] | None = None,
     ):
-        if spec.method not in ("ar", "spec"):
-            raise ValueError(f"JspecMethod runs 'ar' or 'spec', not {spec.method!r}")
+        if spec.method not in ("ar", "spec") + PARALLEL_METHODS:
+            raise ValueError(f"JspecMethod runs 'ar', 'spec' or {', '.join(PARALLEL_METHODS)}, not {spec.method!r}")
         self.params, self.cfg, self.spec = params, cfg, spec
         self.name, self.method = spec.name, spec.method
         self.drafter, self.policy, self.tree = spec.drafter, spec.policy, spec.tree
         self.dtype, self.batch, self.max_new_tokens = dtype, batch, max_new_tokens
         self._generate_fn = generate_fn
         self._kwargs = self._generate_kwargs(generate_kwargs or {})
+        if spec.method in PARALLEL_METHODS:
+            # device pairs (drafter, target); both models replicated on them once, here
+            mesh = parse_role_mesh(self._kwargs.get("mesh"))
+            self.mesh = "" if mesh is None else f"data={mesh.shape[PAIR_AXIS]},role=2"
+            self.devices = 1 if mesh is None else mesh.size
+            if mesh is not None:
+                self.params = replicate(params, mesh)
+                for key in ("drafter_params", "policy_params"):
+                    if self._kwargs.get(key) is not None:
+                        self._kwargs[key] = replicate(self._kwargs[key], mesh)
+                self._kwargs["mesh"] = mesh
+            return
         mesh = parse_mesh(self._kwargs.pop("mesh", None))
         self.mesh, self.devices = mesh_label(mesh), (1 if mesh is None else mesh.size)  # recorded in rows
         if mesh is not None:
@@ -94,6 +108,11 @@ class JspecMethod:
 
     def _generate_kwargs(self, extra: dict[str, Any]) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, **extra}
+        if self.method in PARALLEL_METHODS:
+            from_spec = self.spec.generate_kwargs()
+            kwargs.setdefault("drafter", from_spec.pop("drafter"))  # a built drafter may come in `extra`
+            kwargs.update(from_spec)  # engine, gamma, and the spec's device pairs over the run-wide mesh
+            return kwargs
         if self.method == "spec":
             from_spec = self.spec.generate_kwargs(default_k_max=extra.get("k_max") or 8)
             # A built drafter or a planned policy may come in `extra`; the spec's own options

@@ -57,6 +57,15 @@ def acceptance_rate(batches: Sequence[TimedBatch]) -> float | None:
     return sum(r.accepted for r in rows) / drafted if drafted else None
 
 
+def rollback_rate(batches: Sequence[TimedBatch]) -> float | None:
+    """Drafted tokens thrown away / drafted (parallel engines report it; None for the others)."""
+    rows = _all_rows(batches)
+    if any(r.rolled_back is None for r in rows):
+        return None
+    drafted = sum(r.drafted for r in rows)
+    return sum(r.rolled_back for r in rows) / drafted if drafted else None
+
+
 def draft_tokens_per_round(batches: Sequence[TimedBatch]) -> float | None:
     rows = _all_rows(batches)
     calls = sum(r.target_calls for r in rows)

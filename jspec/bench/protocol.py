@@ -7,6 +7,9 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 from jspec.errors import UsageError
 from jspec.speculative.drafters.eagle import EagleDrafter
+from jspec.speculative.drafters.early_exit import EarlyExitDrafter
+from jspec.speculative.drafters.model import ModelDrafter
+from jspec.speculative.engines.specbranch import CUTS, SpecBranchConfig
 from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.factory import DRAFTER_NAMES, check_drafter_spec
 from jspec.speculative.policies import POLICY_NAMES, make_policy
@@ -30,6 +33,7 @@ class RowResult:
     accepted: int = 0
     draft_lengths: list[int] | None = None
     step_tokens: list[int] | None = None
+    rolled_back: int | None = None  # parallel engines: drafted tokens thrown away
 
 
 @runtime_checkable
@@ -73,7 +77,19 @@ Methods (--methods, comma-separated; all are checked before any runs):
   The positional fields come first: two of them are DRAFTER:POLICY, three DRAFTER:ARG:POLICY.
   e.g. spec:ngram:heuristic  spec:early-exit:8:svip:k=7  spec:eagle3:static:nodes=60
        spec:eagle3:svip:tree:depth=8  spec:eagle3:static:nodes=auto  spec:eagle:static:verify=consultant:eps=3
+  pearl:DRAFTER[:ARG][:OPTION]...       PEARL: a draft model drafts while the target verifies
+  specbranch:DRAFTER[:ARG][:OPTION]...  SpecBranch: PEARL plus branch heads and hybrid draft lengths
+  ppsd:DRAFTER[:ARG][:OPTION]...        PPSD: two-stage early-exit pipeline
+    DRAFTER[:ARG]            pearl, specbranch: model[:PATH]; ppsd: early-exit:PATH (an exit head) or early-exit:E
+    OPTION   pairs=N         device pairs, drafter and target on two devices each (default 1; 0: one device)
+             gamma=N         window (pearl: default measured, round(t_target / t_draft); specbranch: 4)
+             branches=N cut=none|confidence|hrad threshold=X hrad=DIR   specbranch (hrad=DIR implies cut=hrad)
+  e.g. pearl:model:DRAFT_DIR  specbranch:model:DRAFT_DIR:branches=3:hrad=HRAD_DIR  ppsd:early-exit:EXIT_DIR:pairs=0
 """
+
+PARALLEL_METHODS = ("pearl", "specbranch", "ppsd")
+PARALLEL_KEYS = {"pearl": ("pairs", "gamma"), "specbranch": ("pairs", "gamma", "branches", "cut", "threshold", "hrad"),
+                 "ppsd": ("pairs",)}
 
 TREE_KEYS = ("nodes", "topk", "depth")
 ENGINE_KEYS = ("k", "verify", "eps", "smoothing") + TREE_KEYS
@@ -100,6 +116,8 @@ class MethodSpec:
             return ":".join(parts + [f"{k}={v}" for k, v in self.options])
         if self.method == "hf" and self.drafter == "prompt_lookup":
             return "hf_pld"
+        if self.method in PARALLEL_METHODS:
+            return ":".join([self.method, self.drafter or ""] + [f"{k}={v}" for k, v in self.options])
         return self.method
 
     @property
@@ -109,7 +127,10 @@ class MethodSpec:
     def generate_kwargs(self, default_k_max: int = 8) -> dict[str, Any]:
         """Keyword arguments of jspec.generate.generate for this method (checked by
         `check_method_spec`): drafter (spec string), policy (a name, or a Policy when fields are
-        set), k_max, tree (True, "auto" or a TreeConfig) and verify."""
+        set), k_max, tree (True, "auto" or a TreeConfig) and verify; for the parallel engines:
+        engine ("pearl", "ppsd" or a SpecBranchConfig), drafter, gamma and mesh (device pairs)."""
+        if self.method in PARALLEL_METHODS:
+            return self.parallel_kwargs()
         if self.method != "spec":
             return {}
         opts = self.option_dict
@@ -133,6 +154,21 @@ class MethodSpec:
             kwargs["policy"] = self.policy
         if opts.get("verify", "lossless") == "consultant":
             kwargs["verify"] = ConsultantRule(eps=float(opts.get("eps", DEFAULT_EPS)), smoothing=float(opts.get("smoothing", 0.0)))
+        return kwargs
+
+
+    def parallel_kwargs(self) -> dict[str, Any]:
+        opts = self.option_dict
+        pairs = int(opts.get("pairs", 1))
+        kwargs: dict[str, Any] = {"engine": self.method, "drafter": self.drafter,
+                                  "mesh": f"data={pairs},role=2" if pairs else None}
+        if self.method == "specbranch":
+            cut = opts.get("cut", "hrad" if "hrad" in opts else "confidence")
+            kwargs["engine"] = SpecBranchConfig(
+                branches=int(opts.get("branches", 3)), gamma=int(opts.get("gamma", 4)), cut=cut,
+                threshold=float(opts.get("threshold", SpecBranchConfig.threshold)))
+        elif "gamma" in opts:
+            kwargs["gamma"] = int(opts["gamma"])
         return kwargs
 
 
@@ -195,9 +231,11 @@ def parse_method_spec(text: str) -> MethodSpec:
     if text == "hf_pld":
         return MethodSpec("hf", drafter="prompt_lookup")
     fields = text.split(":")
+    if fields[0] in PARALLEL_METHODS:
+        return _parse_parallel(text, fields)
     if fields[0] != "spec":
-        raise MethodSpecError(f"unknown method {text!r}; expected ar, hf, hf_pld or spec:DRAFTER[:ARG]:POLICY[:OPTION]... "
-                              "(see `jspec bench --help`)")
+        raise MethodSpecError(f"unknown method {text!r}; expected ar, hf, hf_pld, spec:DRAFTER[:ARG]:POLICY[:OPTION]..., "
+                              "pearl:..., specbranch:... or ppsd:... (see `jspec bench --help`)")
     is_option = [f == "tree" or "=" in f for f in fields[1:]]
     n_pos = is_option.index(True) if True in is_option else len(is_option)
     if any(not o for o in is_option[n_pos:]):
@@ -225,9 +263,56 @@ def parse_method_spec(text: str) -> MethodSpec:
     return MethodSpec("spec", drafter=drafter, policy=policy, tree=tree, options=tuple(options))
 
 
+def _parse_parallel(text: str, fields: list[str]) -> MethodSpec:
+    method, rest = fields[0], fields[1:]
+    n_pos = next((i for i, f in enumerate(rest) if "=" in f), len(rest))
+    if any("=" not in f for f in rest[n_pos:]):
+        raise MethodSpecError(f"method {text!r}: the drafter comes before the key=value options")
+    if not 1 <= n_pos <= 2 or not all(rest[:n_pos]):
+        raise MethodSpecError(f"method {text!r}: expected {method}:DRAFTER[:ARG] then key=value options")
+    options, seen = [], set()
+    for raw in rest[n_pos:]:
+        key, _, value = raw.partition("=")
+        key, value = key.strip(), value.strip()
+        if not key or not value or key in seen:
+            raise MethodSpecError(f"method {text!r}: option {raw!r} must be key=value, each key once")
+        seen.add(key)
+        options.append((key, value))
+    return MethodSpec(method, drafter=":".join(rest[:n_pos]), options=tuple(options))
+
+
+def _check_parallel(spec: MethodSpec) -> None:
+    text, opts = spec.name, spec.option_dict
+    bad = [k for k in opts if k not in PARALLEL_KEYS[spec.method]]
+    if bad:
+        raise MethodSpecError(f"method {text!r}: unknown option {bad[0]!r}; {spec.method} takes "
+                              f"{', '.join(PARALLEL_KEYS[spec.method])}")
+    cls = check_drafter_spec(spec.drafter)
+    want = EarlyExitDrafter if spec.method == "ppsd" else ModelDrafter
+    if not issubclass(cls, want):
+        need = "early-exit:PATH (an exit head) or early-exit:E" if spec.method == "ppsd" else "model[:PATH] (a draft model)"
+        raise MethodSpecError(f"method {text!r}: {spec.method} drafts with {need}, not {spec.drafter!r}")
+    for key in ("gamma", "branches"):
+        if key in opts:
+            _positive_int(key, opts[key], text)
+    if "pairs" in opts and not opts["pairs"].isdigit():
+        raise MethodSpecError(f"method {text!r}: pairs={opts['pairs']} must be an integer >= 0 (0: one device)")
+    if "cut" in opts and opts["cut"] not in CUTS:
+        raise MethodSpecError(f"method {text!r}: cut={opts['cut']}: choose from {', '.join(CUTS)}")
+    if (opts.get("cut") == "hrad") != ("hrad" in opts) and not ("hrad" in opts and "cut" not in opts):
+        raise MethodSpecError(f"method {text!r}: cut=hrad reads H-RAD weights: add hrad=DIR (and hrad=DIR only serves cut=hrad)")
+    try:
+        spec.parallel_kwargs()
+    except ValueError as e:
+        raise MethodSpecError(f"method {text!r}: {e}") from None
+
+
 def check_method_spec(spec: MethodSpec) -> None:
     """Everything about a spec method that can be checked without a model: option values, policy
     fields, drafter/policy/tree/verify compatibility. Raises MethodSpecError (or DrafterError)."""
+    if spec.method in PARALLEL_METHODS:
+        _check_parallel(spec)
+        return
     if spec.method != "spec":
         return
     text, opts = spec.name, spec.option_dict
