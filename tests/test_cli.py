@@ -106,7 +106,7 @@ def test_k_max_beyond_the_context_names_the_limit(tiny_model, capsys):
     assert "context of 512 positions" in err and "k_max <= 498" in err  # 512 - 5 prompt - 8 new - 1
 
 
-@pytest.mark.parametrize("extra", [[], ["--no-stream"], ["--drafter", "ngram", "--policy", "heuristic"],
+@pytest.mark.parametrize("extra", [[], ["--drafter", "ngram", "--policy", "heuristic"],
                                    ["--drafter", "ngram", "--no-stream", "--verify", "consultant"]])
 def test_stats_report_steady_state_rate(tiny_model, capsys, extra):
     rc = cli.main(["generate", "--max-new-tokens", "6", *extra, "hello"])

@@ -3,6 +3,7 @@ ignores empty rounds, Consultant Decoding's eps / running mean / untempered NLL,
 drafted EOS ends a draft, TapOut's state round trip, tree slot reservation near the end of the
 cache, EAGLE-2 autotuning, the k_max limit, and EAGLE-format import of an unsorted d2t."""
 
+import functools
 import os
 
 import jax
@@ -14,6 +15,7 @@ from safetensors.numpy import load_file, save_file
 from jspec import model as M
 from jspec.checkpoint import eagle_format
 from jspec.decode import PromptError, pack_prompts
+from jspec import generate as generate_module
 from jspec.generate import generate
 from jspec.heads import eagle as H
 from jspec.sampling import GREEDY, Sampling
@@ -147,16 +149,11 @@ def test_consultant_running_mean_variant():
 
 
 def test_consultant_through_generate(target, eagle):
-    lenient = _run(target, eagle, k_max=K, verify=ConsultantRule(eps=50.0))
+    # eps reaches the engine (and the running mean's state rides through the loop).
+    lenient = _run(target, eagle, k_max=K, verify=ConsultantRule(eps=50.0, smoothing=0.5))
     assert (lenient.accepted == lenient.drafted).all() and lenient.drafted.sum() > 0
     strict = _run(target, eagle, k_max=K, verify=ConsultantRule(eps=1e-6))
     assert (strict.accepted == 0).all()
-    plain = _run(target, eagle, k_max=K, verify=ConsultantRule(eps=1.2))
-    n, _, _ = verify_consultant(KEY, jnp.log(jnp.full((1, 2, 4), 0.25)), jnp.array([[0]]), jnp.ones((1, 1), bool),
-                                GREEDY, ConsultantRule(eps=1.2))
-    assert int(n[0]) == 0
-    smoothed = _run(target, eagle, k_max=K, verify=ConsultantRule(eps=1.2, smoothing=0.5))
-    assert (smoothed.accepted <= smoothed.drafted).all() and (plain.accepted <= plain.drafted).all()
 
 
 # -- drafted EOS ends the draft ---------------------------------------------------------------------
@@ -227,13 +224,17 @@ def test_tree_at_the_end_of_the_cache_matches_a_roomy_cache(target, eagle):
     assert WIDE.cache_slots >= WIDE.depth + 1
     policy = make_policy("static", k_max=WIDE.depth)
 
-    def tree_at(cache_len):
-        tokens, lens, cache_len = pack_prompts(CFG, prompts, 1, WIDE.cache_slots, cache_len)
+    @functools.partial(jax.jit, static_argnums=2)
+    def draft(tokens, lens, cache_len):
         state = start_spec(target, CFG, drafter, dparams, policy, None, WIDE.depth, 1, cache_len, GREEDY, 1,
-                           jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(0))
+                           tokens, lens, jax.random.PRNGKey(0))
         tree, _ = build_tree(drafter, dparams, target, CFG, state.dstate, state.last, WIDE, policy, state.pstate,
                              jnp.full((len(prompts),), WIDE.depth))
-        return np.asarray(tree.tokens), np.asarray(tree.parent)
+        return tree.tokens, tree.parent
+
+    def tree_at(cache_len):
+        tokens, lens, cache_len = pack_prompts(CFG, prompts, 1, WIDE.cache_slots, cache_len)
+        return [np.asarray(x) for x in draft(jnp.asarray(tokens), jnp.asarray(lens), cache_len)]
 
     # The same prefix drafted in the smallest cache generate allows for one more token (the
     # longest row's cursor sits cache_slots + 2 below the end) and in a cache with room to spare.
@@ -241,22 +242,29 @@ def test_tree_at_the_end_of_the_cache_matches_a_roomy_cache(target, eagle):
     tight = int(lens.max()) + 1 + WIDE.cache_slots + 1
     for a, b in zip(tree_at(tight), tree_at(256)):
         np.testing.assert_array_equal(a, b)
-    # And whole generations: the smallest cache generate accepts vs a roomy one.
+    # generate accepts that smallest cache for a whole generation and stays exact.
     need = int(lens.max()) + MAX_NEW + WIDE.cache_slots + 1
     small = _run(target, eagle, prompts, tree=WIDE, cache_len=need)
-    roomy = _run(target, eagle, prompts, tree=WIDE, cache_len=need + 128)
-    np.testing.assert_array_equal(small.tokens, roomy.tokens)
-    np.testing.assert_array_equal(small.draft_lengths, roomy.draft_lengths)
-    np.testing.assert_array_equal(small.step_tokens, roomy.step_tokens)
+    ar = generate(target, CFG, prompts, max_new_tokens=MAX_NEW)
+    assert [small.row(b) for b in range(2)] == [ar.row(b) for b in range(2)]
 
 
-def test_tree_auto_uses_eagles_candidates(target, eagle):
+def test_tree_auto_uses_eagles_candidates(target, eagle, monkeypatch):
     tc = autotuned_tree(target, CFG, 1, 128, top_k=3, depth=3, reps=1)
     assert tc.num_nodes in [min(n, TreeConfig(3, 3, 1).max_nodes) for n in EAGLE_NODE_CANDIDATES]
+    # generate(tree="auto") times EAGLE-2's default tree at this batch and cache (a stand-in
+    # timer here: the real one compiles five target blocks and a 59-node tree).
+    calls = []
+
+    def fake_autotune(tparams, tcfg, batch, cache_len, top_k, depth):
+        calls.append((batch, top_k, depth))
+        return TreeConfig(top_k=3, depth=3, num_nodes=4)
+
+    monkeypatch.setattr(generate_module, "autotuned_tree", fake_autotune)
     prompts = _prompts(4, batch=1)
     ar = generate(target, CFG, prompts, max_new_tokens=8)
     auto = generate(target, CFG, prompts, max_new_tokens=8, drafter=eagle[0], drafter_params=eagle[1], tree="auto")
-    assert auto.row(0) == ar.row(0)
+    assert calls == [(1, 10, 6)] and auto.row(0) == ar.row(0)
 
 
 # -- the k_max limit ------------------------------------------------------------------------------
