@@ -89,18 +89,20 @@ NOISE = 0.3
 # ---------------------------------------------------------------------------------------------
 
 
-def eagle_copy_head(tparams):
-    """An EAGLE-1 head that is the target's own layer: fc passes the token embedding through and
-    ignores the feature. The head then computes the target's pre-norm residual stream over the
-    same tokens (it misses only the first prompt token), so it drafts well without training."""
-    D = CFG.hidden_size
+def eagle_copy_head(tparams, cfg: ModelConfig = CFG):
+    """An EAGLE-1 head that is the target's own (single) layer: fc passes the token embedding
+    through and ignores the feature. With unit-RMS embeddings and an input norm of 1 (the head
+    has none), the head computes the target's pre-norm residual stream over the same tokens (it
+    misses only the first prompt token), so it drafts well without training."""
+    assert cfg.num_layers == 1
+    D = cfg.hidden_size
     layer = tparams["layers"]
     hp = {
         "fc": jnp.concatenate([jnp.eye(D), jnp.zeros((D, D))], 0),
         "fc_bias": jnp.zeros((D,)),
         "layer": {k: layer[k][0] for k in ("wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")},
     }
-    return H.default_head_config("eagle1", CFG), hp
+    return H.default_head_config("eagle1", cfg), hp
 
 
 def make_target():

@@ -13,7 +13,7 @@ from jspec.sampling import Sampling
 from jspec.speculative.engines.tree import TreeConfig, build_tree
 from jspec.speculative.policies import make_policy
 from jspec.speculative.verify.tree import Tree, ancestor_mask, path_of, verify_tree_greedy, verify_tree_sampling
-from test_spec import CFG, _drafters, _prompts, assert_two_token_law
+from test_spec import CFG, _drafters, _prompts
 
 TC = TreeConfig(top_k=3, depth=4, num_nodes=12)
 
@@ -46,7 +46,9 @@ def test_tree_structure_invariants(target):
     assert (np.asarray(tree.tokens[:, 0]) == np.asarray(state.last)).all()
 
 
-@pytest.mark.parametrize("drafter_name", ["eagle", "eagle3"])
+# EAGLE-1 trees under every policy are checked against a transformers greedy loop in
+# test_greedy_reference.py; here the EAGLE-3 head on a 4-layer target (multi-layer K/V moves).
+@pytest.mark.parametrize("drafter_name", ["eagle3"])
 @pytest.mark.parametrize("policy_name", ["static", "svip", "heuristic"])
 def test_tree_greedy_identical_to_ar(target, drafter_name, policy_name):
     drafter, dparams = _drafters(target)[drafter_name]
@@ -103,9 +105,4 @@ def test_verify_tree_sampling_is_lossless():
     second = np.where(acc[on_a] >= 2, toks[on_a][:, 3], nxt[on_a])
     np.testing.assert_allclose(np.bincount(second, minlength=V) / on_a.sum(), p_a, atol=0.015)
 
-
-def test_tree_generation_sampling_is_lossless(target):
-    drafter, dparams = _drafters(target)["eagle"]
-    res = assert_two_token_law(target, [5, 9, 5, 9, 5], Sampling(temperature=1.0), drafter=drafter,
-                               drafter_params=dparams, tree=TreeConfig(top_k=4, depth=2, num_nodes=8))
-    assert res.accepted.sum() > 0
+# Tree generation's lossless sampling, every position and bonus tokens: test_lossless_sampling.py.
