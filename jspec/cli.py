@@ -17,7 +17,10 @@ from .presets import list_presets, resolve_model
 from .sampling import Sampling
 from .sharding import parse_mesh
 from .speculative.drafters.base import DrafterError
+from .heads.hrad import load_hrad
 from .speculative.engines.chain import speculative_stream
+from .speculative.engines.pearl import parse_role_mesh
+from .speculative.engines.specbranch import SpecBranchConfig
 from .speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights
 from .speculative.policies import POLICY_NAMES, make_policy
 from .speculative.policies.ldlp import load_ldlp
@@ -68,7 +71,14 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--no-stream", action="store_true", help="print only when generation finishes")
     p.add_argument("--mesh", default=None,
                    help="run on several devices: data=N (rows split, each device loops on its own) or "
-                        "model=N (tensor-parallel target); implies --no-stream")
+                        "model=N (tensor-parallel target); with --engine: role=2 or data=N,role=2 (device pairs); "
+                        "implies --no-stream")
+    p.add_argument("--engine", default=None, choices=["pearl", "specbranch", "ppsd"],
+                   help="draft while verifying: pearl / specbranch (--drafter model[:PATH]) or ppsd "
+                        "(--drafter early-exit:PATH); one device unless --mesh role=2")
+    p.add_argument("--gamma", type=int, default=None, help="--engine pearl / specbranch: window (pearl default: measured)")
+    p.add_argument("--branches", type=int, default=None, help="--engine specbranch: heads a window (default 3)")
+    p.add_argument("--hrad", default=None, metavar="DIR", help="--engine specbranch: H-RAD weights (scripts/train_hrad.py)")
 
 
 def check_generate_args(a) -> None:
@@ -79,6 +89,12 @@ def check_generate_args(a) -> None:
         raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     if a.temperature < 0 or a.top_k < 0 or not 0 < a.top_p <= 1:
         raise UsageError("--temperature and --top-k must be >= 0 and --top-p in (0, 1]")
+    if getattr(a, "engine", None):
+        _check_engine_args(a)
+        return
+    for flag, value in (("--gamma", a.gamma), ("--branches", a.branches), ("--hrad", a.hrad)):
+        if value is not None:
+            raise UsageError(f"{flag} applies only to --engine (pearl, specbranch)")
     if a.mesh:
         try:
             a.mesh, a.no_stream = parse_mesh(a.mesh), True
@@ -121,6 +137,32 @@ def check_generate_args(a) -> None:
         a.policy_params = find_ldlp_weights(a.drafter, a.model, a.ldlp_weights)  # loaded after the checks
     elif a.ldlp_weights:
         raise UsageError("--ldlp-weights needs --policy ldlp")
+
+
+def _check_engine_args(a) -> None:
+    """--engine: its drafter, its mesh (device pairs) and its own options; chain options don't apply."""
+    given = [f for f, v in (("--policy", a.policy), ("--k-max", a.k_max), ("--verify", a.verify),
+                            ("--ldlp-weights", a.ldlp_weights), ("--consultant-eps", a.consultant_eps)) if v is not None]
+    if given:
+        raise UsageError(f"--engine {a.engine} has its own schedule: drop {', '.join(given)}")
+    if a.engine != "specbranch" and (a.branches is not None or a.hrad is not None):
+        raise UsageError("--branches and --hrad apply only to --engine specbranch")
+    if a.engine == "ppsd" and a.gamma is not None:
+        raise UsageError("--gamma is PEARL's / SpecBranch's window; ppsd drafts one token a tick")
+    need = "early-exit:PATH (a trained exit head) or early-exit:E" if a.engine == "ppsd" else "model[:PATH] (a draft model)"
+    if a.drafter is None or a.drafter.split(":")[0] != ("early-exit" if a.engine == "ppsd" else "model"):
+        raise UsageError(f"--engine {a.engine} needs --drafter {need}")
+    check_drafter_spec(a.drafter)
+    if a.hrad is not None and not os.path.isdir(a.hrad):
+        raise UsageError(f"--hrad {a.hrad}: not a directory")
+    try:
+        a.mesh = parse_role_mesh(a.mesh)
+        a.engine_arg = a.engine if a.engine != "specbranch" else SpecBranchConfig(
+            branches=3 if a.branches is None else a.branches, gamma=4 if a.gamma is None else a.gamma,
+            cut="hrad" if a.hrad else "confidence")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    a.no_stream, a.policy_params = True, None
 
 
 class CompileClock:
@@ -182,6 +224,20 @@ def cmd_generate(a) -> int:
     if a.drafter:
         drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)
     kw = dict(max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed, mesh=a.mesh)
+    if getattr(a, "engine", None):
+        kw.update(engine=a.engine_arg, drafter=drafter, drafter_params=dparams,
+                  gamma=a.gamma if a.engine == "pearl" else None,
+                  policy_params=load_hrad(a.hrad, cfg) if a.hrad else None)
+        with CompileClock() as clock:
+            res = generate(params, cfg, prompts, **kw)
+        for b in range(len(prompts)):
+            if len(prompts) > 1:
+                print(f"--- [{b}]")
+            print(tok.decode(res.row(b), skip_special_tokens=True))
+        print(f"[jspec] {clock.rates(int(res.lengths.sum()))}; engine {a.engine} on {res.devices} device(s), "
+              f"gamma {res.gamma}: steps {res.target_calls.tolist()}, drafted {res.drafted.tolist()}, accepted "
+              f"{res.accepted.tolist()}, rollback rate {res.rollback_rate:.3f}", file=sys.stderr)
+        return 0
     if drafter is not None:
         kw.update(drafter=drafter, drafter_params=dparams, policy=a.policy_obj, policy_params=a.policy_params,
                   k_max=a.k_max, verify=a.verify_rule)

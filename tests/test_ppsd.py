@@ -187,3 +187,25 @@ def test_generate_dispatches_parallel_engines(models):
         generate(tparams, CFG, prompts, engine="pearl", drafter=EarlyExitDrafter(E), gamma=2)
     with pytest.raises(ValueError, match="role"):
         generate(tparams, CFG, prompts, engine="ppsd", drafter=EarlyExitDrafter(E), mesh="model=2")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--engine", "pearl", "--drafter", "ngram"], "--engine pearl needs --drafter model[:PATH]"),
+    (["--engine", "ppsd", "--drafter", "model:x"], "--engine ppsd needs --drafter early-exit:PATH"),
+    (["--engine", "pearl", "--drafter", "model:x", "--k-max", "4"], "has its own schedule: drop --k-max"),
+    (["--engine", "ppsd", "--drafter", "early-exit:2", "--gamma", "3"], "ppsd drafts one token a tick"),
+    (["--engine", "pearl", "--drafter", "model:x", "--branches", "2"], "apply only to --engine specbranch"),
+    (["--engine", "pearl", "--drafter", "model:x", "--mesh", "model=2"], "parallel engines take role=2"),
+    (["--gamma", "3"], "--gamma applies only to --engine"),
+])
+def test_cli_engine_errors_are_one_line_before_the_model_loads(monkeypatch, capsys, argv, message):
+    from jspec import cli
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr(cli, "resolve_model", refuse)
+    rc = cli.main(["generate", *argv, "hello"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("jspec: error: ") and err.count("\n") == 1, err
+    assert message in err, err
