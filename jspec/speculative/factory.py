@@ -95,7 +95,7 @@ def find_ldlp_weights(drafter_spec: str | None, model_name: str | None, explicit
 
 
 def shipped_head_path(model_name: str | None, kind: str):
-    """The head a preset ships for `kind` ("eagle", "eagle3", "model" or "exit-head"), or None."""
+    """The head a preset ships for `kind` ("eagle", "eagle3" or "model": preset.json "drafters"), or None."""
     if not model_name:
         return None
     if model_name not in list_presets():
