@@ -1,4 +1,4 @@
-"""`jspec` command line: generate, convert, info, bench, train-head."""
+"""`jspec` command line: generate, convert, info, bench, train-head, build-corpus, distill, train-ldlp."""
 
 from __future__ import annotations
 
@@ -310,10 +310,19 @@ def main(argv=None) -> int:
     from .bench.cli import add_bench_args
 
     add_bench_args(bench)
+    corpus = sub.add_parser("build-corpus", help="prompt corpus for self-distillation (ShareGPT + chitchat, decontaminated)")
+    distill = sub.add_parser("distill", help="the target answers the prompt corpus on every local device")
+    ldlp = sub.add_parser("train-ldlp", help="train AdaEAGLE's draft-length predictor for an EAGLE head")
     try:
         from .train.cli import add_train_args
+        from .train.corpus import add_corpus_args
+        from .train.distill import add_distill_args
+        from .train.ldlp import add_ldlp_args
 
         add_train_args(train)
+        add_corpus_args(corpus)
+        add_distill_args(distill)
+        add_ldlp_args(ldlp)
     except ImportError:  # training extras absent
         pass
 
@@ -342,6 +351,18 @@ def run_command(a) -> int:
         from .train.cli import run_train
 
         return run_train(a) or 0
+    if a.cmd == "build-corpus":
+        from .train.corpus import run_corpus
+
+        return run_corpus(a)
+    if a.cmd == "distill":
+        from .train.distill import run_distill
+
+        return run_distill(a)
+    if a.cmd == "train-ldlp":
+        from .train.ldlp import run_train_ldlp
+
+        return run_train_ldlp(a)
     return 1
 
 
