@@ -125,3 +125,12 @@ def test_driver_exports_in_pieces_and_unpacks(pipeline, tmp_path):
     back = tmp_path / "back" / "eagle3"
     for name in ("eagle/model.safetensors", "eagle/ldlp.safetensors", "metrics.jsonl"):
         assert (back / name).read_bytes() == (pipeline["run"] / name).read_bytes()
+
+
+@pytest.mark.parametrize("command", ["build-corpus", "distill", "train-ldlp", "train-head"])
+def test_cli_has_the_pipeline_commands(command, capsys):
+    from jspec.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0 and f"jspec {command}" in capsys.readouterr().out
