@@ -39,6 +39,10 @@ compile per engine covers the shipped verifier and its mutants. Tests assert tha
 rows pass everywhere and that every mutant's rows are rejected, overall and in the stratum its
 bug lives in. Seeds are fixed, so the outcome is deterministic; the thresholds leave wide margins
 (shipped p-values are far above PASS, mutant p-values are far below REJECT).
+
+The chain verifier is also checked alone on one block with exact per-position laws, for sampled
+drafts and for point-mass drafts (q = 1, the n-gram path, which the generation runs above do not
+take), with the same mutants (`test_chain_verifier_block_law`).
 """
 
 from __future__ import annotations
@@ -176,8 +180,17 @@ MUTANTS = {
         ),
     },
 }
+# Point-mass drafts (q = 1: n-grams), checked on the verifier alone (test_chain_verifier_block_law).
+POINT_MASS_MUTANTS = {
+    "bonus_position": MUTANTS["chain"]["bonus_position"],
+    # (b) the residual (p_n without the rejected token) built with the first draft token
+    "residual_first_token": (
+        "q_n = jax.nn.one_hot(tok_n, p.shape[-1], dtype=p.dtype)",
+        "q_n = jax.nn.one_hot(draft_tokens[:, 0], p.shape[-1], dtype=p.dtype)",
+    ),
+}
 # The stratum offsets where each bug acts (the mutant must be rejected there too).
-BUG_OFFSETS = {"bonus_position": (K,), "residual_first_q": (1, 2), "sibling_kept": (1, 2)}
+BUG_OFFSETS = {"bonus_position": (K,), "residual_first_q": (1, 2), "residual_first_token": (1, 2), "sibling_kept": (1, 2)}
 
 
 def by_row_group(variants, rows_per_group: int):
@@ -343,3 +356,63 @@ def test_every_mutant_is_rejected(run):
         assert pval < REJECT, f"{name}: mutant {m} passes the all-positions test (p = {pval:.2e})"
         pval, _ = group_pvalue(group, offsets=BUG_OFFSETS[m])
         assert pval < REJECT, f"{name}: mutant {m} passes at offsets {BUG_OFFSETS[m]} (p = {pval:.2e})"
+
+
+# ---------------------------------------------------------------------------------------------
+# The chain verifier alone: one block, exact per-position laws, both kinds of q
+# ---------------------------------------------------------------------------------------------
+
+
+def chain_block_tokens(variants, point_mass: bool, rows: int = 40_000):
+    """(target laws P [K+1, V], per variant: emitted tokens [rows, K+1], -1 where none was emitted).
+
+    One verified block per row with fixed target laws p_0..p_K (a target whose next-token law
+    depends only on the position) and drafts either fixed (q = 1) or drawn from fixed q_0..q_K-1.
+    Token i is d_i+1 if i < n, the verifier's next token if i = n, nothing if i > n; given that
+    tokens 0..i-1 were emitted (n >= i), token i must follow p_i (i = K: bonus tokens alone).
+    All variants run in one jitted call, `rows` rows each (`by_row_group`)."""
+    V, B = 6, rows * len(variants)
+    rs = np.random.RandomState(0)
+    likely = np.arange(K)  # distinct tokens, each likely at its position: the q = 1 drafts
+    P = rs.dirichlet(np.ones(V), K + 1)
+    P[:K] = 0.6 * np.eye(V)[likely] + 0.4 * P[:K]
+    Q = 0.5 * P[:K] + 0.5 * rs.dirichlet(np.ones(V), K)
+    k_draft, k_verify = jax.random.split(jax.random.PRNGKey(1))
+    if point_mass:
+        drafts = jnp.broadcast_to(jnp.asarray(likely, jnp.int32), (B, K))
+        q = None
+    else:
+        drafts = jax.random.categorical(k_draft, jnp.log(jnp.asarray(Q, jnp.float32)), shape=(B, K))
+        q = jnp.broadcast_to(jnp.asarray(Q, jnp.float32), (B, K, V))
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray(P, jnp.float32)), (B, K + 1, V))
+    verify = jax.jit(by_row_group(variants, rows), static_argnums=4)
+    n, nxt = verify(k_verify, logits, drafts, jnp.ones((B, K), bool), Sampling(temperature=1.0), q)
+    n, nxt, drafts = (np.asarray(x) for x in (n, nxt, drafts))
+    i = np.arange(K + 1)[None]
+    tokens = np.where(i < n[:, None], np.pad(drafts, ((0, 0), (0, 1))), np.where(i == n[:, None], nxt[:, None], -1))
+    return P, [tokens[g * rows : (g + 1) * rows] for g in range(len(variants))]
+
+
+def block_pvalue(P, tokens, positions) -> float:
+    stat, df = 0.0, 0
+    for i in positions:
+        x = tokens[:, i][tokens[:, i] >= 0]
+        observed = np.bincount(x, minlength=P.shape[1])
+        stat += float(stats.chisquare(observed, P[i] * len(x)).statistic)
+        df += P.shape[1] - 1
+    return float(stats.chi2.sf(stat, df))
+
+
+@pytest.mark.parametrize("point_mass", [False, True], ids=["sampled-q", "q=1"])
+def test_chain_verifier_block_law(point_mass):
+    shipped = chain_verify.verify_sampling
+    mutants = POINT_MASS_MUTANTS if point_mass else MUTANTS["chain"]
+    P, groups = chain_block_tokens([shipped] + [mutant(shipped, *mutants[m]) for m in mutants], point_mass)
+    tokens = groups[0]
+    assert ((tokens >= 0).sum(0) > 5000).all()  # every position, the bonus included, is reached
+    for i in range(K + 1):
+        pval = block_pvalue(P, tokens, [i])
+        assert pval > PASS, f"position {i} departs from p_{i} (p = {pval:.2e})"
+    for m, tokens in zip(mutants, groups[1:]):
+        pval = block_pvalue(P, tokens, BUG_OFFSETS[m])
+        assert pval < REJECT, f"mutant {m} passes at positions {BUG_OFFSETS[m]} (p = {pval:.2e})"
