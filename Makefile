@@ -23,9 +23,10 @@ demo: setup
 	$(VENV)/bin/jspec generate --chat --max-new-tokens 128 "$(PROMPT)"
 	$(VENV)/bin/jspec generate --chat --max-new-tokens 128 --drafter ngram --policy heuristic "$(PROMPT)"
 
-# -q comes from pyproject's addopts; a second -q would hide pytest's summary line.
+# -q comes from pyproject's addopts; a second -q would hide pytest's summary line. Two workers, one
+# test file each at a time (module fixtures stay in one process): most tests are XLA-compile-bound.
 test: setup
-	$(PY) -m pytest --durations=15
+	$(PY) -m pytest -n 2 --dist loadfile --durations=15
 
 # The AR-vs-peers report (jspec AR, transformers generate and its prompt lookup): 4.4 min on an H200.
 bench: setup
