@@ -43,6 +43,7 @@ from ..config import ModelConfig
 from ..heads import dlm as D
 from . import shards as SH
 from . import step as S
+from .loop import run_timed_loop
 from .trainer import Checkpointer
 
 
@@ -177,12 +178,6 @@ def make_optimizer(tc: DLMTrainConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(tc.grad_clip), adamw)
 
 
-def lr_at(tc: DLMTrainConfig, step: int, progress: float) -> float:
-    warm = min(1.0, (step + 1) / max(tc.warmup_steps, 1))
-    cos = 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
-    return tc.lr * warm * (tc.final_lr_fraction + (1 - tc.final_lr_fraction) * cos)
-
-
 def _train_step(dcfg, tc, mesh, state, tparams, lr, batch):
     dtype = jnp.dtype(tc.compute_dtype)
     key = jax.random.fold_in(jax.random.PRNGKey(tc.seed), state["step"])
@@ -269,46 +264,12 @@ def train_dlm(tcfg: ModelConfig, tparams: dict, data_dir: str, out_dir: str, tc:
     reserve = 50.0 if tc.time_budget_s and tc.time_budget_s > 120 else 0.0
 
     first = jax.process_index() == 0
-    log_path = os.path.join(out_dir, "metrics.jsonl")
-    pending, history, step_times = [], [], []
-    step = int(state["step"])
-    t_loop = time.perf_counter()
-    t_clock = None
-    while step < tc.steps:
-        now = time.perf_counter()
-        if tc.time_budget_s:
-            est = float(np.median(step_times[-20:])) if step_times else 0.0
-            if now + est > deadline - reserve:
-                break
-            frac = (now - t_clock) / max(deadline - reserve - t_clock, 1e-6) if t_clock else 0.0
-        else:
-            frac = step / max(tc.steps, 1)
-        lr = lr_at(tc, step, frac)
-        batch = S.global_batch(mesh, loader(step))
-        state, metrics = train_step(dcfg, tc, mesh, state, tparams_c, lr, batch)
-        jax.block_until_ready(metrics)  # one sync a step keeps the deadline exact
-        done = time.perf_counter()
-        if t_clock is None:
-            t_clock = done
-        else:
-            step_times.append(done - now)
-        pending.append(metrics)
-        step += 1
-        if step % tc.log_every == 0:
-            ms = jax.device_get(pending)
-            pending = []
-            row = {"step": step, **{k: float(np.mean([m[k] for m in ms])) for k in ("loss", "acc", "acc_full_mask", "grad_norm")},
-                   "lr": lr, "elapsed_s": done - t_start}
-            history.append(row)
-            if first:
-                with open(log_path, "a") as fh:
-                    fh.write(json.dumps(row) + "\n")
-                if progress:
-                    print(f"step {step} loss {row['loss']:.3f} acc {row['acc']:.3f} full-mask acc "
-                          f"{row['acc_full_mask']:.3f} ({row['elapsed_s']:.0f}s)", flush=True)
-        if tc.ckpt_every and step % tc.ckpt_every == 0:
-            ckpt.save(step, state, {}, {"step": step})
-    train_s = time.perf_counter() - t_loop
+    describe = (lambda r: f"step {r['step']} loss {r['loss']:.3f} acc {r['acc']:.3f} full-mask acc "
+                          f"{r['acc_full_mask']:.3f} ({r['elapsed_s']:.0f}s)") if progress else None
+    state, step, history, train_s = run_timed_loop(
+        state, lambda st, lr, i: train_step(dcfg, tc, mesh, st, tparams_c, lr, S.global_batch(mesh, loader(i))), tc,
+        deadline=deadline, reserve=reserve, t_start=t_start, metric_keys=("loss", "acc", "acc_full_mask", "grad_norm"),
+        log_path=os.path.join(out_dir, "metrics.jsonl"), describe=describe, ckpt=ckpt)
     if step:
         ckpt.save(step, state, {}, {"step": step})
     ckpt.close()

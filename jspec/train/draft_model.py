@@ -53,6 +53,7 @@ from ..heads import exit_head as EH
 from . import data as D1
 from . import shards as D2
 from . import step as S
+from .loop import run_timed_loop
 from .trainer import Checkpointer
 
 
@@ -192,13 +193,6 @@ def make_optimizer(tc: DraftTrainConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(tc.grad_clip), adamw)
 
 
-def lr_at(tc: DraftTrainConfig, step: int, progress: float) -> float:
-    """Warm-up over `warmup_steps`, then cosine from lr to lr * final_lr_fraction over progress."""
-    warm = min(1.0, (step + 1) / max(tc.warmup_steps, 1))
-    cos = 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
-    return tc.lr * warm * (tc.final_lr_fraction + (1 - tc.final_lr_fraction) * cos)
-
-
 def _train_step(tcfg, dcfg, tc, mesh, state, tparams, lr, batch):
     dtype = jnp.dtype(tc.compute_dtype)
 
@@ -291,48 +285,11 @@ def train_draft_model(tcfg: ModelConfig, tparams: dict, data_dir: str, out_dir: 
     reserve = 45.0 if tc.time_budget_s and tc.time_budget_s > 120 else 0.0
 
     first = jax.process_index() == 0
-    log_path = os.path.join(out_dir, "metrics.jsonl")
-    pending, history = [], []
-    step = int(state["step"])
-    t_loop = time.perf_counter()
-    t_clock = None  # when the first (compiling) step finished: the schedule's clock starts there
-    step_times: list[float] = []
-    while step < tc.steps:
-        now = time.perf_counter()
-        if tc.time_budget_s:
-            est = float(np.median(step_times[-20:])) if step_times else 0.0
-            if now + est > deadline - reserve:  # the next step must end before the reserve
-                break
-            frac = (now - t_clock) / max(deadline - reserve - t_clock, 1e-6) if t_clock else 0.0
-        else:
-            frac = step / max(tc.steps, 1)
-        lr = lr_at(tc, step, frac)
-        batch = S.global_batch(mesh, loader(step))
-        state, metrics = train_step(tcfg, dcfg, tc, mesh, state, tparams_c, lr, batch)
-        # One sync a step keeps the deadline exact; the host work it exposes (one batch) is small
-        # next to a step.
-        jax.block_until_ready(metrics)
-        done = time.perf_counter()
-        if t_clock is None:
-            t_clock = done
-        else:
-            step_times.append(done - now)
-        pending.append(metrics)
-        step += 1
-        if step % tc.log_every == 0:
-            ms = jax.device_get(pending)
-            pending = []
-            row = {"step": step, **{k: float(np.mean([m[k] for m in ms])) for k in ("kl", "overlap", "agree", "grad_norm")},
-                   "lr": lr, "elapsed_s": done - t_start}
-            history.append(row)
-            if first:
-                with open(log_path, "a") as fh:
-                    fh.write(json.dumps(row) + "\n")
-                if progress:
-                    print(f"step {step} kl {row['kl']:.3f} overlap {row['overlap']:.3f} agree {row['agree']:.3f}", flush=True)
-        if ckpt and tc.ckpt_every and step % tc.ckpt_every == 0:
-            ckpt.save(step, state, {}, {"step": step})
-    train_s = time.perf_counter() - t_loop
+    describe = (lambda r: f"step {r['step']} kl {r['kl']:.3f} overlap {r['overlap']:.3f} agree {r['agree']:.3f}") if progress else None
+    state, step, history, train_s = run_timed_loop(
+        state, lambda st, lr, i: train_step(tcfg, dcfg, tc, mesh, st, tparams_c, lr, S.global_batch(mesh, loader(i))), tc,
+        deadline=deadline, reserve=reserve, t_start=t_start, metric_keys=("kl", "overlap", "agree", "grad_norm"),
+        log_path=os.path.join(out_dir, "metrics.jsonl"), describe=describe, ckpt=ckpt)
     if ckpt:
         if step:
             ckpt.save(step, state, {}, {"step": step})
