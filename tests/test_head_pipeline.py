@@ -31,9 +31,9 @@ from jspec.train.vocab import coverage_report
 
 DC = D.DistillConfig(rows_per_device=2, refill_per_device=1, chunk_steps=4, max_new_tokens=10, max_prompt_tokens=64,
                      max_cont_prompt_tokens=64, self_prompts=8, self_prompt_max_new=8, rows_per_shard=8,
-                     holdout_every=4, continuation_share=0.3)
+                     holdout_every=4, continuation_share=0.3, source_caps="chitchat=3")
 TC = TrainConfig(kind="eagle3", ttt_steps=1, batch_size=8, seq_len=48, steps=6, lr=1e-2, warmup_ratio=0.2,
-                 compute_dtype="float32", logits_chunk=8)
+                 compute_dtype="float32", logits_chunk=8, length_buckets=(32, 48))
 HCFG = H.default_head_config("eagle3", TARGET, draft_vocab_size=64)
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -51,7 +51,7 @@ def pipeline(tmp_path_factory):
     summary = D.distill(target, TARGET, tok, corpus, data, DC, chat=True, progress=False, log=lambda *_: None)
     run = root / "run" / "eagle3"
     # one device: the sharded train step is checked against one device in test_train.py
-    res = train(HCFG, TC, target, data, str(run), run=RunConfig(ckpt_every=100, log_every=3),
+    res = train(HCFG, TC, target, data, str(run), run=RunConfig(ckpt_every=100, log_every=3, eval_every=3, eval_batches=1),
                 mesh=ST.make_mesh(1, jax.devices()[:1]), head_params=numpy_params(H.init_head, HCFG, seed=1, scale=0.05),
                 progress=False, lm_head_init="target", log_fn=lambda *_: None)
     save_eagle_head(str(run / "eagle"), HCFG, res.head_params, dtype="bfloat16")
@@ -84,6 +84,9 @@ def test_distilled_rows_are_the_targets_answers(pipeline):
     for b, (seq, p) in enumerate(greedy):
         assert ref.row(b) == seq[p:]
     assert any(t > 0 for _, _, t, _ in rows)  # a sampled share
+    chitchat = C.SOURCES.index("chitchat")
+    n_chitchat = sum(int((S.load_rows(data, s["file"])["source"] == chitchat).sum()) for s in S.shard_files(meta, "all"))
+    assert n_chitchat == 3  # source_caps: 3 of the 7 chit-chat prompts
     corpus = pipeline["corpus"]
     by_item = {item: seq for seq, _, _, item in rows}
     conts = [(seq, p, item) for seq, p, _, item in rows if item < len(corpus) and corpus.parent[item] >= 0]
@@ -98,6 +101,8 @@ def test_training_reads_v2_shards_with_target_lm_head(pipeline):
     assert res.finished and res.last_step == TC.steps
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert {"acc_0", "tokens_per_s_per_device", "elapsed_s"} <= set(rows[-1])
+    held = [json.loads(line) for line in open(run / "holdout_metrics.jsonl")]
+    assert [r["step"] for r in held] == [3, 6] and 0 <= held[-1]["acc_0"] <= 1
     hcfg, head = load_eagle_head(str(run / "eagle"), TARGET)
     assert hcfg.draft_vocab_size == 64
     cov = coverage_report(pipeline["data"], res.head_params["t2d"])

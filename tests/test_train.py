@@ -81,6 +81,26 @@ def test_loader_deterministic_and_split_over_hosts(data_dir):
     assert token_counts(data_dir, TARGET.vocab_size).sum() == everything["loss_mask"].sum()
 
 
+def test_length_buckets_pad_batches_to_their_longest_row(data_dir):
+    plain = ShardedLoader(data_dir, global_batch=4, seed=3)
+    kw = dict(global_batch=4, seed=3, length_buckets=(12, 14, SEQ), bucket_window=5)
+    one, again = ShardedLoader(data_dir, **kw), ShardedLoader(data_dir, **kw)
+    n = one.steps_in_epoch(0)
+    assert n == plain.steps_in_epoch(0) == 10
+    widths, rows = set(), set()
+    for step in range(n):
+        b = one.batch(step)
+        np.testing.assert_array_equal(b["tokens"], again.batch(step)["tokens"])
+        T = b["tokens"].shape[1]
+        widths.add(T)
+        assert T in kw["length_buckets"] and b["lengths"].max() <= T
+        assert T == SEQ or b["lengths"].max() > {14: 12, 12: 0}[T]  # the smallest bucket that fits
+        rows |= {tuple(r[:l]) for r, l in zip(b["tokens"], b["lengths"])}
+    assert len(widths) > 1 and len(rows) == 40  # shorter batches exist; an epoch still sees every row
+    with pytest.raises(ValueError, match="end at seq_len"):
+        ShardedLoader(data_dir, global_batch=4, length_buckets=(8, 12))
+
+
 @pytest.fixture(scope="module")
 def straight_run(data_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("straight"))
@@ -190,3 +210,22 @@ def test_cli_distills_dataset(tmp_path, monkeypatch):
     assert json.loads((out / "recipe.json").read_text())["train"]["seq_len"] == 48
     batch = ShardedLoader(str(out / "data"), 8).batch(0)
     assert batch["loss_mask"].any(axis=1).all()  # every row has a response to learn from
+
+
+def test_loop_cut_keeps_normal_text_and_cuts_loops():
+    from jspec.train.shards import LoopCut, PackStats, pack_rows
+
+    rng = np.random.default_rng(0)
+    text = rng.integers(0, 40000, 120)
+    loop = np.tile(rng.integers(0, 40000, 9), 50)
+    cut = LoopCut(ngram=8, run=32, keep=64)
+    assert cut.cut(text) == 120  # no 8-gram repeats
+    assert cut.cut(np.concatenate([text, text[:20], text[40:60]])) == 160  # short quotes stay
+    n = cut.cut(np.concatenate([text, loop]))
+    assert n == 120 + 9 + 7 + 64  # one cycle, then the first repeated 8-gram ends at +16; keep 64 more
+    assert LoopCut(run=0).cut(np.concatenate([text, loop])) == 570
+    seq = np.concatenate([[5, 6, 7], text, loop]).astype(np.uint16)
+    rows = {"tokens": seq, "offsets": np.array([0, len(seq)]), "prompt_lens": np.array([3], np.int32)}
+    stats = PackStats()
+    tokens, mask, lengths = pack_rows(rows, 1024, 0, stats, loop_cut=cut)
+    assert lengths[0] == 3 + n and mask[0].sum() == n and stats.loop_cut == 1 and stats.loop_tokens == 570 - n

@@ -161,7 +161,7 @@ def train_from_args(args: argparse.Namespace):
     budget = getattr(args, "time_budget_s", None)
     deadline = _T0 + budget if budget else None
     if first_host:
-        _write_data_report(out, data_dir, recipe.train.seq_len)
+        _write_data_report(out, data_dir, recipe.train.seq_len, recipe.train.loop_cut)
     result = train(hcfg, recipe.train, params, data_dir, out, run=recipe.run, resume=args.resume,
                    stop_at=args.stop_at, progress=progress, deadline=deadline,
                    fit_to_deadline=getattr(args, "fit_steps_to_budget", False), lm_head_init=recipe.head.lm_head_init)
@@ -174,19 +174,20 @@ def train_from_args(args: argparse.Namespace):
     return result
 
 
-def _write_data_report(out: str, data_dir: str, seq_len: int) -> None:
+def _write_data_report(out: str, data_dir: str, seq_len: int, loop_cut) -> None:
     """data_report.json: the dataset's rows and tokens by split and source, and what packing to
-    seq_len cuts (v2 datasets)."""
+    seq_len cuts, loops included (v2 datasets)."""
     from . import shards
 
     meta = shards.read_meta(data_dir)
     if meta.get("format") != shards.FORMAT:
         return
-    report = {"summary": shards.dataset_summary(data_dir), "packing": shards.length_stats(data_dir, seq_len)}
+    report = {"summary": shards.dataset_summary(data_dir), "packing": shards.length_stats(data_dir, seq_len, loop_cut=loop_cut)}
     with open(os.path.join(out, "data_report.json"), "w") as fh:
         json.dump(report, fh, indent=1)
     p = report["packing"]
-    print(f"data: {p['rows']:,} training rows; {p['truncated_rows']:,} longer than seq_len {seq_len} are cut "
+    print(f"data: {p['rows']:,} training rows; {p['loop_cut_rows']:,} responses cut where they loop "
+          f"({p['loop_cut_tokens']:,} tokens); {p['truncated_rows']:,} longer than seq_len {seq_len} are cut "
           f"({p['truncated_tokens']:,} tokens), padding {p['padding_share']:.0%} of a batch")
 
 

@@ -19,6 +19,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from .shards import LoopCut
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -49,12 +51,27 @@ class TrainConfig:
     remat: bool = True  # recompute each TTT step in the backward pass (logits dominate memory)
     logits_chunk: int = 256  # positions per chunk of the target's full-vocab argmax
     seed: int = 0
+    # responses that turn into loops are cut loop_cut_keep tokens after the loop starts (a run of
+    # loop_cut_run positions whose loop_cut_ngram-gram occurred before; jspec.train.shards.LoopCut)
+    loop_cut_ngram: int = 8
+    loop_cut_run: int = 32  # 0: keep loops whole
+    loop_cut_keep: int = 64
+    # pad each batch only to the smallest of these lengths that holds its longest row (rows sorted
+    # by length within windows; jspec.train.data.ShardedLoader); () = always seq_len. Must end at seq_len.
+    length_buckets: tuple[int, ...] = ()
+
+    @property
+    def loop_cut(self) -> LoopCut:
+        return LoopCut(self.loop_cut_ngram, self.loop_cut_run, self.loop_cut_keep)
 
     def __post_init__(self):
         if self.ttt_steps < 1:
             raise ValueError("ttt_steps must be >= 1")
         if self.seq_len <= self.ttt_steps + 1:
             raise ValueError("seq_len must exceed ttt_steps + 1")
+        if self.length_buckets and (list(self.length_buckets) != sorted(set(self.length_buckets))
+                                    or self.length_buckets[-1] != self.seq_len):
+            raise ValueError(f"length_buckets {self.length_buckets} must increase and end at seq_len {self.seq_len}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
 
@@ -78,6 +95,10 @@ class RunConfig:
     ckpt_every_s: float = 0.0  # also checkpoint when this many seconds passed since the last one (0: off)
     keep_checkpoints: int = 3
     log_every: int = 10
+    # held-out metrics (the dataset's "holdout" shards) every eval_every steps, eval_batches global
+    # batches each, to holdout_metrics.jsonl: training accuracy alone hides memorisation (0 = off)
+    eval_every: int = 0
+    eval_batches: int = 4
     fsdp: int = 1  # devices per fsdp group; the rest of the devices form the data axis
     export_dtype: str = "bfloat16"
 

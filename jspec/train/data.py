@@ -18,6 +18,14 @@ host shuffles its rows with seed (seed, e, host) and cuts them into local batche
 is therefore a pure function of the step number, which is all a checkpoint needs to resume the
 data stream exactly. With fewer shards than processes every host reads every shard and keeps
 every P-th row instead.
+
+Length buckets (`length_buckets`, e.g. (256, 384, 512, 768)): a batch padded to the longest row
+of the dataset is mostly padding when answers vary from 10 to 700 tokens (58% of the first
+corpus run's batches). With buckets, a host sorts its shuffled rows by length within windows of
+`bucket_window` batches, cuts the windows into batches, shuffles the batch order, and pads each
+batch only to the smallest bucket that holds its longest row (the largest over hosts: one tiny
+all-gather per step when there are several). The train step compiles once per bucket. Still a
+pure function of (seed, step).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
+from jax.experimental import multihost_utils
 
 from . import shards as shards_v2
 
@@ -149,6 +158,9 @@ class ShardedLoader:
     process_count: int = 1
     seq_len_override: int | None = None  # required for v2 datasets
     split: str = "train"
+    loop_cut: shards_v2.LoopCut = shards_v2.NO_LOOP_CUT  # v2 rows: where looping responses are cut
+    length_buckets: tuple[int, ...] = ()  # () = every batch padded to seq_len (see the module doc)
+    bucket_window: int = 32  # batches per length-sorting window
 
     def __post_init__(self):
         if self.global_batch % self.process_count:
@@ -170,6 +182,9 @@ class ShardedLoader:
         self._epoch_rows: dict[int, np.ndarray] = {}
         if self.steps_in_epoch(0) == 0:
             raise ValueError(f"{self.data_dir}: too few rows for a local batch of {self.local_batch}")
+        if self.length_buckets:
+            if sorted(self.length_buckets) != list(self.length_buckets) or self.length_buckets[-1] != self.seq_len:
+                raise ValueError(f"length_buckets {self.length_buckets} must increase and end at seq_len {self.seq_len}")
 
     @property
     def seq_len(self) -> int:
@@ -205,8 +220,29 @@ class ShardedLoader:
         if epoch not in self._epoch_rows:
             pairs = np.asarray(self._assignment(epoch, self.process_index), np.int64).reshape(-1, 2)
             perm = np.random.default_rng([self.seed, epoch, self.process_index]).permutation(len(pairs))
-            self._epoch_rows = {epoch: pairs[perm]}  # keep one epoch's order in memory
+            pairs = pairs[perm]
+            if self.length_buckets:
+                pairs = self._length_grouped(epoch, pairs)
+            self._epoch_rows = {epoch: pairs}  # keep one epoch's order in memory
         return self._epoch_rows[epoch]
+
+    def _length_grouped(self, epoch: int, pairs: np.ndarray) -> np.ndarray:
+        """The epoch's rows reordered so each batch holds rows of similar length (module doc)."""
+        b = self.local_batch
+        n = self.steps_in_epoch(epoch) * b  # the rows this epoch's batches use, as without buckets
+        used, rest = pairs[:n], pairs[n:]
+        lengths = np.asarray([self._shard(int(s))["lengths"][int(r)] for s, r in used])
+        window = self.bucket_window * b
+        order = np.concatenate([start + np.argsort(lengths[start : start + window], kind="stable")
+                                for start in range(0, n, window)])
+        batches = used[order].reshape(-1, b, 2)
+        shuffled = np.random.default_rng([self.seed, epoch, self.process_index, 1]).permutation(len(batches))
+        return np.concatenate([batches[shuffled].reshape(-1, 2), rest])
+
+    def _bucket(self, longest: int) -> int:
+        if self.process_count > 1:  # every host pads the step's batch to the same length
+            longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
+        return next(t for t in self.length_buckets if t >= longest)
 
     def _shard(self, index: int) -> dict[str, np.ndarray]:
         name = self._files[index]["file"]
@@ -215,7 +251,8 @@ class ShardedLoader:
                 self._cache.pop(next(iter(self._cache)))
             if self._v2:
                 rows = shards_v2.load_rows(self.data_dir, name)
-                tokens, mask, lengths = shards_v2.pack_rows(rows, self.seq_len, self.meta["pad_id"])
+                tokens, mask, lengths = shards_v2.pack_rows(rows, self.seq_len, self.meta["pad_id"],
+                                                            loop_cut=self.loop_cut)
                 self._cache[name] = {"tokens": tokens, "loss_mask": mask, "lengths": lengths}
             else:
                 self._cache[name] = load_shard(self.data_dir, name)
@@ -227,7 +264,11 @@ class ShardedLoader:
         epoch, i = self.locate(step)
         pairs = self._rows(epoch)[i * self.local_batch : (i + 1) * self.local_batch]
         rows = [{k: v[r] for k, v in self._shard(s).items()} for s, r in pairs]
-        return {k: np.stack([row[k] for row in rows]) for k in ("tokens", "loss_mask", "lengths")}
+        batch = {k: np.stack([row[k] for row in rows]) for k in ("tokens", "loss_mask", "lengths")}
+        if self.length_buckets:
+            T = self._bucket(int(batch["lengths"].max()))
+            batch["tokens"], batch["loss_mask"] = batch["tokens"][:, :T], batch["loss_mask"][:, :T]
+        return batch
 
 
 # ---------------------------------------------------------------------------------------------

@@ -83,6 +83,10 @@ class DistillConfig:
     holdout_every: int = 25
     seed: int = 0
     attention: str = "auto"  # decode kernels (model.KERNEL_IMPLS): auto = pallas on GPU, else xla
+    # "source=N,...": answer at most N standalone prompts of a corpus source (a seeded random
+    # subset), e.g. "chitchat=16000": chit-chat is 70% of the corpus, and the target answers most
+    # chit-chat with a loop, so uncapped it crowds out the instructions a head is used on
+    source_caps: str = ""
 
     def __post_init__(self):
         if self.rows_per_device < 1 or not 1 <= self.refill_per_device <= self.rows_per_device:
@@ -91,6 +95,17 @@ class DistillConfig:
             raise ValueError("max_new_tokens and chunk_steps must be >= 1")
         if not 0.0 <= self.sample_share <= 1.0 or not 0.0 <= self.continuation_share < 1.0:
             raise ValueError("sample_share must be in [0, 1] and continuation_share in [0, 1)")
+        self.caps()  # validated here, before any model loads
+
+    def caps(self) -> dict[str, int]:
+        """source_caps parsed: {corpus source name: max standalone prompts}."""
+        caps = {}
+        for part in filter(None, (p.strip() for p in self.source_caps.split(","))):
+            name, _, n = part.partition("=")
+            if name not in C.SOURCES or not n.isdigit():
+                raise ValueError(f"source_caps entry {part!r}: expected SOURCE=N with SOURCE one of {', '.join(C.SOURCES)}")
+            caps[name] = int(n)
+        return caps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,7 +646,11 @@ def distill(params, cfg: ModelConfig, tokenizer, corpus: C.Corpus, out_dir: str,
     lengths = corpus.lengths()
     temps = _temperatures(len(corpus), dc, 0)
     in_part = corpus_roots(corpus) % part[1] == part[0]
-    standalone = [i for i in np.flatnonzero((corpus.parent < 0) & in_part) if int(i) not in done]
+    allowed = (corpus.parent < 0) & in_part
+    for name, cap in dc.caps().items():  # the same seeded subset on every resumed run and host
+        ids = np.flatnonzero((corpus.parent < 0) & (corpus.source == C.SOURCES.index(name)))
+        allowed[np.random.default_rng([dc.seed, 7]).permutation(ids)[cap:]] = False
+    standalone = [i for i in np.flatnonzero(allowed) if int(i) not in done]
     if max_prompts is not None:
         standalone = standalone[:max_prompts]
     jobs = [Job(int(i), corpus.ids(int(i)), float(temps[i]), dc.max_new_tokens, int(corpus.source[i]))

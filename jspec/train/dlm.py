@@ -83,7 +83,7 @@ def load_rows(data_dir: str, seq_len: int, split: str) -> dict[str, np.ndarray]:
     meta = SH.read_meta(data_dir)
     if meta.get("format") != SH.FORMAT:
         raise ValueError(f"{data_dir}: expected a {SH.FORMAT} dataset, found {meta.get('format')!r}")
-    parts = [SH.pack_rows(SH.load_rows(data_dir, s["file"]), seq_len, meta.get("pad_id", 0))
+    parts = [SH.pack_rows(SH.load_rows(data_dir, s["file"]), seq_len, meta.get("pad_id", 0), loop_cut=SH.LoopCut())
              for s in SH.shard_files(meta, split)]
     if not parts:
         return {}

@@ -94,7 +94,8 @@ def load_packed(data_dir: str, seq_len: int, split: str = "train") -> dict[str, 
     parts = []
     if meta.get("format") == D2.FORMAT:
         for s in D2.shard_files(meta, split):
-            t, m, n = D2.pack_rows(D2.load_rows(data_dir, s["file"]), seq_len, meta.get("pad_id", 0))
+            t, m, n = D2.pack_rows(D2.load_rows(data_dir, s["file"]), seq_len, meta.get("pad_id", 0),
+                                   loop_cut=D2.LoopCut())
             parts.append((t, m, n))
     elif meta.get("format") == D1.FORMAT:
         if split != "train":

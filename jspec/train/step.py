@@ -177,7 +177,16 @@ def _train_step(hcfg: H.HeadConfig, tc: TrainConfig, mesh: Mesh, state: dict, fi
     return new_state, metrics
 
 
+def _eval_step(hcfg: H.HeadConfig, tc: TrainConfig, state: dict, fixed: dict, target_params: dict, batch: dict):
+    """The training loss and per-step accuracies on a batch, without noise or an update."""
+    target = losses.target_outputs(hcfg, tc, target_params, batch["tokens"])
+    head_params = {**cast_params(state["params"], jnp.dtype(tc.compute_dtype)), **fixed}
+    _, metrics = losses.ttt_loss(hcfg, tc, head_params, target_params, batch, target, state["rng"])
+    return metrics
+
+
 train_step = jax.jit(_train_step, static_argnums=(0, 1, 2), donate_argnums=(3,))
+eval_step = jax.jit(_eval_step, static_argnums=(0, 1))
 train_step.__doc__ = """train_step(hcfg, tc, mesh, state, fixed, target_params, batch) -> (state, metrics).
 
 state: init_state(...) placed with `place`; fixed: the head's integer leaves (d2t, t2d);

