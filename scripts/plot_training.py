@@ -1,5 +1,6 @@
 """Training curves from a metrics.jsonl written by `jspec train-head`: loss, top-1 accuracy per
-training-time-test step, learning rate and tokens/s, against the step.
+training-time-test step (held-out accuracy too, from holdout_metrics.jsonl beside it), learning
+rate and tokens/s, against the step.
 
     python scripts/plot_training.py runs/device/eagle3/metrics.jsonl --out models/smollm2-135m-instruct/heads/eagle3/training_curves.png
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 
 def load(path: str) -> list[dict]:
@@ -15,7 +17,7 @@ def load(path: str) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def plot(rows: list[dict], out: str, title: str = "") -> None:
+def plot(rows: list[dict], out: str, title: str = "", held: list[dict] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -27,8 +29,11 @@ def plot(rows: list[dict], out: str, title: str = "") -> None:
     ax[0, 0].plot(steps, [r["loss"] for r in rows], color="black", lw=1.2)
     ax[0, 0].set_title("loss (sum over TTT steps, weights 0.8^j)" if len(accs) > 1 else "loss")
     for k in accs:
-        ax[0, 1].plot(steps, [r[k] for r in rows], lw=1.1, label=f"step {k.split('_')[1]}")
-    ax[0, 1].set_title("top-1 accuracy vs the target's argmax")
+        line, = ax[0, 1].plot(steps, [r[k] for r in rows], lw=1.1, alpha=0.5 if held else 1.0,
+                              label=f"step {k.split('_')[1]}")
+        if held:  # held-out points in the same colour, solid
+            ax[0, 1].plot([r["step"] for r in held], [r[k] for r in held], "o-", ms=2.5, color=line.get_color())
+    ax[0, 1].set_title("top-1 accuracy vs the target's argmax" + (" (dots: held out)" if held else ""))
     ax[0, 1].set_ylim(0, 1)
     ax[0, 1].legend(fontsize=8, ncol=2)
     ax[1, 0].plot(steps, [r["lr"] for r in rows], color="tab:green")
@@ -54,7 +59,8 @@ def main(argv=None) -> int:
     rows = load(a.metrics)
     if not rows:
         raise SystemExit(f"{a.metrics} has no rows")
-    plot(rows, a.out, a.title)
+    held_path = os.path.join(os.path.dirname(a.metrics), "holdout_metrics.jsonl")
+    plot(rows, a.out, a.title, load(held_path) if os.path.isfile(held_path) else None)
     print(f"wrote {a.out} ({len(rows)} points, last step {rows[-1]['step']})")
     return 0
 
