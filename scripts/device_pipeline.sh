@@ -2,9 +2,11 @@
 # One 4-GPU device session as a background pipeline that outlives the ≤10-minute calls: the calls
 # only stage, wait and collect, so no GPU sits idle between them.
 #
-#   call 1 (carry .stage/p0; shipped head parked):      bash scripts/device_pipeline.sh stage .stage/p0
+#   here, first: bash scripts/device_park.sh park    (the shipped weights exceed a call's 64 MiB)
+#   call 1 (carry .stage/p0):                           bash scripts/device_pipeline.sh stage .stage/p0
 #   call 2 (carry .stage/p1 .stage/corpus):             bash scripts/device_pipeline.sh start .stage/p1
 #   calls 3.. (back to back, nothing carried):          bash scripts/device_pipeline.sh wait 570
+#   here, last:  bash scripts/device_park.sh unpark, then scripts/unpack_device_out.sh on the files
 #
 # `start` stages the last GGUF part and the corpus, copies the repo to /root/jspec-src (later calls
 # re-send the working tree; the pipeline must not read a tree that changes under it) and launches
