@@ -66,6 +66,7 @@ lane_head() {
   }
   local auto="ar,spec:eagle3:$new:auto,spec:eagle3:$new:auto:tree,spec:ngram:auto"
   ( group 0 new_head_b1 mt_bench 1 "ar,spec:eagle3:$new:static:k=6,spec:eagle3:$new:static:tree,spec:eagle3:$new:auto,spec:eagle3:$new:auto:tree,spec:eagle3:$new:ldlp,spec:ngram:auto" --round-cost 1
+    # the chit-chat hold-out task reads chitchat-dataset: stage its wheel in .stage/p0/whl
     group 0 new_head_chitchat chitchat 1 "ar,spec:eagle3:$new:static:tree" --n-prompts 80 ) &
   ( group 1 new_head_humaneval humaneval 1 "ar,spec:eagle3:$new:static:tree,spec:eagle3:$new:auto:tree"
     group 1 auto_b8_b16_b32 mt_bench 8,16,32 "$auto" ) &
@@ -83,7 +84,7 @@ lane_models() {  # GPU 2
   CUDA_VISIBLE_DEVICES=2 timeout 400 python3 scripts/train_dlm.py --target $PRESET --data "$RUN/data" \
     --out "$RUN/dlm" --layers 4 --time-budget-s 300 --no-progress > "$P/dlm.log" 2>&1
   note "dlm exit $?"
-  ship 4 dlm dlm
+  ship 4 dlm dlm/dlm.safetensors dlm/dlm_metrics.json dlm/metrics.jsonl  # not its checkpoints (150 MB)
   while [ ! -f "$P/hrad.done" ]; do sleep 5; done
   CUDA_VISIBLE_DEVICES=2,3 timeout 300 python3 scripts/bench_pearl.py --model $PRESET \
     --drafter "model:$RUN/draft/draft" --exit-head "$RUN/exit/draft" --hrad "$RUN/hrad/hrad" \
@@ -108,8 +109,8 @@ lane_exit() {  # GPU 3
   touch "$P/hrad.done"
   ship 2 hrad hrad
   # the head recipe on one GPU, same global batch, 60 steps: tokens/s against the two-GPU main run
-  CUDA_VISIBLE_DEVICES=3 timeout 300 python3 -m jspec.cli train-head --target $PRESET \
-    --recipe training/smollm2-eagle3-corpus.json --data "$RUN/data" --out "$RUN/scale-1" --steps 60 --log-every 10 \
+  CUDA_VISIBLE_DEVICES=3 timeout 420 python3 -m jspec.cli train-head --target $PRESET \
+    --recipe training/smollm2-eagle3-corpus.json --data "$RUN/data" --out "$RUN/scale-1" --steps 45 --log-every 5 \
     --ckpt-every 100000 --no-progress > "$P/scale1.log" 2>&1
   note "one-GPU speed run exit $?"
   cp "$RUN/scale-1/metrics.jsonl" "$BOX/1_scale1_metrics.jsonl" 2>/dev/null
