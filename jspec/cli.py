@@ -54,7 +54,9 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto (float32 on CPU, bfloat16 elsewhere)")
     p.add_argument("--drafter", default=None,
-                   help="speculative drafter: ngram[:N], early-exit[:E], model:PATH, eagle[:PATH], eagle3[:PATH]")
+                   help="speculative drafter: ngram[:N], early-exit[:E|:PATH], model[:PATH], eagle[:PATH], eagle3[:PATH], "
+                        "dlm[:PATH] (DiffuSpec, a diffusion LM drafting a block per forward; use --policy adl); "
+                        "no PATH: the one shipped with the preset")
     p.add_argument("--policy", default=None,
                    help=f"draft-length policy (needs --drafter; default static): {', '.join(POLICY_NAMES)}")
     p.add_argument("--ldlp-weights", default=None, metavar="DIR",
@@ -78,7 +80,9 @@ def add_generate_args(p: argparse.ArgumentParser):
                         "(--drafter early-exit:PATH); one device unless --mesh role=2")
     p.add_argument("--gamma", type=int, default=None, help="--engine pearl / specbranch: window (pearl default: measured)")
     p.add_argument("--branches", type=int, default=None, help="--engine specbranch: heads a window (default 3)")
-    p.add_argument("--hrad", default=None, metavar="DIR", help="--engine specbranch: H-RAD weights (scripts/train_hrad.py)")
+    p.add_argument("--hrad", default=None, metavar="DIR",
+                   help="--engine specbranch: H-RAD weights (scripts/train_hrad.py; a preset's ship in "
+                        "models/<preset>/drafters/hrad); without it branches are cut by draft confidence")
 
 
 def check_generate_args(a) -> None:
@@ -106,14 +110,14 @@ def check_generate_args(a) -> None:
         given = [flag for flag, value in speculative.items() if value is not None]
         if given:
             raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to speculative decoding: add --drafter "
-                             "(ngram, early-exit, model:PATH, eagle, eagle3)")
+                             "(ngram, early-exit, model, eagle, eagle3, dlm)")
         return
-    drafter_cls = check_drafter_spec(a.drafter)
     a.policy = a.policy or "static"
     a.k_max = DEFAULT_K_MAX if a.k_max is None else a.k_max
     a.verify = a.verify or "lossless"
     if a.k_max < 1:
         raise UsageError(f"--k-max must be >= 1, got {a.k_max}")
+    drafter_cls = check_drafter_spec(a.drafter, model_name=a.model, k_max=a.k_max)
     try:
         a.policy_obj = make_policy(a.policy, k_max=a.k_max)
     except ValueError as e:
@@ -222,7 +226,7 @@ def cmd_generate(a) -> int:
 
     drafter = None
     if a.drafter:
-        drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)
+        drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model, k_max=a.k_max)
     kw = dict(max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed, mesh=a.mesh)
     if getattr(a, "engine", None):
         kw.update(engine=a.engine_arg, drafter=drafter, drafter_params=dparams,
@@ -261,7 +265,7 @@ def cmd_generate(a) -> int:
 def _stream_speculative(a, cfg, params, tok, prompt, sampling) -> int:
     import jax
 
-    drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)
+    drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model, k_max=a.k_max)
     tokens, lens, cache_len = pack_prompts(cfg, [prompt], a.max_new_tokens, a.k_max + 1)
     ids: list[int] = []
     printed, state = "", None

@@ -104,12 +104,14 @@ def generate(
         raise ValueError("gamma sets PEARL's window: pass engine='pearl' (chains take k_max)")
     mesh = parse_mesh(mesh)
     if isinstance(drafter, str):
-        drafter, drafter_params = build_drafter(drafter, cfg, params)
+        drafter, drafter_params = build_drafter(drafter, cfg, params, k_max=k_max)
     autotune = tree == "auto"
     if tree is True or autotune:
         tree = TreeConfig()  # autotune: EAGLE's largest candidate (59 nodes) sizes the cache
     if drafter is not None and (policy == "auto" or isinstance(policy, AutoPlan)):  # batch-aware budget
         drafter, policy, k_max, tree = auto_budget(policy, drafter, len(prompts), k_max, tree)
+        if getattr(drafter, "block", False) and drafter.k_max != k_max:  # a block drafter drafts the planned k
+            drafter = dataclasses.replace(drafter, k_max=k_max)
         autotune = False
     extra = (tree.cache_slots if tree is not None else k_max + 1) if drafter is not None else 0
     tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new_tokens, extra, cache_len)

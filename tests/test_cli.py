@@ -136,3 +136,93 @@ def test_bench_help_documents_the_method_grammar(capsys):
         cli.main(["bench", "--help"])
     out = capsys.readouterr().out
     assert "spec:DRAFTER[:ARG]:POLICY[:OPTION]..." in out and "nodes=N|auto" in out and "k=N" in out
+
+
+# ---- DiffuSpec: --drafter dlm[:PATH] -------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_dlm(tmp_path, monkeypatch):
+    """A tiny DLM for CFG, shipped by a preset "tiny" (JSPEC_MODELS_DIR) at drafters/dlm."""
+    from jspec.heads import dlm as D
+
+    params = M.init_params(CFG, jax.random.PRNGKey(0), scale=0.35)
+    dcfg = D.DLMConfig(target=CFG, num_layers=2, mask_token_id=5, block_size=8)
+    directory = tmp_path / "models" / "tiny" / "drafters" / "dlm"
+    directory.mkdir(parents=True)
+    D.save_dlm(str(directory / "dlm.safetensors"), dcfg, D.init_dlm(dcfg, params), dtype=np.float32)
+    (tmp_path / "models" / "tiny" / "preset.json").write_text(json.dumps(
+        {"name": "tiny", "source": {"type": "path", "path": "x.gguf"}, "drafters": {"dlm": "drafters/dlm"}}))
+    monkeypatch.setenv("JSPEC_MODELS_DIR", str(tmp_path / "models"))
+    return directory
+
+
+@pytest.mark.parametrize("spec", ["dlm", "dlm:{dir}", "dlm:{dir}/dlm.safetensors"])
+def test_dlm_spec_accepted_before_loading(no_model, tiny_dlm, spec):
+    with pytest.raises(ModelLoaded):
+        cli.main(["generate", "--model", "tiny", "--drafter", spec.format(dir=tiny_dlm), "--policy", "adl", "hi"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--drafter", "dlm:/nonexistent"], "no DLM weights at /nonexistent"),
+    (["--drafter", "dlm:{readme}"], "not a DLM written by scripts/train_dlm.py"),
+    (["--model", "elsewhere.gguf", "--drafter", "dlm"], "no DLM given and none shipped for model 'elsewhere.gguf'"),
+    (["--drafter", "dlm", "--k-max", "9"], "--k-max 9 is more than the DLM drafts in one forward (its block size, 8)"),
+    (["--drafter", "dlm", "--policy", "svip"], "reads draft distributions, which the 'dlm' drafter does not have"),
+])
+def test_dlm_spec_errors_are_one_line(no_model, tiny_dlm, capsys, argv, message):
+    argv = [a.format(readme=__file__) for a in argv]
+    rc, err = run(capsys, "generate", "--model", "tiny", *argv, "hello")
+    assert rc == 2 and err.startswith("jspec: error: ") and err.count("\n") == 1, err
+    assert message in err, err
+
+
+def test_dlm_bench_methods_are_checked(no_model, tiny_dlm, capsys):
+    from jspec.bench.protocol import parse_method_specs
+
+    assert [s.name for s in parse_method_specs(f"spec:dlm:adl,spec:dlm:{tiny_dlm}:static:k=4")] == [
+        "spec:dlm:adl", f"spec:dlm:{tiny_dlm}:static:k=4"]
+    for methods, message in (("spec:dlm:adl:tree", "trees need an EAGLE head drafter"),
+                             ("spec:dlm:svip", "draft distributions"),
+                             ("spec:dlm:/nonexistent:adl", "no DLM weights at /nonexistent")):
+        rc, err = run(capsys, "bench", "--model", "tiny", "--methods", f"ar,{methods}")
+        assert rc == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_dlm_generate_is_greedy_identical_to_ar(tiny_model, tiny_dlm, capsys):
+    """--drafter dlm runs the shipped (here: the tiny preset's) DLM through the chain engine with
+    ADL, streamed and batched; greedy output is the target's own."""
+    cli.main(["generate", "--model", "tiny", "--max-new-tokens", "8", "--no-stream", "hello", "world!"])
+    ar = capsys.readouterr()
+    assert cli.main(["generate", "--model", "tiny", "--drafter", "dlm", "--policy", "adl", "--max-new-tokens", "8",
+                     "--no-stream", "hello", "world!"]) == 0
+    sp = capsys.readouterr()
+    assert sp.out == ar.out and "drafter dlm policy adl" in sp.err, sp.err
+    cli.main(["generate", "--model", "tiny", "--max-new-tokens", "8", "hello"])
+    ar1 = capsys.readouterr().out
+    assert cli.main(["generate", "--model", "tiny", "--drafter", f"dlm:{tiny_dlm}", "--policy", "adl",
+                     "--k-max", "6", "--max-new-tokens", "8", "hello"]) == 0
+    assert capsys.readouterr().out == ar1
+
+
+@pytest.mark.slow
+def test_shipped_dlm_generate_matches_ar(monkeypatch, capsys):
+    """`jspec generate --drafter dlm --policy adl` on the shipped preset (float32 on CPU): DiffuSpec
+    greedy decoding is lossless, so the text is AR's. The model loads once for both runs."""
+    from jspec.presets import resolve_model
+    from jspec.speculative.factory import shipped_head_path
+
+    preset = cli.DEFAULT_MODEL
+    if shipped_head_path(preset, "dlm") is None:
+        pytest.skip("no DLM shipped with the preset")
+    try:
+        loaded = resolve_model(preset)
+    except Exception as e:  # the GGUF's pip package is absent
+        pytest.skip(f"preset {preset} does not load here: {e}")
+    monkeypatch.setattr(cli, "resolve_model", lambda *a, **k: loaded)
+    prompt = ["--chat", "--max-new-tokens", "8", "Give me three tips for better sleep."]
+    assert cli.main(["generate", *prompt]) == 0
+    ar = capsys.readouterr().out
+    assert cli.main(["generate", "--drafter", "dlm", "--policy", "adl", *prompt]) == 0
+    sp = capsys.readouterr()
+    assert sp.out == ar and "drafter dlm policy adl" in sp.err, sp.err

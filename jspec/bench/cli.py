@@ -154,9 +154,13 @@ class MethodFactory:
                 if "hrad" in spec.option_dict:
                     load_hrad(spec.option_dict["hrad"], self.cfg)
             if spec.method == "spec":
-                build_drafter(spec.drafter, self.cfg, self.params, model_name=self.args.model)
+                build_drafter(spec.drafter, self.cfg, self.params, model_name=self.args.model, k_max=self.spec_k_max(spec))
                 if spec.policy == "ldlp":
                     find_ldlp_weights(spec.drafter, self.args.model)
+
+    def spec_k_max(self, spec: MethodSpec) -> int:
+        """A chain method's k_max (its k=, else --k-max, else 8): block drafters (dlm) are built for it."""
+        return spec.generate_kwargs(default_k_max=self.args.k_max or 8)["k_max"]
 
     def supports(self, spec: MethodSpec, batch: int) -> bool:
         return not (spec.method == "hf" and spec.drafter == "prompt_lookup" and batch != 1)
@@ -186,7 +190,8 @@ class MethodFactory:
                 extra["policy_params"] = load_hrad(spec.option_dict["hrad"], self.cfg)
         if spec.method == "spec":
             params = self.jax_params(dtype)
-            extra["drafter"], extra["drafter_params"] = build_drafter(spec.drafter, self.cfg, params, model_name=self.args.model)
+            extra["drafter"], extra["drafter_params"] = build_drafter(spec.drafter, self.cfg, params, model_name=self.args.model,
+                                                                      k_max=self.spec_k_max(spec))
             if spec.policy == "ldlp":  # the predictor shipped beside the EAGLE head
                 extra["policy_params"] = load_ldlp(str(find_ldlp_weights(spec.drafter, self.args.model)))[0]
             if spec.policy == "auto":  # the budget from this card's measured round costs (cached per card)

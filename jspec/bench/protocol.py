@@ -64,7 +64,8 @@ Methods (--methods, comma-separated; all are checked before any runs):
   hf                         transformers generate (greedy) on the same checkpoint
   hf_pld                     transformers prompt-lookup decoding (batch 1 only)
   spec:DRAFTER[:ARG]:POLICY[:OPTION]...
-    DRAFTER[:ARG]            ngram[:N]  early-exit[:E]  model:PATH  eagle[:PATH]  eagle3[:PATH]
+    DRAFTER[:ARG]            ngram[:N]  early-exit[:E]  model[:PATH]  eagle[:PATH]  eagle3[:PATH]
+                             dlm[:PATH] (DiffuSpec; chains only, with static, heuristic or adl)
     POLICY                   a draft-length policy: {policies}
     OPTION   tree            EAGLE-2 dynamic tree (EAGLE heads; EAGLE-2's top_k 10, depth 6, 59 nodes)
              nodes=N|auto    tree: draft nodes kept, i.e. EAGLE's total_token - 1 (auto: timed on
@@ -75,7 +76,7 @@ Methods (--methods, comma-separated; all are checked before any runs):
              FIELD=VALUE     any field of the policy, e.g. threshold=0.4, lambda_rule=B,
                              arms=svip+adaedl (tuple fields: values joined by +)
   The positional fields come first: two of them are DRAFTER:POLICY, three DRAFTER:ARG:POLICY.
-  e.g. spec:ngram:heuristic  spec:early-exit:8:svip:k=7  spec:eagle3:static:nodes=60
+  e.g. spec:ngram:heuristic  spec:early-exit:8:svip:k=7  spec:eagle3:static:nodes=60  spec:dlm:adl
        spec:eagle3:svip:tree:depth=8  spec:eagle3:static:nodes=auto  spec:eagle:static:verify=consultant:eps=3
   pearl:DRAFTER[:ARG][:OPTION]...       PEARL: a draft model drafts while the target verifies
   specbranch:DRAFTER[:ARG][:OPTION]...  SpecBranch: PEARL plus branch heads and hybrid draft lengths

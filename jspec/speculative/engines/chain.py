@@ -201,6 +201,11 @@ def check_compatible(drafter, policy, tcfg: ModelConfig, k_max: int, verify):
         raise ValueError(f"k_max must be >= 1, got {k_max}")
     if hasattr(drafter, "check"):
         drafter.check(tcfg)
+    if getattr(drafter, "block", False) and drafter.k_max != k_max:
+        raise DrafterError(
+            f"the {drafter.name!r} drafter drafts blocks of k_max={drafter.k_max} tokens but the engine's k_max is "
+            f"{k_max}: build it with the same k_max (dataclasses.replace(drafter, k_max={k_max}))"
+        )
     if drafter.parallel and getattr(policy, "needs_draft_logits", False):
         raise DrafterError(
             f"policy {policy.name!r} reads draft distributions, which the {drafter.name!r} drafter does not have; "
