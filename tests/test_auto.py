@@ -89,3 +89,15 @@ def test_bench_cli_auto_rows_carry_round_costs(tmp_path, monkeypatch):
     assert spec["policy"] == "auto"
     assert "plan" in spec["round_cost"] or (spec["round_us"] > 0 and spec["verify_us"]["1"] > 0)
     assert spec["round_cost"]["verify_us"]["2"] > 0 and "round_us" in spec  # ngram plan: a chain
+
+
+def test_round_cost_profiles_a_learned_policy_with_its_weights(target):
+    """The bench's round-cost profile passes a policy's weights (LDLP's predictor) to its start."""
+    from jspec.bench.round_cost import profile_method
+    from jspec.speculative.policies.ldlp import init_ldlp
+
+    drafter, dparams = _drafters(target)["eagle3"]
+    weights = init_ldlp(CFG.hidden_size, jax.random.key(0), hidden=8)
+    prof = profile_method(target, CFG, drafter, dparams, batch=1, policy=make_policy("ldlp", k_max=3), k_max=3,
+                          prompt_len=8, max_new=8, n=2, verify_ts=(1,), policy_params=weights)
+    assert prof["round_us"] > 0 and prof["draft_step_us"] > 0

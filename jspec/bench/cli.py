@@ -272,7 +272,7 @@ def add_round_costs(rows: list[dict[str, Any]], methods: list, batch: int, progr
             tree = TreeConfig(depth=policy.k_max, num_nodes=policy.num_nodes) if policy.mode == "tree" else None
             policy = policy.policy
         prof = profile_method(m.params, m.cfg, drafter, kw.get("drafter_params"), batch=batch, policy=policy,
-                              k_max=k_max, tree=tree, verify_ts=verify_ts)
+                              k_max=k_max, tree=tree, verify_ts=verify_ts, policy_params=kw.get("policy_params"))
         verify_ts = (1,)
         attach_profile(rows, m, batch, prof)
         progress.write(f"round cost {m.name} b{batch}: draft {prof.get('draft_step_us', 0):.0f} µs/step, "

@@ -98,12 +98,12 @@ def verify_us(tparams, tcfg, batch: int, Ts=VERIFY_TS, tree_nodes=(), *, cache_l
     return out
 
 
-def _start(tparams, tcfg, drafter, dparams, policy, k_max, batch, prompt_len, max_new, cache_len):
+def _start(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, batch, prompt_len, max_new, cache_len):
     toks = jax.random.randint(jax.random.PRNGKey(3), (batch, prompt_len), 0, tcfg.vocab_size)
     lens = jnp.full((batch,), prompt_len, jnp.int32)
-    start = jax.jit(lambda tp, dp, t, ln, key: start_spec(tp, tcfg, drafter, dp, policy, None, k_max, max_new, cache_len,
-                                                          GREEDY, 1, t, ln, key))
-    return start(tparams, dparams, toks, lens, jax.random.PRNGKey(0))
+    start = jax.jit(lambda tp, dp, pp, t, ln, key: start_spec(tp, tcfg, drafter, dp, policy, pp, k_max, max_new, cache_len,
+                                                              GREEDY, 1, t, ln, key))
+    return start(tparams, dparams, policy_params, toks, lens, jax.random.PRNGKey(0))
 
 
 def draft_loop_us(tparams, tcfg, drafter, dparams, state, k_max: int, n: int) -> float:
@@ -135,14 +135,16 @@ def tree_build_us(tparams, tcfg, drafter, dparams, state, tc: TreeConfig, n: int
 
 
 def profile_method(tparams, tcfg, drafter, dparams, *, batch: int, policy="static", k_max: int = 6, tree: TreeConfig | None = None,
-                   prompt_len: int = 128, max_new: int = 256, n: int = 20, verify_ts=VERIFY_TS) -> dict[str, Any]:
-    """Round-cost profile of one speculative method at one batch size (µs; see the module doc)."""
+                   prompt_len: int = 128, max_new: int = 256, n: int = 20, verify_ts=VERIFY_TS,
+                   policy_params=None) -> dict[str, Any]:
+    """Round-cost profile of one speculative method at one batch size (µs; see the module doc).
+    policy_params: the weights of a learned policy (LDLP's predictor)."""
     depth = tree.depth if tree is not None else k_max
     extra = tree.num_nodes + 1 if tree is not None else k_max + 1
     max_new = max_new + (n + 1) * extra  # room for the timed rounds' progress
     cache_len = prompt_len + max_new + extra + 8
     pol = resolve_policy(policy, depth)
-    state = _start(tparams, tcfg, drafter, dparams, pol, depth, batch, prompt_len, max_new, cache_len)
+    state = _start(tparams, tcfg, drafter, dparams, pol, policy_params, depth, batch, prompt_len, max_new, cache_len)
     capture = getattr(drafter, "capture_layers", ())
     nodes = (tree.num_nodes + 1,) if tree is not None else ()
     prof: dict[str, Any] = {"batch": batch}
