@@ -31,7 +31,9 @@ Two devices: the whole generation is one jitted program under `shard_map` over a
 ("data", "role") mesh. Role 0 drafts, role 1 runs the target (`lax.cond` on `axis_index`); after
 each step one `ppermute` swaps the two messages (drafted tokens + q, target argmax + p; tokens
 only when greedy) and both devices take the identical decision (when sampling, the target
-device's decision, sent over in a second small permute, so float rounding can never split them). Rows are split over "data". Each
+device's decision, sent over in a second small permute, so float rounding can never split them). Every
+device runs the same collectives in the same order (GPUs deadlock otherwise): none sits inside the
+role `cond`, and the loop predicate is reduced over the mesh (`still_running`). Rows are split over "data". Each
 device carries both caches (the other role's stays untouched): simple, and small next to the
 weights for the models jspec targets. One device: the same step runs both roles one after the
 other (CPU tests, one-GPU users; no overlap then).
@@ -213,8 +215,23 @@ def decide(s: PearlState, d_tok, d_q, t_top, p, sampling: Sampling, gamma: int, 
 # ---------------------------------------------------------------------------------------------
 
 
+def still_running(done, two_device: bool):
+    """The generation loop's predicate: some row is not done. On a mesh it is reduced over every
+    device, so all devices run the same number of steps and hence the same collectives in the same
+    order, which GPU collectives require (a device that leaves the loop while its partner waits in
+    the step's ppermute hangs both). Without the reduction, agreement would rest on every device
+    recomputing `done` bit for bit: true of the update code today (it reads exchanged integers
+    only), but an invariant no compiler checks; the reduction makes it hold by construction, at
+    the cost of one scalar all-reduce per step. The data groups take the same number of steps too
+    (a group whose rows are done idles: its updates are masked by `done`)."""
+    running = ~jnp.all(done)
+    if two_device:
+        running = jax.lax.pmax(running.astype(jnp.int32), (DATA_AXIS, ROLE_AXIS)) > 0
+    return running
+
+
 def _run(tparams, dparams, tokens, lens, key, row_id, *, tcfg, dcfg, gamma, max_new, cache_len, sampling,
-         kernels, two_device: bool, data_shards: int):
+         kernels, two_device: bool):
     B = tokens.shape[0]
     V = tcfg.vocab_size
     dtype = tparams["embed"].dtype
@@ -299,13 +316,7 @@ def _run(tparams, dparams, tokens, lens, key, row_id, *, tcfg, dcfg, gamma, max_
                 return jnp.where(keep, a, got[0]), jnp.where(keep, corr, got[1])
         return decide(s, d_tok, d_q, t_top, p, sampling, gamma, key, max_new, tcfg, broadcast)
 
-    def cond(s):
-        running = ~jnp.all(s.done)
-        if two_device and data_shards > 1:  # every data group runs the same number of steps
-            running = jax.lax.pmax(running.astype(jnp.int32), DATA_AXIS) > 0
-        return running
-
-    s = jax.lax.while_loop(cond, body, state)
+    s = jax.lax.while_loop(lambda s: still_running(s.done, two_device), body, state)
     return s.out, s.n_out, s.target_calls, s.drafted, s.accepted, s.rolled_back
 
 
@@ -316,18 +327,16 @@ _STATIC = ("tcfg", "dcfg", "gamma", "max_new", "cache_len", "sampling", "kernels
 def pearl_one_device_jit(tparams, dparams, tokens, lens, key, *, tcfg, dcfg, gamma, max_new, cache_len, sampling, kernels):
     row_id = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     return _run(tparams, dparams, tokens, lens, key, row_id, tcfg=tcfg, dcfg=dcfg, gamma=gamma, max_new=max_new,
-                cache_len=cache_len, sampling=sampling, kernels=kernels, two_device=False, data_shards=1)
+                cache_len=cache_len, sampling=sampling, kernels=kernels, two_device=False)
 
 
 @functools.lru_cache(maxsize=None)
 def _two_device_fn(mesh: Mesh, tcfg, dcfg, gamma, max_new, cache_len, sampling, kernels):
-    data = mesh.shape[DATA_AXIS]
-
     def body(tparams, dparams, tokens, lens, key):
         b = tokens.shape[0]
         row_id = jax.lax.axis_index(DATA_AXIS) * b + jnp.arange(b, dtype=jnp.int32)
         outs = _run(tparams, dparams, tokens, lens, key, row_id, tcfg=tcfg, dcfg=dcfg, gamma=gamma, max_new=max_new,
-                    cache_len=cache_len, sampling=sampling, kernels=kernels, two_device=True, data_shards=data)
+                    cache_len=cache_len, sampling=sampling, kernels=kernels, two_device=True)
         return outs
 
     rows = P(DATA_AXIS)

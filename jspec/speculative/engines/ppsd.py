@@ -54,7 +54,7 @@ from ...config import ModelConfig
 from ...decode import emit
 from ...heads import exit_head as EH
 from ...sampling import Sampling, probs
-from .pearl import DATA_AXIS, ROLE_AXIS, ParallelResult, _categorical, _row_keys, _uniform, pearl_mesh
+from .pearl import DATA_AXIS, ROLE_AXIS, ParallelResult, _categorical, _row_keys, _uniform, pearl_mesh, still_running
 
 STAGE1_ROLE, STAGE2_ROLE = 0, 1
 ppsd_mesh = pearl_mesh  # the same ("data", "role") pairs
@@ -144,7 +144,7 @@ def _advance(s: PpsdState, accept, corr, h1, d1, q1, max_new: int, tcfg: ModelCo
 
 
 def _run(tparams, eparams, tokens, lens, key, row_id, *, tcfg, ecfg, exit_layer, max_new, cache_len, sampling,
-         kernels, two_device: bool, data_shards: int):
+         kernels, two_device: bool):
     B = tokens.shape[0]
     dtype = tparams["embed"].dtype
     role = jax.lax.axis_index(ROLE_AXIS) if two_device else None
@@ -206,13 +206,7 @@ def _run(tparams, eparams, tokens, lens, key, row_id, *, tcfg, ecfg, exit_layer,
         s = s.replace(cache=cache.replace(lengths=base), ecache=ecache)
         return _advance(s, accept, corr, h1, d1, q1, max_new, tcfg)
 
-    def cond(s):
-        running = ~jnp.all(s.done)
-        if two_device and data_shards > 1:  # every data group runs the same number of ticks
-            running = jax.lax.pmax(running.astype(jnp.int32), DATA_AXIS) > 0
-        return running
-
-    s = jax.lax.while_loop(cond, body, state)
+    s = jax.lax.while_loop(lambda s: still_running(s.done, two_device), body, state)
     return s.out, s.n_out, s.ticks, s.drafted, s.accepted, s.bubbles
 
 
@@ -224,20 +218,16 @@ def ppsd_one_device_jit(tparams, eparams, tokens, lens, key, *, tcfg, ecfg, exit
                         kernels):
     row_id = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     return _run(tparams, eparams, tokens, lens, key, row_id, tcfg=tcfg, ecfg=ecfg, exit_layer=exit_layer,
-                max_new=max_new, cache_len=cache_len, sampling=sampling, kernels=kernels, two_device=False,
-                data_shards=1)
+                max_new=max_new, cache_len=cache_len, sampling=sampling, kernels=kernels, two_device=False)
 
 
 @functools.lru_cache(maxsize=None)
 def _two_device_fn(mesh: Mesh, tcfg, ecfg, exit_layer, max_new, cache_len, sampling, kernels):
-    data = mesh.shape[DATA_AXIS]
-
     def body(tparams, eparams, tokens, lens, key):
         b = tokens.shape[0]
         row_id = jax.lax.axis_index(DATA_AXIS) * b + jnp.arange(b, dtype=jnp.int32)
         return _run(tparams, eparams, tokens, lens, key, row_id, tcfg=tcfg, ecfg=ecfg, exit_layer=exit_layer,
-                    max_new=max_new, cache_len=cache_len, sampling=sampling, kernels=kernels, two_device=True,
-                    data_shards=data)
+                    max_new=max_new, cache_len=cache_len, sampling=sampling, kernels=kernels, two_device=True)
 
     rows = P(DATA_AXIS)
     fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), rows, rows, P()), out_specs=(rows,) * 6, check_vma=False)

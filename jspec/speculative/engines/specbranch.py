@@ -51,7 +51,7 @@ from ...heads import hrad as HR
 from ...sampling import Sampling, probs
 from ..verify.chain import accepted_prefix
 from .pearl import (DATA_AXIS, DRAFT_ROLE, ROLE_AXIS, TARGET_ROLE, ParallelResult, _categorical, _row_keys, _uniform,
-                    check_pearl)
+                    check_pearl, still_running)
 
 CUTS = ("none", "confidence", "hrad")
 
@@ -268,7 +268,7 @@ def _apply(s: BranchState, toks, q_all, decision, sampling, sb: SpecBranchConfig
 
 
 def _run(tparams, dparams, hp, tokens, lens, key, row_id, *, tcfg, dcfg, sb, max_new, cache_len, sampling, kernels,
-         two_device: bool, data_shards: int):
+         two_device: bool):
     R = tokens.shape[0]
     NB, G = sb.branches, sb.gamma
     V = tcfg.vocab_size
@@ -348,13 +348,7 @@ def _run(tparams, dparams, hp, tokens, lens, key, row_id, *, tcfg, dcfg, sb, max
             decision = (a, hit.astype(bool), j, corr, keep)
         return _apply(s, toks, q_all, decision, sampling, sb, max_new, tcfg)
 
-    def cond(s):
-        running = ~jnp.all(s.done)
-        if two_device and data_shards > 1:
-            running = jax.lax.pmax(running.astype(jnp.int32), DATA_AXIS) > 0
-        return running
-
-    s = jax.lax.while_loop(cond, body, state)
+    s = jax.lax.while_loop(lambda s: still_running(s.done, two_device), body, state)
     return s.out, s.n_out, s.target_calls, s.drafted, s.accepted, s.rolled_back, s.branch_saves
 
 
@@ -366,18 +360,16 @@ def specbranch_one_device_jit(tparams, dparams, hp, tokens, lens, key, *, tcfg, 
                               kernels):
     row_id = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     return _run(tparams, dparams, hp, tokens, lens, key, row_id, tcfg=tcfg, dcfg=dcfg, sb=sb, max_new=max_new,
-                cache_len=cache_len, sampling=sampling, kernels=kernels, two_device=False, data_shards=1)
+                cache_len=cache_len, sampling=sampling, kernels=kernels, two_device=False)
 
 
 @functools.lru_cache(maxsize=None)
 def _two_device_fn(mesh: Mesh, tcfg, dcfg, sb, max_new, cache_len, sampling, kernels):
-    data = mesh.shape[DATA_AXIS]
-
     def body(tparams, dparams, hp, tokens, lens, key):
         b = tokens.shape[0]
         row_id = jax.lax.axis_index(DATA_AXIS) * b + jnp.arange(b, dtype=jnp.int32)
         return _run(tparams, dparams, hp, tokens, lens, key, row_id, tcfg=tcfg, dcfg=dcfg, sb=sb, max_new=max_new,
-                    cache_len=cache_len, sampling=sampling, kernels=kernels, two_device=True, data_shards=data)
+                    cache_len=cache_len, sampling=sampling, kernels=kernels, two_device=True)
 
     rows = P(DATA_AXIS)
     fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), rows, rows, P()), out_specs=(rows,) * 7,
