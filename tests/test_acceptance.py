@@ -1,0 +1,29 @@
+"""The offline chain-acceptance walk (jspec.bench.acceptance) counts exactly the chain engine's
+target calls, for several K, from one teacher-forced pass."""
+
+import jax
+
+from jspec import model as M
+from jspec.bench.acceptance import chain_calls, walk
+from jspec.generate import generate
+from test_spec import CFG, _drafters, _prompts
+
+
+def test_walk_counts_rounds():
+    labels = [0, 3, 0, 0, 5, 5, 5, 5, 5, 5]
+    assert walk(labels, 1, 10, 0) == (9, 9)  # AR: one token per call
+    tokens, calls = walk(labels, 1, 10, 8)
+    assert tokens == 9 and calls < 9
+
+
+def test_walk_matches_the_chain_engine():
+    target = M.init_params(CFG, jax.random.PRNGKey(0), scale=0.35)
+    drafter, dparams = _drafters(target)["eagle3"]
+    prompts = _prompts(5, batch=4)
+    ar = generate(target, CFG, prompts, max_new_tokens=24)
+    answers = [ar.row(b) for b in range(len(prompts))]
+    counted = chain_calls(drafter.head, dparams, target, prompts, answers, [1, 3], pad_id=0, multiple=8)
+    for k in (1, 3):
+        sp = generate(target, CFG, prompts, max_new_tokens=24, drafter=drafter, drafter_params=dparams, k_max=k)
+        assert [sp.row(b) for b in range(len(prompts))] == answers
+        assert [c[k] for c in counted] == [int(n) for n in sp.target_calls], k
