@@ -8,6 +8,10 @@
 #   calls 3.. (back to back, nothing carried):          bash scripts/device_pipeline.sh wait 570
 #   here, last:  bash scripts/device_park.sh unpark, then scripts/unpack_device_out.sh on the files
 #
+# To continue training the shipped head instead of starting a new one, copy its directory to
+# .stage/head and stage it in its own call before `start` (`stage .stage/head`: 46 MB), then start
+# with INIT_HEAD=/root/stage/head (train-head --init-head keeps its vocabulary and LM head).
+#
 # `start` stages the last GGUF part and the corpus, copies the repo to /root/jspec-src (later calls
 # re-send the working tree; the pipeline must not read a tree that changes under it) and launches
 # `run` in its own process session. `wait S` prints progress for up to S seconds (or until the
@@ -46,7 +50,7 @@ ship() {  # priority name path...: tar the paths (relative to $RUN) into 15 MiB 
 
 lane_head() {
   CUDA_VISIBLE_DEVICES=0,1 timeout $((TRAIN_S + 150)) bash scripts/device_train_heads.sh train eagle3 "$TRAIN_S" \
-    > "$P/eagle3.log" 2>&1
+    ${INIT_HEAD:+--init-head "$INIT_HEAD"} > "$P/eagle3.log" 2>&1
   note "eagle3 training exit $? ($(tail -n 1 "$RUN/eagle3/metrics.jsonl" 2>/dev/null | cut -c1-160))"
   if [ ! -f "$RUN/eagle3/eagle/model.safetensors" ]; then  # stopped by its budget: export what it has
     CUDA_VISIBLE_DEVICES=0,1 timeout 200 bash scripts/device_train_heads.sh train eagle3 90 >> "$P/eagle3.log" 2>&1
@@ -150,7 +154,11 @@ collect() {
 
 case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run ...} in
   stage)
-    bash scripts/device_stage.sh "${2:?stage FOLDER}" 2
+    if [ -f "${2:?stage FOLDER}/model.safetensors" ]; then  # a head to continue training from
+      mkdir -p /root/stage/head && cp "$2"/* /root/stage/head/ && ls -la /root/stage/head
+    else
+      bash scripts/device_stage.sh "$2" 2
+    fi
     ;;
   start)
     bash scripts/device_stage.sh "${2:?start FOLDER}" 2

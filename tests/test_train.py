@@ -229,3 +229,29 @@ def test_loop_cut_keeps_normal_text_and_cuts_loops():
     stats = PackStats()
     tokens, mask, lengths = pack_rows(rows, 1024, 0, stats, loop_cut=cut)
     assert lengths[0] == 3 + n and mask[0].sum() == n and stats.loop_cut == 1 and stats.loop_tokens == 570 - n
+
+
+def test_warm_start_keeps_the_trained_head(straight_run, data_dir, tmp_path):
+    """--init-head: training continues from a trained head, with its own draft vocabulary kept."""
+    _, full = straight_run
+    head = {k: np.asarray(v) for k, v in full.head_params.items() if k != "layer"} | {"layer": full.head_params["layer"]}
+    ids = np.arange(TARGET.vocab_size - HCFG3.draft_vocab_size, TARGET.vocab_size)  # not the data's top ids
+    head["d2t"], head["t2d"] = (np.asarray(x) for x in H.draft_vocab_maps(ids, TARGET.vocab_size))
+    warm = train(HCFG3, TC3, _target(), data_dir, str(tmp_path), run=RUN, mesh=_mesh8(), head_params=head,
+                 warm_start=True, lm_head_init="target", stop_at=2, progress=False)
+    np.testing.assert_array_equal(np.asarray(warm.head_params["d2t"]), ids)
+    np.testing.assert_allclose(np.asarray(warm.head_params["lm_head"]), np.asarray(head["lm_head"]), atol=0.05)
+
+
+def test_init_head_must_exist_and_match_the_recipe(tmp_path):
+    from jspec.checkpoint.eagle_format import save_eagle_head
+    from jspec.train.cli import _warm_start
+
+    with pytest.raises(SystemExit, match="no exported head"):
+        _warm_start(str(tmp_path), HCFG3, TARGET)
+    save_eagle_head(str(tmp_path / "h"), HCFG3, _head(HCFG3) | dict(zip(("d2t", "t2d"), H.draft_vocab_maps(
+        np.arange(HCFG3.draft_vocab_size), TARGET.vocab_size))), dtype="float32")
+    hcfg, params = _warm_start(str(tmp_path / "h"), HCFG3, TARGET)
+    assert hcfg.draft_vocab == HCFG3.draft_vocab and params["fc"].dtype == np.float32
+    with pytest.raises(SystemExit, match="differ from the recipe"):
+        _warm_start(str(tmp_path / "h"), HCFG3.replace(draft_vocab_size=40), TARGET)

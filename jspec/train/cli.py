@@ -34,6 +34,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT")
     parser.add_argument("--distill-only", action="store_true", help="build the dataset and stop")
     parser.add_argument("--export", default=None, help="EAGLE-format output directory (default OUT/eagle)")
+    parser.add_argument("--init-head", default=None, metavar="DIR",
+                        help="start from this exported head (its draft vocabulary and LM head kept), e.g. the "
+                             "preset's shipped head, so training continues across sessions")
     parser.add_argument("--no-progress", action="store_true")
     over = parser.add_argument_group("recipe overrides")
     over.add_argument("--steps", type=int)
@@ -79,6 +82,28 @@ def _head_config(recipe, target_cfg):
     if h.kind == "eagle3":
         capture = tuple(h.capture_layers) if h.capture_layers else default_capture_layers(target_cfg.num_layers)
     return HeadConfig(h.kind, target_cfg, capture, h.draft_vocab_size if h.kind == "eagle3" else 0, h.intermediate_size)
+
+
+def _has_checkpoint(out: str) -> bool:
+    ckpt = os.path.join(out, "checkpoints")
+    return os.path.isdir(ckpt) and any(name.isdigit() for name in os.listdir(ckpt))
+
+
+def _warm_start(head_dir: str, recipe_hcfg, target_cfg):
+    """(head config, float32 params) of an exported head, checked against the recipe's head."""
+    from ..checkpoint.eagle_format import load_eagle_head
+
+    if not os.path.isfile(os.path.join(head_dir, "config.json")):
+        raise SystemExit(f"--init-head {head_dir}: no exported head there (config.json + model.safetensors)")
+    import jax.numpy as jnp
+
+    hcfg, params = load_eagle_head(head_dir, target_cfg, dtype=jnp.float32)
+    want = (recipe_hcfg.kind, recipe_hcfg.capture_layers, recipe_hcfg.draft_vocab, recipe_hcfg.mlp_size)
+    got = (hcfg.kind, hcfg.capture_layers, hcfg.draft_vocab, hcfg.mlp_size)
+    if got != want:
+        raise SystemExit(f"--init-head {head_dir}: (kind, capture layers, draft vocab, MLP width) {got} differ from "
+                         f"the recipe's {want}")
+    return hcfg, params
 
 
 def _uses_chat(target: str, tokenizer) -> bool:
@@ -158,13 +183,17 @@ def train_from_args(args: argparse.Namespace):
     if args.distill_only:
         return None
     hcfg = _head_config(recipe, cfg)
+    init_params = None
+    if getattr(args, "init_head", None) and not (args.resume and _has_checkpoint(out)):
+        hcfg, init_params = _warm_start(args.init_head, hcfg, cfg)
     budget = getattr(args, "time_budget_s", None)
     deadline = _T0 + budget if budget else None
     if first_host:
         _write_data_report(out, data_dir, recipe.train.seq_len, recipe.train.loop_cut)
     result = train(hcfg, recipe.train, params, data_dir, out, run=recipe.run, resume=args.resume,
                    stop_at=args.stop_at, progress=progress, deadline=deadline,
-                   fit_to_deadline=getattr(args, "fit_steps_to_budget", False), lm_head_init=recipe.head.lm_head_init)
+                   fit_to_deadline=getattr(args, "fit_steps_to_budget", False), lm_head_init=recipe.head.lm_head_init,
+                   head_params=init_params, warm_start=init_params is not None)
     if first_host and hcfg.reduced_vocab:
         _write_vocab_report(out, data_dir, cfg, result.head_params)
     if first_host and result.finished:

@@ -164,6 +164,7 @@ def train(
     deadline: float | None = None,
     fit_to_deadline: bool = False,
     lm_head_init: str = "random",
+    warm_start: bool = False,
     log_fn=print,
 ) -> TrainResult:
     """Train a draft head for tc.steps. `stop_at` ends the run after that step as a kill would
@@ -171,8 +172,9 @@ def train(
 
     head_params: initial parameters (default: init_head with tc.seed); a reduced EAGLE-3 vocab is
     chosen from the data's response-token counts; lm_head_init="target" starts EAGLE-3's LM head
-    from the target's output rows (jspec.train.vocab). Checkpoints go to out_dir/checkpoints,
-    metrics to out_dir/metrics.jsonl.
+    from the target's output rows (jspec.train.vocab). warm_start: head_params are a trained head
+    (`jspec train-head --init-head`) whose vocabulary and LM head are kept as they are.
+    Checkpoints go to out_dir/checkpoints, metrics to out_dir/metrics.jsonl.
 
     deadline (a time.perf_counter() value): the process stops before it, with a checkpoint, when
     the next step would not fit (resume continues exactly). fit_to_deadline: on a fresh run, after
@@ -186,9 +188,9 @@ def train(
     os.makedirs(out_dir, exist_ok=True)
     if head_params is None:
         head_params = jax.jit(H.init_head, static_argnums=0)(hcfg, jax.random.PRNGKey(tc.seed))
-    if hcfg.reduced_vocab:
+    if hcfg.reduced_vocab and not warm_start:  # a warm start keeps the trained head's vocabulary
         head_params = H.with_draft_vocab(hcfg, head_params, token_counts(data_dir, hcfg.target.vocab_size))
-    if lm_head_init == "target":
+    if lm_head_init == "target" and not warm_start:
         head_params = init_lm_head_from_target(hcfg, jax.device_get(head_params), jax.device_get(target_params))
     trainable, fixed = H.split_trainable(head_params)
     state = S.place(mesh, S.init_state(tc, trainable))
