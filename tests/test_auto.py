@@ -101,3 +101,16 @@ def test_round_cost_profiles_a_learned_policy_with_its_weights(target):
     prof = profile_method(target, CFG, drafter, dparams, batch=1, policy=make_policy("ldlp", k_max=3), k_max=3,
                           prompt_len=8, max_new=8, n=2, verify_ts=(1,), policy_params=weights)
     assert prof["round_us"] > 0 and prof["draft_step_us"] > 0
+
+
+def test_a_heads_measured_acceptance_sets_the_budget(target):
+    """auto's static budget reads the head's own acceptance (EagleDrafter.acceptance) when it has one."""
+    import dataclasses
+
+    from jspec.speculative.policies.auto import auto_budget
+
+    drafter, _ = _drafters(target)["eagle3"]
+    poor = auto_budget("auto", dataclasses.replace(drafter, acceptance=0.02), 1, 8, None, costs=REFERENCE_COSTS)
+    good = auto_budget("auto", dataclasses.replace(drafter, acceptance=0.9), 1, 8, None, costs=REFERENCE_COSTS)
+    assert poor[0] is None  # plain decoding is expected to be faster
+    assert good[0] is not None and good[2] >= 4

@@ -163,6 +163,16 @@ def shipped_head_path(model_name: str | None, kind: str):
     return path if path is not None and path.exists() else None
 
 
+def head_acceptance(head_dir) -> float | None:
+    """The per-token acceptance a head's config.json records ("jspec": {"acceptance": {"alpha": a}}), if any."""
+    try:
+        with open(Path(head_dir) / "config.json") as fh:
+            alpha = json.load(fh).get("jspec", {}).get("acceptance", {}).get("alpha")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(alpha) if alpha is not None else None
+
+
 def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str | None = None, dtype=None,
                   k_max: int | None = None) -> tuple[Any, Any]:
     """(drafter, drafter_params) for a spec string; raises DrafterError with the fix in the message.
@@ -219,7 +229,7 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
                 f"train one with `jspec train-head` or pass --drafter {kind}:PATH"
             )
         hcfg, hparams = load_eagle_head(str(path), cfg, dtype=dtype or params["embed"].dtype)
-        drafter = EagleDrafter(hcfg)
+        drafter = EagleDrafter(hcfg, acceptance=head_acceptance(path))
         drafter.check(cfg)
         return drafter, hparams
     raise DrafterError(f"unknown drafter {spec!r}; choose from {', '.join(DRAFTER_NAMES)} (e.g. ngram, early-exit:8, model:PATH)")

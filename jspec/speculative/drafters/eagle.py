@@ -39,6 +39,9 @@ class EagleDrafter:
     """
 
     head: H.HeadConfig
+    # per-token acceptance measured for this head (its config.json "jspec": {"acceptance": {"alpha"}}):
+    # the `auto` policy's prior for the static budget, before the rows' own estimates take over
+    acceptance: float | None = None
     name = "eagle"
     parallel = False
     deterministic = False

@@ -25,7 +25,8 @@ The cost table (verify_us[B][T], draft_step_us[B], tree_level_us[B]) is measured
 `jspec.bench.round_cost.card_costs` and cached as JSON (models/<preset>/round_cost_<card>.json or
 the user cache); the engine-agnostic part of this module takes it as a plain dict. Without a
 table for this card, `REFERENCE_COSTS` (SmolLM2-135M, bf16, an H200) is used.
-The acceptance prior per drafter is `ACCEPTANCE_PRIOR` unless the table records a measured one.
+The acceptance prior is the drafter's own when it carries one (an EAGLE head's measured
+acceptance, `EagleDrafter.acceptance`), else the table's measured one, else `ACCEPTANCE_PRIOR`.
 """
 
 from __future__ import annotations
@@ -260,7 +261,7 @@ def auto_budget(policy, drafter, batch: int, k_max: int, tree, costs: dict | Non
         p = policy
     else:
         p = plan(costs if costs is not None else load_costs(), batch=batch, drafter_name=drafter.name,
-                 parallel=drafter.parallel, k_cap=k_max, tree=tree is not None,
+                 parallel=drafter.parallel, k_cap=k_max, tree=tree is not None, alpha=getattr(drafter, "acceptance", None),
                  tree_top_k=getattr(tree, "top_k", 10), tree_depth=getattr(tree, "depth", 6))
     if p.mode == "ar":
         return None, None, k_max, None
