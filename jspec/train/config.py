@@ -19,7 +19,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from .shards import LoopCut
+from .shards import LoopCut, check_length_buckets
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,7 @@ class TrainConfig:
             raise ValueError("ttt_steps must be >= 1")
         if self.seq_len <= self.ttt_steps + 1:
             raise ValueError("seq_len must exceed ttt_steps + 1")
-        if self.length_buckets and (list(self.length_buckets) != sorted(set(self.length_buckets))
-                                    or self.length_buckets[-1] != self.seq_len):
-            raise ValueError(f"length_buckets {self.length_buckets} must increase and end at seq_len {self.seq_len}")
+        check_length_buckets(self.length_buckets, self.seq_len)
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
 

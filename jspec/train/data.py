@@ -182,9 +182,7 @@ class ShardedLoader:
         self._epoch_rows: dict[int, np.ndarray] = {}
         if self.steps_in_epoch(0) == 0:
             raise ValueError(f"{self.data_dir}: too few rows for a local batch of {self.local_batch}")
-        if self.length_buckets:
-            if sorted(self.length_buckets) != list(self.length_buckets) or self.length_buckets[-1] != self.seq_len:
-                raise ValueError(f"length_buckets {self.length_buckets} must increase and end at seq_len {self.seq_len}")
+        shards_v2.check_length_buckets(self.length_buckets, self.seq_len)
 
     @property
     def seq_len(self) -> int:

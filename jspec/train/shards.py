@@ -192,6 +192,12 @@ class LoopCut:
 NO_LOOP_CUT = LoopCut(run=0)
 
 
+def check_length_buckets(buckets, seq_len: int) -> None:
+    """Batch lengths for length-bucketed loading must increase and end at the sequence length."""
+    if buckets and (list(buckets) != sorted(set(buckets)) or buckets[-1] != seq_len):
+        raise ValueError(f"length_buckets {tuple(buckets)} must increase and end at seq_len {seq_len}")
+
+
 @dataclass
 class PackStats:
     rows: int = 0
