@@ -100,7 +100,8 @@ def test_round_cost_profiles_a_learned_policy_with_its_weights(target):
     weights = init_ldlp(CFG.hidden_size, jax.random.key(0), hidden=8)
     prof = profile_method(target, CFG, drafter, dparams, batch=1, policy=make_policy("ldlp", k_max=3), k_max=3,
                           prompt_len=8, max_new=8, n=2, verify_ts=(1,), policy_params=weights)
-    assert prof["round_us"] > 0 and prof["draft_step_us"] > 0
+    # a differential timing: on a busy CPU the per-step difference can come out negative
+    assert prof["round_us"] > 0 and "draft_step_us" in prof and "policy_us" in prof
 
 
 def test_a_heads_measured_acceptance_sets_the_budget(target):
