@@ -249,18 +249,8 @@ def parse_method_spec(text: str) -> MethodSpec:
         raise MethodSpecError(f"method {text!r}: unknown drafter {drafter.split(':')[0]!r}; choose from {', '.join(DRAFTER_NAMES)}")
     if policy not in POLICY_NAMES:
         raise MethodSpecError(f"method {text!r}: unknown policy {policy!r}; valid names: {', '.join(POLICY_NAMES)}")
-    tree, options, seen = False, [], set()
-    for raw in raw_options:
-        if raw == "tree":
-            tree = True
-            continue
-        key, _, value = raw.partition("=")
-        key, value = key.strip(), value.strip()
-        if not key or not value or key in seen:
-            raise MethodSpecError(f"method {text!r}: option {raw!r} must be key=value, each key once")
-        seen.add(key)
-        options.append((key, value))
-    tree = tree or any(k in TREE_KEYS for k, _ in options)
+    options = _key_values(text, [raw for raw in raw_options if raw != "tree"])
+    tree = "tree" in raw_options or any(k in TREE_KEYS for k, _ in options)
     return MethodSpec("spec", drafter=drafter, policy=policy, tree=tree, options=tuple(options))
 
 
@@ -271,15 +261,21 @@ def _parse_parallel(text: str, fields: list[str]) -> MethodSpec:
         raise MethodSpecError(f"method {text!r}: the drafter comes before the key=value options")
     if not 1 <= n_pos <= 2 or not all(rest[:n_pos]):
         raise MethodSpecError(f"method {text!r}: expected {method}:DRAFTER[:ARG] then key=value options")
+    options = _key_values(text, rest[n_pos:])
+    return MethodSpec(method, drafter=":".join(rest[:n_pos]), options=tuple(options))
+
+
+def _key_values(text: str, raws: list[str]) -> list[tuple[str, str]]:
+    """A method spec's key=value options, in order; each key once."""
     options, seen = [], set()
-    for raw in rest[n_pos:]:
+    for raw in raws:
         key, _, value = raw.partition("=")
         key, value = key.strip(), value.strip()
         if not key or not value or key in seen:
             raise MethodSpecError(f"method {text!r}: option {raw!r} must be key=value, each key once")
         seen.add(key)
         options.append((key, value))
-    return MethodSpec(method, drafter=":".join(rest[:n_pos]), options=tuple(options))
+    return options
 
 
 def _check_parallel(spec: MethodSpec) -> None:
