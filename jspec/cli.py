@@ -200,6 +200,14 @@ class CompileClock:
                 f"{steady_text} ({self.compile:.1f}s compiling)")
 
 
+def _print_rows(tok, res, n_prompts: int) -> None:
+    """The decoded rows of a batched result, headed by their index when there are several."""
+    for b in range(n_prompts):
+        if n_prompts > 1:
+            print(f"--- [{b}]")
+        print(tok.decode(res.row(b), skip_special_tokens=True))
+
+
 def cmd_generate(a) -> int:
     check_generate_args(a)
     if a.drafter is not None and a.policy_params is not None:
@@ -234,10 +242,7 @@ def cmd_generate(a) -> int:
                   policy_params=load_hrad(a.hrad, cfg) if a.hrad else None)
         with CompileClock() as clock:
             res = generate(params, cfg, prompts, **kw)
-        for b in range(len(prompts)):
-            if len(prompts) > 1:
-                print(f"--- [{b}]")
-            print(tok.decode(res.row(b), skip_special_tokens=True))
+        _print_rows(tok, res, len(prompts))
         print(f"[jspec] {clock.rates(int(res.lengths.sum()))}; engine {a.engine} on {res.devices} device(s), "
               f"gamma {res.gamma}: steps {res.target_calls.tolist()}, drafted {res.drafted.tolist()}, accepted "
               f"{res.accepted.tolist()}, rollback rate {res.rollback_rate:.3f}", file=sys.stderr)
@@ -247,10 +252,7 @@ def cmd_generate(a) -> int:
                   k_max=a.k_max, verify=a.verify_rule)
     with CompileClock() as clock:
         res = generate(params, cfg, prompts, **kw)
-    for b in range(len(prompts)):
-        if len(prompts) > 1:
-            print(f"--- [{b}]")
-        print(tok.decode(res.row(b), skip_special_tokens=True))
+    _print_rows(tok, res, len(prompts))
     n = int(res.lengths.sum())
     print(f"[jspec] {clock.rates(n)}; target calls {res.target_calls.tolist()}", file=sys.stderr)
     if drafter is not None:
