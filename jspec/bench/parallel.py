@@ -8,6 +8,9 @@ Groups run in this order, each one AR first then the speculative method, all in 
 
 (--dtype, --meshes and --no-fp32-tp-check trim the list.)
 
+--weak-scaling gives each device of data=N the one-device batch (N x the rows and prompts), the
+way data-parallel users grow the batch with the devices; by default the global batch is the same.
+
 Every row carries `devices` and `mesh`, plus `speedup_vs_1_device` (tokens/s over the same
 method and dtype on one device) and `identical_to_1_device` (fraction of prompts whose output
 equals the one-device output). A group is started only while the time budget allows; rows are
@@ -32,7 +35,7 @@ from jspec.bench.methods import JspecMethod
 from jspec.bench.prompts import encode_questions
 from jspec.bench.protocol import parse_method_spec
 from jspec.model import cast_params
-from jspec.sharding import mesh_label, parse_mesh
+from jspec.sharding import axis_size, mesh_label, parse_mesh
 from jspec.speculative.factory import build_drafter
 from jspec.tasks import load_task
 
@@ -48,6 +51,9 @@ def add_parallel_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="speculative methods to try in order; the first whose drafter builds is measured")
     p.add_argument("--k-max", type=int, default=4)
     p.add_argument("--devices", type=int, default=2, help="N in data=N and model=N")
+    p.add_argument("--weak-scaling", action="store_true",
+                   help="data=N runs N x --batch rows (and N x --n-prompts prompts): --batch rows per device, "
+                        "as data-parallel users grow the batch with the devices (default: the same global batch)")
     p.add_argument("--dtype", default="bfloat16", help="dtype of the one-device / data / model groups")
     p.add_argument("--meshes", default="data,model", help="multi-device groups to run: data, model or both")
     p.add_argument("--no-fp32-tp-check", action="store_true",
@@ -94,8 +100,9 @@ def add_cross_device_fields(rows: list[dict[str, Any]], outputs: dict[int, list[
             r["speedup_vs_1_device"] = r["identical_to_1_device"] = None
             continue
         r["speedup_vs_1_device"] = r["tokens_per_s"] / rows[j]["tokens_per_s"]
-        a, b = outputs[i], outputs[j]
-        r["identical_to_1_device"] = sum(x == y for x, y in zip(a, b)) / len(a)
+        a, b = outputs[i], outputs[j]  # weak scaling: the one-device prompts are the first ones of the mesh run
+        n = min(len(a), len(b))
+        r["identical_to_1_device"] = sum(x == y for x, y in zip(a[:n], b[:n])) / n
 
 
 def reproduce_command(args: argparse.Namespace) -> str:
@@ -128,6 +135,8 @@ def run_parallel_bench(args: argparse.Namespace, resolve=presets.resolve_model) 
     print(f"parallel bench on {jax.device_count()} x {ctx.card}: {spec.name}, batch {args.batch}, "
           f"{args.n_prompts} prompts, {args.max_new_tokens} new tokens, kernels {_kernels()}", flush=True)
     for dtype, mesh_spec, with_spec in groups:
+        grow = args.devices if args.weak_scaling and mesh_spec.startswith("data=") else 1
+        batch, group_prompts = args.batch * grow, [prompts[i % len(prompts)] for i in range(args.n_prompts * grow)]
         elapsed = time.perf_counter() - t_start
         if elapsed + last_group_s > args.time_budget_s:
             print(f"skip {dtype} mesh '{mesh_spec}': {elapsed:.0f}s used of {args.time_budget_s:.0f}s", flush=True)
@@ -135,17 +144,18 @@ def run_parallel_bench(args: argparse.Namespace, resolve=presets.resolve_model) 
         t_group = time.perf_counter()
         mesh = parse_mesh(mesh_spec or None)
         p = cast_params(params, jax.numpy.dtype(dtype))
-        methods = [JspecMethod(p, cfg, parse_method_spec("ar"), dtype=dtype, batch=args.batch,
+        methods = [JspecMethod(p, cfg, parse_method_spec("ar"), dtype=dtype, batch=batch,
                                max_new_tokens=args.max_new_tokens, generate_kwargs={"mesh": mesh})]
         if with_spec:
             dparams = None if dparams_f32 is None else cast_params(dparams_f32, jax.numpy.dtype(dtype))
-            methods.append(JspecMethod(p, cfg, spec, dtype=dtype, batch=args.batch, max_new_tokens=args.max_new_tokens,
+            methods.append(JspecMethod(p, cfg, spec, dtype=dtype, batch=batch, max_new_tokens=args.max_new_tokens,
                                        generate_kwargs={"mesh": mesh, "drafter": drafter, "drafter_params": dparams,
                                                         "k_max": args.k_max}))
-        runs = [run_method(m, prompts) for m in methods]
+        runs = [run_method(m, group_prompts) for m in methods]
         for r in runs:
             row = make_row(ctx, r, task=args.task, ar_run=runs[0], hf_run=None)
             row["kernels"] = _kernels()  # the same for every group of one process
+            row["rows_per_device"] = batch // max(1, axis_size(mesh, "data"))
             outputs[len(rows)] = r.outputs
             rows.append(row)
             print(f"  {dtype:8s} {mesh_label(mesh) or 'one device':16s} {row['name']:24s} "

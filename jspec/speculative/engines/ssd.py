@@ -22,6 +22,14 @@ forward of a block has no drafts yet.
 
 Both loops are batched (rows advance independently) and report forwards per row, so
 forwards/token of stepwise decoding is 1 and SSD's is below 1.
+
+Bit-for-bit identity in bf16. In exact arithmetic SSD equals stepwise decoding whatever kernels
+run it. In bf16 it equals a stepwise decoding computed with the same shapes: the N-node forward
+has more rows than a one-block forward, XLA and cuBLAS pick other GEMM tilings for it, and the
+rounding of a near-tied argmax can differ. `stepwise_generate_jit(..., n_nodes=N)` is stepwise
+decoding run through SSD's own N-node forward (node 0 holds the state, no drafts): the reference
+SSD is checked against bit for bit. With n_nodes=1 (the default) it is the fast one-block program,
+the baseline of SSD's speedup.
 """
 
 from __future__ import annotations
@@ -133,8 +141,10 @@ def stepwise_step(own, tparams, dcfg, max_new, kernels, state: SSDState) -> SSDS
     return state
 
 
-def ssd_step(own, tparams, dcfg, max_new, kernels, n_nodes: int, state: SSDState) -> SSDState:
-    """One forward over N verification nodes; commits the accepted drafts + one verified choice."""
+def ssd_step(own, tparams, dcfg, max_new, kernels, n_nodes: int, state: SSDState, drafts: bool = True) -> SSDState:
+    """One forward over N verification nodes; commits the accepted drafts + one verified choice.
+    drafts=False never drafts: every node holds the current state and one token is committed,
+    which is stepwise decoding computed with SSD's shapes."""
     B, b = state.block.shape
     N = n_nodes
     nd = state.dpos.shape[1]
@@ -163,7 +173,7 @@ def ssd_step(own, tparams, dcfg, max_new, kernels, n_nodes: int, state: SSDState
     dpos, dtok, dvalid = next_drafts(take(logits), filled, nd)
     state = state.replace(cache=cache, forwards=state.forwards + active.astype(jnp.int32))
     state, complete = finish_block(dcfg, state, block, filled, max_new)
-    dvalid = dvalid & ~complete[:, None] & (N > 1)  # a new block starts without drafts
+    dvalid = dvalid & ~complete[:, None] & (N > 1) & drafts  # a new block starts without drafts
     return state.replace(dpos=dpos, dtok=dtok, dvalid=dvalid)
 
 
@@ -177,9 +187,13 @@ def cache_len_for(prompt_len: int, max_new: int, b: int, n_nodes: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def stepwise_generate_jit(own, tparams, tokens, lens, *, dcfg, b, n_nodes=1, max_new, cache_len, kernels=None):
-    """Stepwise decoding: (out [B, max_new], n_out [B], forwards [B])."""
-    state = start(own, tparams, dcfg, tokens, lens, b=b, n_nodes=1, max_new=max_new, cache_len=cache_len, kernels=kernels)
-    body = functools.partial(stepwise_step, own, tparams, dcfg, max_new, kernels)
+    """Stepwise decoding: (out [B, max_new], n_out [B], forwards [B]). n_nodes > 1 computes it
+    with SSD's N-node forward (the bit-for-bit reference of SSD with n_nodes nodes, see above)."""
+    state = start(own, tparams, dcfg, tokens, lens, b=b, n_nodes=n_nodes, max_new=max_new, cache_len=cache_len, kernels=kernels)
+    if n_nodes == 1:
+        body = functools.partial(stepwise_step, own, tparams, dcfg, max_new, kernels)
+    else:
+        body = functools.partial(ssd_step, own, tparams, dcfg, max_new, kernels, n_nodes, drafts=False)
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     return state.out, state.n_out, state.forwards
 
