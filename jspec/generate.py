@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from . import model as M
 from .config import ModelConfig
 from .decode import GenerationResult, decode_chunk_jit, generate_ar_jit, pack_prompts, start_decode_jit, stream_row0
 from .sampling import GREEDY, Sampling
@@ -93,6 +94,18 @@ def generate(
     (one device) or "role=2" / "data=N,role=2" (device pairs); policies, trees and other verify
     rules do not apply to them. Their results are ParallelResults (rollback_rate, devices, gamma).
     """
+    # Every program below runs whole on each device unless a model axis splits the target: then
+    # GSPMD partitions it and the portable kernels must run (model.default_kernels).
+    tensor_parallel = engine is None and axis_size(parse_mesh(mesh), "model") > 1
+    with M.per_device_program(not tensor_parallel):
+        return _generate(params, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling, drafter=drafter,
+                         drafter_params=drafter_params, policy=policy, policy_params=policy_params,
+                         policy_state=policy_state, k_max=k_max, verify=verify, tree=tree, seed=seed,
+                         cache_len=cache_len, unroll=unroll, mesh=mesh, engine=engine, gamma=gamma)
+
+
+def _generate(params, cfg, prompts, *, max_new_tokens, sampling, drafter, drafter_params, policy, policy_params,
+              policy_state, k_max, verify, tree, seed, cache_len, unroll, mesh, engine, gamma) -> GenerationResult:
     sampling = sampling or GREEDY
     if engine is not None:
         if policy is not None or tree is not None or verify != "lossless" or policy_state is not None:
@@ -285,10 +298,16 @@ def generate_stream(
     """Yield new tokens as they come, `chunk` jitted decode steps at a time (one host sync per chunk)."""
     sampling = sampling or GREEDY
     tokens, lens, cache_len = pack_prompts(cfg, [prompt], max_new_tokens)
-    state = start_decode_jit(
-        params, cfg, jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(seed),
-        max_new=max_new_tokens, cache_len=cache_len, sampling=sampling, unroll=unroll,
-    )
-    advance = lambda st: decode_chunk_jit(params, cfg, st, max_new=max_new_tokens, sampling=sampling, n_steps=chunk, unroll=unroll)
+    with M.per_device_program():  # one device: GPU kernels even on a host with several GPUs
+        state = start_decode_jit(
+            params, cfg, jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(seed),
+            max_new=max_new_tokens, cache_len=cache_len, sampling=sampling, unroll=unroll,
+        )
+
+    def advance(st):
+        with M.per_device_program():
+            return decode_chunk_jit(params, cfg, st, max_new=max_new_tokens, sampling=sampling, n_steps=chunk,
+                                    unroll=unroll)
+
     for tokens, _ in stream_row0(state, advance):
         yield tokens

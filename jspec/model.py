@@ -30,6 +30,8 @@ layer for SmolLM2-135M (plus the scan counter), 1.22 -> 1.04 ms a decode step at
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 from typing import NamedTuple
@@ -58,17 +60,36 @@ NEG_INF = -1e30  # finite, so fully-masked rows never produce NaN
 KERNEL_IMPLS = ("xla", "pallas", "pallas_fused", "cudnn")
 
 
-def default_kernels() -> str:
-    """$JSPEC_KERNELS if set, else "pallas" on a single GPU, else "xla".
+_PER_DEVICE_PROGRAM = contextvars.ContextVar("jspec_per_device_program", default=False)
 
-    A pallas_call is not partitioned by GSPMD, so multi-device runs keep the portable path.
+
+@contextlib.contextmanager
+def per_device_program(on: bool = True):
+    """Within this context, programs traced are known to run whole on each device (one device, or a
+    fully manual shard_map such as data parallelism), so default_kernels() may pick the GPU kernels
+    on a host with several GPUs. jspec.generate enters it for every mesh without a model axis."""
+    token = _PER_DEVICE_PROGRAM.set(bool(on))
+    try:
+        yield
+    finally:
+        _PER_DEVICE_PROGRAM.reset(token)
+
+
+def default_kernels() -> str:
+    """$JSPEC_KERNELS if set, else "pallas" on GPU for a program that runs whole on each device
+    (a single-GPU host, or inside `per_device_program`), else "xla".
+
+    A pallas_call is not partitioned by GSPMD, so a program that may be partitioned (several local
+    devices, no per_device_program context) keeps the portable path.
     """
     env = os.environ.get("JSPEC_KERNELS")
     if env:
         if env not in KERNEL_IMPLS:
             raise ValueError(f"JSPEC_KERNELS={env!r}: expected one of {', '.join(KERNEL_IMPLS)}")
         return env
-    return "pallas" if jax.default_backend() == "gpu" and jax.local_device_count() == 1 else "xla"
+    if jax.default_backend() != "gpu":
+        return "xla"
+    return "pallas" if _PER_DEVICE_PROGRAM.get() or jax.local_device_count() == 1 else "xla"
 
 
 def fused_attention_supported(cfg: ModelConfig, T: int, new_mask: jax.Array | None) -> bool:

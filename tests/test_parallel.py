@@ -126,3 +126,21 @@ def test_parallel_bench_writes_rows_with_devices_and_mesh(target, tmp_path):
     assert [(r["batch"], r["rows_per_device"], r["n_prompts"]) for r in rows] == [(4, 4, 4)] * 2 + [(8, 4, 8)] * 2
     on_disk = json.loads((tmp_path / "parallel.json").read_text())
     assert [(r["name"], r["mesh"], r["tokens_per_s"]) for r in on_disk] == [(r["name"], r["mesh"], r["tokens_per_s"]) for r in rows]
+
+
+def test_gpu_kernels_only_for_programs_that_run_whole_on_each_device(monkeypatch):
+    # On a host with several GPUs a traced program may be partitioned by GSPMD (a pallas_call is
+    # not), unless generate() declares it per-device: one device, or data parallelism.
+    monkeypatch.delenv("JSPEC_KERNELS", raising=False)
+    monkeypatch.setattr(M.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(M.jax, "local_device_count", lambda: 2)
+    assert M.default_kernels() == "xla"
+    with M.per_device_program():
+        assert M.default_kernels() == "pallas"
+        with M.per_device_program(False):  # generate() with a model axis
+            assert M.default_kernels() == "xla"
+    monkeypatch.setattr(M.jax, "local_device_count", lambda: 1)
+    assert M.default_kernels() == "pallas"
+    monkeypatch.setattr(M.jax, "default_backend", lambda: "cpu")
+    with M.per_device_program():
+        assert M.default_kernels() == "xla"

@@ -86,9 +86,10 @@ def _pick_spec(candidates: str, cfg, params, model: str):
     raise SystemExit("no speculative method could be built: " + "; ".join(errors))
 
 
-def _kernels() -> str:
-    pick = getattr(M, "default_kernels", None)
-    return pick() if pick else "xla"
+def _kernels(mesh=None) -> str:
+    """The kernels generate() runs for this mesh (GPU kernels unless a model axis splits the target)."""
+    with M.per_device_program(axis_size(mesh, "model") == 1):
+        return M.default_kernels()
 
 
 def add_cross_device_fields(rows: list[dict[str, Any]], outputs: dict[int, list[list[int]]]) -> None:
@@ -154,7 +155,7 @@ def run_parallel_bench(args: argparse.Namespace, resolve=presets.resolve_model) 
         runs = [run_method(m, group_prompts) for m in methods]
         for r in runs:
             row = make_row(ctx, r, task=args.task, ar_run=runs[0], hf_run=None)
-            row["kernels"] = _kernels()  # the same for every group of one process
+            row["kernels"] = _kernels(mesh)
             row["rows_per_device"] = batch // max(1, axis_size(mesh, "data"))
             outputs[len(rows)] = r.outputs
             rows.append(row)

@@ -306,7 +306,8 @@ def resolve_attention(name: str) -> str:
     under shard_map, so the one-device kernels apply), else the portable XLA path."""
     if name != "auto":
         return name
-    return os.environ.get("JSPEC_KERNELS") or ("pallas" if jax.default_backend() == "gpu" else "xla")
+    with M.per_device_program():
+        return M.default_kernels()
 
 
 def _kernel_kwargs(impl: str) -> dict:
