@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from .kernels.top_k import top_k
 
 NEG_INF = -jnp.inf
 
@@ -44,7 +45,7 @@ def logprobs(logits: jax.Array, sampling: Sampling) -> jax.Array:
     if not sampling.greedy:
         x = x / sampling.temperature
     if sampling.top_k:
-        kth = jax.lax.top_k(x, sampling.top_k)[0][..., -1:]
+        kth = top_k(x, sampling.top_k)[0][..., -1:]
         x = jnp.where(x < kth, NEG_INF, x)
     if sampling.top_p < 1.0:
         # Keep the smallest set of tokens whose probability mass reaches top_p (the token that

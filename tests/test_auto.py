@@ -27,6 +27,17 @@ def test_plan_picks_a_budget_or_plain_decoding():
     assert plan(REFERENCE_COSTS, batch=1, drafter_name="ngram", parallel=True).mode == "chain"
 
 
+def test_larger_batches_plan_for_a_slow_row():
+    # a batch runs until its slowest row is done: the planned gain falls with the batch size at
+    # the same per-row costs, and a large enough spread of row acceptance means plain decoding
+    flat = {"verify_us": {"1": {"1": 1000, "4": 1100, "8": 1200, "tree16": 1300, "tree60": 1600}},
+            "draft_step_us": {"1": 80}, "tree_level_us": {"1": 100}}
+    gains = [plan(flat, batch=b, drafter_name="eagle", parallel=False, alpha=0.5).gain for b in (1, 8, 32)]
+    assert gains[0] > gains[1] > gains[2] > 1
+    assert plan(flat, batch=1, drafter_name="eagle", parallel=False, alpha=0.5, row_spread=0.5).mode != "ar"
+    assert plan(flat, batch=32, drafter_name="eagle", parallel=False, alpha=0.5, row_spread=0.5).mode == "ar"
+
+
 def test_round_limit_follows_acceptance():
     pol = AutoPolicy(k_max=8, alpha0=0.9, step_us=75, first_us=40, verify_us=1000)
     st = pol.init(2, jax.random.PRNGKey(0))

@@ -44,6 +44,7 @@ from ...heads import dlm as D
 from ...sampling import Sampling, probs
 from ..state import take_row
 from .base import DrafterError
+from ...kernels.top_k import top_k
 
 PAPER_CPS = {"tau": 0.8, "m_max": 15, "beam": 3, "lam": 0.5}
 # Library defaults for a small (135M-class) target: a 30-token block costs the DLM one forward,
@@ -177,7 +178,7 @@ def cps_lattice(logp: jax.Array, eos_id: int, tau: float, m_max: int):
     always kept (a duplicate of an EOS already in the set is dropped). eos_stop: index of the first
     position whose tau-set contains EOS (K if none): later positions are not expanded."""
     B, K, V = logp.shape
-    top_lp, top_tok = jax.lax.top_k(logp, m_max)
+    top_lp, top_tok = top_k(logp, m_max)
     p = jnp.exp(top_lp)
     keep = (jnp.cumsum(p, axis=-1) - p) < tau
     eos_in_set = jnp.any(keep & (top_tok == eos_id), axis=-1)  # [B, K]
@@ -232,7 +233,7 @@ def cps_beam_search(tokens, logq, ok, limit, prev2, prev1, proxy_fn, *, beam: in
         ext_ok = live[:, :, None] & ~fin[:, :, None] & okk[:, None, :] & expanding[:, :, None]
         ext_sc = jnp.where(ext_ok, ext_sc, neg).reshape(B, W * C)
         kept = jnp.where(live & (fin | ~expanding), score, neg)
-        new_score, idx = jax.lax.top_k(jnp.concatenate([ext_sc, kept], axis=1), W)
+        new_score, idx = top_k(jnp.concatenate([ext_sc, kept], axis=1), W)
         is_ext = idx < W * C
         src = jnp.where(is_ext, idx // C, idx - W * C)
         ci = jnp.where(is_ext, idx % C, 0)
@@ -352,7 +353,7 @@ class DiffuSpecDrafter:
                 logits, fixed, fixed_tok, block = c
                 lp = jax.nn.log_softmax(logits, axis=-1)
                 conf = jnp.where(fixed, -jnp.inf, jnp.max(lp, axis=-1))
-                _, pick = jax.lax.top_k(conf, per_step)  # [B, per_step] targets to fix now
+                _, pick = top_k(conf, per_step)  # [B, per_step] targets to fix now
                 new = jnp.zeros((B, T), bool).at[jnp.arange(B)[:, None], pick].set(True) & ~fixed
                 tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
                 fixed_tok = jnp.where(new, tok, fixed_tok)

@@ -48,6 +48,7 @@ from ... import model as M
 from ...config import ModelConfig
 from ...decode import emit
 from ...heads import hrad as HR
+from ...kernels.top_k import top_k
 from ...sampling import Sampling, probs
 from ..verify.chain import accepted_prefix
 from .pearl import (DATA_AXIS, DRAFT_ROLE, ROLE_AXIS, TARGET_ROLE, ParallelResult, _categorical, _row_keys, _uniform,
@@ -124,7 +125,7 @@ def _draft_role(dparams, dcfg, sampling, sb: SpecBranchConfig, key, kernels, s: 
     slot = s.dcache.lengths.reshape(R, NB)[:, 0] + 1  # the heads' position
     p1 = jax.nn.softmax(logits0.astype(jnp.float32), -1)
     if sampling.greedy:
-        heads = jax.lax.top_k(logits0, NB)[1].astype(jnp.int32)  # [R, NB] distinct
+        heads = top_k(logits0, NB)[1].astype(jnp.int32)  # [R, NB] distinct
         q_head = None
     else:
         q_head = probs(logits0, sampling)

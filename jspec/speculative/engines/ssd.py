@@ -43,6 +43,7 @@ from flax import struct
 from ... import model as M
 from ...decode import emit
 from ...heads import dlm as D
+from ...kernels.top_k import top_k
 
 
 @struct.dataclass
@@ -85,7 +86,7 @@ def next_drafts(logits, filled, n_drafts: int):
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     conf = jnp.where(filled, -jnp.inf, jnp.max(lp, axis=-1))
     # top_k on confidence; ties -> lower index first, like argmax in stepwise_choice
-    val, pos = jax.lax.top_k(conf, n_drafts)
+    val, pos = top_k(conf, n_drafts)
     tok = jnp.argmax(jnp.take_along_axis(logits, pos[..., None], axis=-2), axis=-1).astype(jnp.int32)
     room = jnp.sum(~filled, axis=-1, keepdims=True) - 1
     return pos.astype(jnp.int32), tok, (val > -jnp.inf) & (jnp.arange(n_drafts) < room)

@@ -16,6 +16,12 @@ Two decisions use it:
   credits larger trees with fixed weights instead). If no budget's gain reaches
   `min_gain` (1.05 by default: a margin for the model's error), `plan` returns "ar": the call runs
   plain decoding.
+  Stragglers: a batch runs until its slowest row is done, and rows differ in acceptance, so at
+  batch B the plan uses the acceptance of a slow row, a - ROW_SPREAD * z(B), where z(B) is the
+  expected maximum of B standard normals (0 at B = 1, about 2 at B = 32). [I] ROW_SPREAD = 0.04 is
+  the smallest spread under which no plan that ran below AR on jspec's H200 MT-Bench rows at batch
+  8-32 is chosen (without it the plan drafted EAGLE-2 trees at batch 32, 0.96x AR); every plan
+  that ran above AR there is kept. `plan(..., row_spread=)` changes it.
 * Device side, per round and per row (`round_limit`): with the verify cost of the static block,
   the draft length (or tree depth) k in [1, K] that maximises tau(k) / c(k) under the row's own
   running acceptance estimate (a geometric fit of accepted / drafted, smoothed over rounds).
@@ -58,6 +64,21 @@ def tree_acceptance(alpha, nodes: int, depth: int):
 # lookup: ~1.7 tokens per round from ~3.4 drafts -> a ~ 0.4). A table's "acceptance" overrides them.
 ACCEPTANCE_PRIOR = {"eagle": 0.45, "ngram": 0.4}
 DEFAULT_PRIOR = 0.4
+ROW_SPREAD = 0.04  # [I] spread of per-row acceptance (module doc: stragglers)
+
+
+def expected_max_normal(n: int) -> float:
+    """E[max of n standard normals] (Blom's approximation; exact 0 for n = 1)."""
+    if n <= 1:
+        return 0.0
+    from statistics import NormalDist
+
+    return float(NormalDist().inv_cdf((n - 0.375) / (n + 0.25)))
+
+
+def straggler_acceptance(alpha: float, batch: int, row_spread: float = ROW_SPREAD) -> float:
+    """The per-token acceptance of a batch's slow row, which sets the batch's pace (module doc)."""
+    return float(np.clip(alpha - row_spread * expected_max_normal(batch), 0.0, 0.99))
 
 # Measured on an H200 (bf16, SmolLM2-135M shape, batch x block size; µs). Used only when this card
 # has no cached table; `plan` rescales it by the ratio of AR steps when one is known.
@@ -151,11 +172,14 @@ class AutoPlan:
 
 
 def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: int = 8, tree: bool = False,
-         tree_top_k: int = 10, tree_depth: int = 6, alpha: float | None = None, min_gain: float = 1.05) -> AutoPlan:
+         tree_top_k: int = 10, tree_depth: int = 6, alpha: float | None = None, min_gain: float = 1.05,
+         row_spread: float = ROW_SPREAD) -> AutoPlan:
     """The static budget for one generate call (module doc). `parallel` drafters (n-gram) cost
-    nothing per draft step."""
+    nothing per draft step. alpha: the drafter's mean per-token acceptance (None: the table's or
+    the prior); the plan uses a slow row's (`straggler_acceptance`)."""
     cm = CostModel(costs, batch)
     a = alpha if alpha is not None else costs.get("acceptance", {}).get(drafter_name, ACCEPTANCE_PRIOR.get(drafter_name, DEFAULT_PRIOR))
+    a_mean, a = a, straggler_acceptance(a, batch, row_spread)
     ar = cm.ar_step()
     step = 0.0 if parallel else cm.draft_step()
     first = (0.0 if parallel else cm.draft_first()) + cm.overhead(tree)  # fixed per-round cost
@@ -179,7 +203,9 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
         unit, verify_at = step, cm.verify(best.k_max + 1) if best.mode == "chain" else 0.0
     if best.mode == "ar" or best.gain < min_gain:
         return AutoPlan("ar", 0, 0, best.gain, None)
-    policy = AutoPolicy(k_max=best.k_max, alpha0=float(a), step_us=float(unit), first_us=float(first), verify_us=float(verify_at))
+    # rows start from the mean acceptance; each row's own estimate takes over from there
+    policy = AutoPolicy(k_max=best.k_max, alpha0=float(a_mean), step_us=float(unit), first_us=float(first),
+                        verify_us=float(verify_at))
     return dataclasses.replace(best, policy=policy)
 
 

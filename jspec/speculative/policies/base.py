@@ -47,6 +47,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
+from ...kernels.top_k import top_k
 
 Features = dict[str, jax.Array] | None
 
@@ -70,7 +71,7 @@ def entropy_from_log_probs(log_probs: jax.Array) -> jax.Array:
 
 def top_two_probs(log_probs: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Largest and second-largest probability over the last axis."""
-    top = jax.lax.top_k(jnp.exp(log_probs), 2)[0]
+    top = top_k(jnp.exp(log_probs), 2)[0]
     return top[..., 0], top[..., 1]
 
 

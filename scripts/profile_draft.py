@@ -1,0 +1,201 @@
+"""Where an EAGLE draft step and an EAGLE-2 tree level spend their time, kernel by kernel.
+
+Random weights of SmolLM2-135M's shape with an EAGLE-3 head (32k draft vocabulary): timing does not
+depend on the weights' values, so nothing needs staging. For each program (chain draft loop at K = 1
+and K = 6, tree build at depth 1 and depth 6) it runs `n` iterations in one jitted fori_loop under
+`jax.profiler.trace`, reads the Perfetto trace and sums the GPU kernels by name. The per-step
+(per-level) cost of a kernel is its difference between the long and the short program, divided by the
+extra steps (levels) — the same differential method as jspec.bench.round_cost.
+
+    python scripts/profile_draft.py --out OUT [--batch 1] [--n 20] [--top 25] [--xla-option K=V] [--lax-top-k]
+
+Writes OUT/profile_draft.json ({"chain": {...}, "tree": {...}}: wall µs per step / level and the
+kernel table) and prints the top kernels of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jspec import model as M  # noqa: E402
+from jspec.bench import round_cost as RC  # noqa: E402
+from jspec.heads import eagle as H  # noqa: E402
+from jspec.speculative.drafters.eagle import EagleDrafter  # noqa: E402
+from jspec.speculative.engines.chain import draft_autoregressive  # noqa: E402
+from jspec.speculative.engines.tree import TreeConfig, build_tree  # noqa: E402
+from jspec.speculative.policies import resolve_policy  # noqa: E402
+from measure_card_costs import SMOLLM2  # noqa: E402
+
+
+def device_kernels(trace_dir: str) -> tuple[dict[str, float], int]:
+    """(total µs per kernel name, number of kernel launches) on the first GPU's tracks of the
+    Perfetto trace in trace_dir."""
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
+    with gzip.open(path) as fh:
+        events = json.load(fh)["traceEvents"]
+    names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu_pids = {pid for pid, name in names.items() if "GPU:0" in name or "gpu:0" in name.lower()}
+    if not gpu_pids and jax.default_backend() == "gpu":
+        print(f"no GPU:0 track among the trace's processes: {sorted(set(names.values()))}", flush=True)
+    total: dict[str, float] = collections.defaultdict(float)
+    launches = 0
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu_pids:
+            total[e["name"]] += float(e.get("dur", 0.0))
+            launches += 1
+    return dict(total), launches
+
+
+XLA_OPTIONS: dict = {}  # compiler options of every timed program (--xla-option)
+HLO_DIR: list[str] = []  # --dump-hlo: where each timed program's optimized HLO goes
+
+
+def traced(fn, consts, carry, n: int) -> tuple[float, dict[str, float], float]:
+    """(wall µs, kernel µs by name, kernel launches), per iteration of n in one program."""
+    run = jax.jit(lambda k, c: jax.lax.fori_loop(0, n, lambda i, x: fn(k, x), c), compiler_options=XLA_OPTIONS or None)
+    jax.block_until_ready(run(consts, carry))
+    if HLO_DIR:
+        path = os.path.join(HLO_DIR[0], f"program_{len(os.listdir(HLO_DIR[0])):02d}.hlo.txt")
+        with open(path, "w") as fh:
+            fh.write(run.lower(consts, carry).compile().as_text())
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(consts, carry))
+    wall = 1e6 * (time.perf_counter() - t0) / n
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            jax.block_until_ready(run(consts, carry))
+        kernels, launches = device_kernels(d)
+    return wall, {k: v / n for k, v in kernels.items()}, launches / n
+
+
+def per_unit(short, long, units: int) -> tuple[float, list[tuple[str, float, float]]]:
+    """Differential wall µs per unit, and per-kernel (name, µs per unit, µs in the long program)."""
+    (ws, ks, _), (wl, kl, _) = short, long
+    rows = [(name, (kl.get(name, 0.0) - ks.get(name, 0.0)) / units, kl.get(name, 0.0)) for name in set(ks) | set(kl)]
+    rows.sort(key=lambda r: -r[1])
+    return (wl - ws) / units, rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--n", type=int, default=20)
+    ap.add_argument("--k", type=int, default=6, help="chain draft length (and tree depth)")
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--xla-option", action="append", default=[],
+                    help="KEY=VALUE compiler option for every timed program (repeatable), e.g. "
+                         "xla_gpu_enable_dot_strength_reduction=false")
+    ap.add_argument("--lax-top-k", action="store_true",
+                    help="tree levels use jax.lax.top_k instead of the blocked top-k (the old path)")
+    ap.add_argument("--dump-hlo", action="store_true", help="write each program's optimized HLO under OUT/hlo")
+    args = ap.parse_args(argv)
+    if args.dump_hlo:
+        HLO_DIR.append(os.path.join(args.out, "hlo"))
+        os.makedirs(HLO_DIR[0], exist_ok=True)
+    for item in args.xla_option:
+        key, _, value = item.partition("=")
+        XLA_OPTIONS[key] = {"true": True, "false": False}.get(value.lower(), value)
+    if args.lax_top_k:
+        from jspec.speculative.engines import tree as tree_engine
+
+        tree_engine.top_k_blocked = lambda x, k, block=0: jax.lax.top_k(x, k)
+    if args.batch < 1 or args.n < 1 or args.k < 2:
+        ap.error("--batch and --n must be >= 1 and --k >= 2")
+    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    tparams = M.init_params(SMOLLM2, jax.random.PRNGKey(0), dtype)
+    hcfg = H.HeadConfig("eagle3", SMOLLM2, draft_vocab_size=args.draft_vocab)
+    dparams = H.init_head(hcfg, jax.random.PRNGKey(1), dtype)
+    drafter = EagleDrafter(hcfg)
+    K, n, B = args.k, args.n, args.batch
+    prompt_len, max_new = 128, 256
+    cache_len = prompt_len + max_new + 128
+    policy = resolve_policy("static", K)
+    state = RC._start(tparams, SMOLLM2, drafter, dparams, policy, None, K, B, prompt_len, max_new, cache_len)
+    print(f"{jax.devices()[0].device_kind}, batch {B}, K/depth {K}, n {n}, kernels {M.default_kernels()}", flush=True)
+
+    def chain(k_max):
+        pol = resolve_policy("static", k_max)
+        limit = jnp.full(state.last.shape, k_max, jnp.int32)
+
+        def body(k, st):
+            draft, dstate, _, pstate = draft_autoregressive(drafter, k[1], k[0], SMOLLM2, st, st.pstate, pol, limit,
+                                                            k_max, RC.GREEDY, st.key, False)
+            return st.replace(last=draft.tokens[:, -1], dstate=dstate, pstate=pstate)
+
+        return traced(body, (tparams, dparams), state.replace(pstate=pol.init(B, jax.random.PRNGKey(0))), n)
+
+    def tree(depth):
+        tc = TreeConfig(10, depth, 10)
+        pol = resolve_policy("static", depth)
+        limit = jnp.full(state.last.shape, depth, jnp.int32)
+        pstate = pol.init(B, jax.random.PRNGKey(0))
+
+        def body(k, c):
+            tr, _ = build_tree(drafter, k[1], k[0], SMOLLM2, k[2], c[0], tc, pol, pstate, limit)
+            return tr.tokens[:, -1], c[1] + jnp.sum(tr.ancestors, (1, 2))
+
+        return traced(body, (tparams, dparams, state.dstate), (state.last, jnp.zeros((B,), jnp.int32)), n)
+
+    def verify(T, tree_mask):
+        """The target's verify forward of T tokens (+ LM head + argmax); T = 1 is an AR step."""
+        cache = RC.filled_cache(tparams, SMOLLM2, B, cache_len, prompt_len)
+        mask, depth = RC.random_tree_mask(T, B) if tree_mask else (None, jnp.arange(T, dtype=jnp.int32))
+        pos = cache.lengths[:, None] + depth[None]
+
+        def body(k, c):
+            o = M.forward(k[0], SMOLLM2, c[0], k[1], positions=k[2], new_mask=k[3] if tree_mask else None,
+                          capture=drafter.capture_layers)
+            nxt = jnp.argmax(M.lm_head(k[0], SMOLLM2, o.hidden), -1).astype(jnp.int32)
+            return nxt, c[1] + o.cache.k[0, :, 0, 0, 0].astype(jnp.float32)
+
+        consts = (tparams, cache, pos, mask if tree_mask else jnp.zeros((), bool))
+        return traced(body, consts, (jnp.zeros((B, T), jnp.int32), jnp.zeros((B,), jnp.float32)), n)
+
+    report = {"card": jax.devices()[0].device_kind, "batch": B, "k": K, "n": n, "kernels": M.default_kernels(),
+              "xla_options": XLA_OPTIONS, "tree_top_k": "lax" if args.lax_top_k else "blocked"}
+    for T, tree_mask in ((1, False), (60, True)):
+        wall, kern, launches = verify(T, tree_mask)
+        rows = sorted(kern.items(), key=lambda kv: -kv[1])
+        key = f"verify_{'tree' if tree_mask else ''}{T}"
+        report[key] = {"wall_us": wall, "gpu_us": sum(kern.values()), "launches": launches,
+                       "kernels": [{"name": k, "us": v} for k, v in rows]}
+        print(f"\n{key}: {wall:.1f} µs (wall), {sum(kern.values()):.1f} µs of GPU kernels, {launches:.0f} launches",
+              flush=True)
+        for k, v in rows[: args.top]:
+            print(f"  {v:8.2f} µs  {k[:110]}")
+    for name, short, long in (("chain", chain(1), chain(K)), ("tree", tree(1), tree(K))):
+        wall, rows = per_unit(short, long, K - 1)
+        gpu = sum(r[1] for r in rows)
+        launches = (long[2] - short[2]) / (K - 1)
+        report[name] = {"wall_us_per_unit": wall, "gpu_us_per_unit": gpu, "launches_per_unit": launches,
+                        "short_wall_us": short[0],
+                        "long_wall_us": long[0], "kernels_per_unit": [
+                            {"name": r[0], "us_per_unit": r[1], "us_long": r[2]} for r in rows]}
+        unit = "draft step" if name == "chain" else "tree level"
+        print(f"\n{name}: {wall:.1f} µs per {unit} (wall), {gpu:.1f} µs of GPU kernels, "
+              f"{launches:.1f} kernel launches per {unit}", flush=True)
+        for r in rows[: args.top]:
+            print(f"  {r[1]:8.2f} µs  {r[0][:110]}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "profile_draft.json"), "w") as fh:
+        json.dump(report, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
