@@ -103,6 +103,7 @@ def main(argv=None) -> None:
                          "xla_gpu_enable_dot_strength_reduction=false")
     ap.add_argument("--lax-top-k", action="store_true",
                     help="tree levels use jax.lax.top_k instead of the blocked top-k (the old path)")
+    ap.add_argument("--unroll", type=int, default=1, help="layer-scan unroll of the verify forwards")
     ap.add_argument("--dump-hlo", action="store_true", help="write each program's optimized HLO under OUT/hlo")
     args = ap.parse_args(argv)
     if args.dump_hlo:
@@ -160,7 +161,7 @@ def main(argv=None) -> None:
 
         def body(k, c):
             o = M.forward(k[0], SMOLLM2, c[0], k[1], positions=k[2], new_mask=k[3] if tree_mask else None,
-                          capture=drafter.capture_layers)
+                          capture=drafter.capture_layers, unroll=args.unroll)
             nxt = jnp.argmax(M.lm_head(k[0], SMOLLM2, o.hidden), -1).astype(jnp.int32)
             return nxt, c[1] + o.cache.k[0, :, 0, 0, 0].astype(jnp.float32)
 
