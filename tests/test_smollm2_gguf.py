@@ -161,8 +161,13 @@ def test_gemma3_gguf_loads_and_matches_transformers_top1():
     ids = [2, 818, 5279, 529, 7001, 563, 9079, 236761]  # "<bos>The capital of France is Paris."
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()
-    out = model.forward(params, cfg, jnp.asarray([ids], jnp.int32), model.init_cache(cfg, 1, len(ids)))
-    logits = np.asarray(model.lm_head(params, cfg, out.hidden))[0]
+
+    @jax.jit  # one program (op-by-op dispatch of an 18-layer model is slow to compile on CPU)
+    def forward(params, ids):
+        out = model.forward(params, cfg, ids, model.init_cache(cfg, 1, ids.shape[1]))
+        return model.lm_head(params, cfg, out.hidden)
+
+    logits = np.asarray(forward(params, jnp.asarray([ids], jnp.int32)))[0]
     assert np.isfinite(logits).all()
     np.testing.assert_array_equal(logits.argmax(-1), ref.argmax(-1))
     assert np.abs(logits - ref).max() / np.abs(ref).max() < 1e-3

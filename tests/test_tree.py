@@ -31,10 +31,16 @@ def test_tree_structure_invariants(target):
 
     tokens, lens, cache_len = pack_prompts(CFG, prompts, 8, TC.num_nodes + 1)
     policy = make_policy("static", k_max=TC.depth)
-    state = start_spec(target, CFG, drafter, dparams, policy, None, TC.depth, 8, cache_len, Sampling(), 1,
-                       jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(0))
-    tree, _ = build_tree(drafter, dparams, target, CFG, state.dstate, state.last, TC, policy, state.pstate,
-                         jnp.full((len(prompts),), TC.depth))
+
+    @jax.jit  # one program, as the engine runs it (eager op-by-op dispatch is slow to compile on CPU)
+    def prefill_and_tree(target, dparams, tokens, lens):
+        state = start_spec(target, CFG, drafter, dparams, policy, None, TC.depth, 8, cache_len, Sampling(), 1,
+                           tokens, lens, jax.random.PRNGKey(0))
+        tree, _ = build_tree(drafter, dparams, target, CFG, state.dstate, state.last, TC, policy, state.pstate,
+                             jnp.full((len(prompts),), TC.depth))
+        return state.last, tree
+
+    last, tree = prefill_and_tree(target, dparams, jnp.asarray(tokens), jnp.asarray(lens))
     parent, depth, anc = (np.asarray(x) for x in (tree.parent, tree.depth, tree.ancestors))
     n = parent.shape[1]
     assert (parent[:, 1:] < np.arange(1, n)).all()  # every node's parent precedes it
@@ -43,7 +49,7 @@ def test_tree_structure_invariants(target):
             assert depth[b, i] == depth[b, parent[b, i]] + 1  # positions are depths
             assert (anc[b, i] >= anc[b, parent[b, i]]).all() and anc[b, i, i]  # ancestor-closed
             assert anc[b, i].sum() == depth[b, i] + 1
-    assert (np.asarray(tree.tokens[:, 0]) == np.asarray(state.last)).all()
+    assert (np.asarray(tree.tokens[:, 0]) == np.asarray(last)).all()
 
 
 # EAGLE-1 trees under every policy are checked against a transformers greedy loop in
