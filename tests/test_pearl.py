@@ -100,7 +100,7 @@ def test_sampling_is_lossless_chi_square():
     pa = p[0, L - 1]
     joint = np.array([pa[a] * p[a * V + b, L, b] * p[a * V + b, L + 1, c]
                       for a in range(V) for b in range(V) for c in range(V)])
-    expected = joint * n
+    expected = joint.astype(np.float64) * n  # float64: chisquare checks that observed and expected sums agree
     big = expected >= 5
     obs = np.append(observed[big], observed[~big].sum())
     exp = np.append(expected[big], expected[~big].sum())
