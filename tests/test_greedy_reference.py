@@ -113,7 +113,7 @@ def test_ar_matches_transformers(setup):
 
 
 def test_eagle_chain_matches_transformers(setup):
-    # Other drafters and policies on chains: test_spec.py, against jspec's AR (equal to the reference here).
+    # Other drafters and policies on chains: test_spec.py, test_spec_heads.py, against jspec's AR (= this reference).
     cfg, params, rows = setup
     drafter, dparams = _eagle(cfg, params)
     res = generate(params, cfg, PROMPTS, max_new_tokens=MAX_NEW, drafter=drafter, drafter_params=dparams, k_max=K)
