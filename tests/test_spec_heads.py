@@ -1,5 +1,5 @@
 """Speculative decoding with EAGLE-1 and EAGLE-3 heads (chains): greedy identity to AR for every
-policy. Tiny random models (spec_tiny.py), one compile per combination; the other drafters are in
+policy with EAGLE-3 and the policies that exercise EAGLE-1's own paths (spec_tiny.combos). Tiny random models (spec_tiny.py), one compile per combination; the other drafters are in
 test_spec.py, trees in test_tree.py."""
 
 import pytest

@@ -22,13 +22,16 @@ def target():
 def _exact_two_token_distribution(tparams, prompt, sampling):
     """Joint target distribution of the first two sampled tokens, computed exactly."""
     V = CFG.vocab_size
-    cache = M.init_cache(CFG, 1, 64)
-    out = M.forward(tparams, CFG, jnp.asarray([prompt]), cache)
-    p1 = probs(M.lm_head(tparams, CFG, out.hidden[:, -1]), sampling)[0]
-    seqs = jnp.asarray([prompt + [t] for t in range(V)])
-    out2 = M.forward(tparams, CFG, seqs, M.init_cache(CFG, V, 64))
-    p2 = probs(M.lm_head(tparams, CFG, out2.hidden[:, -1]), sampling)  # [V, V]
-    return np.asarray(p1[:, None] * p2)
+
+    @jax.jit  # one program: op-by-op dispatch compiles every op on its own
+    def joint(tparams, first, seqs):
+        out = M.forward(tparams, CFG, first, M.init_cache(CFG, 1, 64))
+        p1 = probs(M.lm_head(tparams, CFG, out.hidden[:, -1]), sampling)[0]
+        out2 = M.forward(tparams, CFG, seqs, M.init_cache(CFG, V, 64))
+        p2 = probs(M.lm_head(tparams, CFG, out2.hidden[:, -1]), sampling)  # [V, V]
+        return p1[:, None] * p2
+
+    return np.asarray(joint(tparams, jnp.asarray([prompt]), jnp.asarray([prompt + [t] for t in range(V)])))
 
 
 def assert_two_token_law(target, prompt, sampling, n=2000, **gen_kwargs):
