@@ -232,12 +232,14 @@ def test_cli_end_to_end_with_jspec_ar(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "resolve_model", lambda name: (cfg, params, CharTokenizer()))
     args = cli.add_bench_args(argparse.ArgumentParser()).parse_args(
         ["--model", "tiny", "--tasks", "mt_bench", "--n-prompts", "3", "--max-new-tokens", "4", "--batch", "1,2",
-         "--methods", "ar", "--models-dir", str(tmp_path / "models"), "--benchmarks-md", str(tmp_path / "B.md")])
+         "--methods", "ar", "--models-dir", str(tmp_path / "models"), "--benchmarks-md", str(tmp_path / "B.md"),
+         "--unroll", "2"])
     rows = cli.run_bench(args)
     assert [(r["batch"], r["n_prompts"], r["mean_accepted_tokens"]) for r in rows] == [(1, 3, 1.0), (2, 3, 1.0)]
+    assert all(r["unroll"] == 2 for r in rows) and "`ar` (unroll 2)" in (tmp_path / "B.md").read_text()
     assert rows[0]["dtype"] == "float32" and rows[0]["card"] == "cpu" and rows[0]["tokens_per_s"] > 0
     assert json.loads((tmp_path / "models/tiny/bench/bench.json").read_text()) == rows
-    assert "--batch 1,2" in (tmp_path / "B.md").read_text()
+    assert "--batch 1,2" in (tmp_path / "B.md").read_text() and "--unroll 2" in (tmp_path / "B.md").read_text()
 
 
 def test_hf_peer_batches_and_prompt_lookup_accounting(tmp_path):

@@ -59,6 +59,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(draft_step_us, verify_us, round_us, ...) to the spec rows (jspec.bench.round_cost)")
     parser.add_argument("--mesh", default=None,
                         help="jspec methods run on several devices: data=N (rows split) or model=N (tensor parallel)")
+    parser.add_argument("--unroll", type=int, default=1,
+                        help="jspec AR and spec methods: layers per step of the layer scan (generate's unroll; "
+                             "30 = fully unrolled for SmolLM2, longer compiles); recorded in each row")
     return parser
 
 
@@ -116,6 +119,8 @@ def reproduce_command(args: argparse.Namespace, dtypes: list[str]) -> str:
         parts.append("--no-chat-template")
     if getattr(args, "mesh", None):
         parts += ["--mesh", args.mesh]
+    if getattr(args, "unroll", 1) != 1:
+        parts += ["--unroll", str(args.unroll)]
     return shlex.join(parts)
 
 
@@ -183,6 +188,8 @@ class MethodFactory:
             )
         extra = {"k_max": a.k_max} if spec.method == "spec" and a.k_max is not None else {}
         extra["mesh"] = self.mesh
+        if spec.method in ("ar", "spec"):
+            extra["unroll"] = getattr(a, "unroll", 1)
         if spec.method in PARALLEL_METHODS:  # drafter built once, not per call; device pairs from the spec
             params = self.jax_params(dtype)
             extra["drafter"], extra["drafter_params"] = build_drafter(spec.drafter, self.cfg, params, model_name=self.args.model)
@@ -238,6 +245,9 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                         progress.write(f"skipping {', '.join(skipped)} at batch {batch}: transformers runs it at batch 1 only")
                     methods = [factory.build(s, dtype, batch) for s in specs if factory.supports(s, batch)]
                     group = benchmark_group(ctx, methods, task_prompts, task=task, progress=progress)
+                    for row in group:
+                        if row["method"] in ("ar", "spec"):
+                            row["unroll"] = getattr(args, "unroll", 1)
                     if batch in _int_list(args.round_cost):
                         add_round_costs(group, methods, batch, progress)
                     rows += group

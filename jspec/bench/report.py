@@ -90,6 +90,8 @@ def table_line(row: dict[str, Any]) -> str:
     mesh = f" @ {row['mesh']}" if row.get("mesh") else ""  # multi-device rows name their mesh
     if row.get("kernels") == "xla" and row.get("card", "").lower() != "cpu":  # GPU rows without the GPU kernels
         mesh += " (xla kernels)"
+    if (row.get("unroll") or 1) != 1:
+        mesh += f" (unroll {row['unroll']})"
     cells = [
         row["task"], f"`{method_label(row)}`{mesh}", str(row["batch"]), row["dtype"], str(row["n_prompts"]),
         str(row["max_new_tokens"]), _fmt(row["tokens_per_s"], ".1f"), _fmt(row["speedup_vs_ar"], ".2f", "×"),
@@ -106,7 +108,7 @@ def _latest_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
         key = tuple(row.get(k) for k in ("target", "card", "jax_version", "task", "method", "drafter",
                                          "policy", "tree", "dtype", "batch", "max_new_tokens", "kernels"))
-        key += (row.get("mesh") or "", method_label(row))
+        key += (row.get("mesh") or "", method_label(row), row.get("unroll") or 1)  # rows before the field: 1
         if key not in latest or row["timestamp"] >= latest[key]["timestamp"]:
             latest[key] = row
     return list(latest.values())
