@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
 from .kernels.top_k import top_k
 
 NEG_INF = -jnp.inf

@@ -41,10 +41,10 @@ from flax import struct
 from ... import model as M
 from ...config import ModelConfig
 from ...heads import dlm as D
+from ...kernels.top_k import top_k
 from ...sampling import Sampling, probs
 from ..state import take_row
 from .base import DrafterError
-from ...kernels.top_k import top_k
 
 PAPER_CPS = {"tau": 0.8, "m_max": 15, "beam": 3, "lam": 0.5}
 # Library defaults for a small (135M-class) target: a 30-token block costs the DLM one forward,

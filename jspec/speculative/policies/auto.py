@@ -41,6 +41,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from statistics import NormalDist
 
 import jax
 import jax.numpy as jnp
@@ -71,8 +72,6 @@ def expected_max_normal(n: int) -> float:
     """E[max of n standard normals] (Blom's approximation; exact 0 for n = 1)."""
     if n <= 1:
         return 0.0
-    from statistics import NormalDist
-
     return float(NormalDist().inv_cdf((n - 0.375) / (n + 0.25)))
 
 

@@ -47,6 +47,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
+
 from ...kernels.top_k import top_k
 
 Features = dict[str, jax.Array] | None
