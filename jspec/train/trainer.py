@@ -145,6 +145,17 @@ def holdout_evaluator(hcfg: H.HeadConfig, tc: TrainConfig, run: RunConfig, mesh:
                 fh.write(json.dumps(row) + "\n")
         return row
 
+    def compile_all(state: dict, fixed: dict, target_params: dict) -> None:
+        """Compile the eval step for every shape its batches take (one per length bucket they
+        use): compiled inside the run it took minutes on a GPU and broke the budget fit."""
+        shapes = {}
+        for i in range(n):
+            b = loader.batch(i)
+            shapes.setdefault(tuple((k, v.shape) for k, v in sorted(b.items())), b)
+        for b in shapes.values():
+            S.eval_step.lower(hcfg, tc_eval, state, fixed, target_params, S.global_batch(mesh, b)).compile()
+
+    evaluate.compile_all = compile_all
     return evaluate
 
 
@@ -221,6 +232,8 @@ def train(
             b = loader.batch(start)
             shaped = {k: np.resize(v, (v.shape[0], T)) if v.ndim == 2 else v for k, v in b.items()}
             S.train_step.lower(hcfg, tc, mesh, state, fixed, target_params, S.global_batch(mesh, shaped)).compile()
+    if evaluate is not None:
+        evaluate.compile_all(state, fixed, target_params)
     t_measure = step_seconds = None
     t_ckpt = time.perf_counter()
     stopped = False
