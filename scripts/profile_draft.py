@@ -8,9 +8,13 @@ and K = 6, tree build at depth 1 and depth 6) it runs `n` iterations in one jitt
 extra steps (levels) — the same differential method as jspec.bench.round_cost.
 
     python scripts/profile_draft.py --out OUT [--batch 1] [--n 20] [--top 25] [--xla-option K=V] [--lax-top-k]
+        [--head-attention default|xla|pallas ...]
 
+The head's attention runs as model.default_kernels() picks (one fused Pallas kernel on a single
+GPU); `--head-attention xla pallas` times the einsum path and the kernel side by side in one process.
 Writes OUT/profile_draft.json ({"chain": {...}, "tree": {...}}: wall µs per step / level and the
-kernel table) and prints the top kernels of each.
+kernel table, for the first --head-attention; all of them under "head_attention") and prints the
+top kernels of each.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from jspec.bench import round_cost as RC  # noqa: E402
 from jspec.heads import eagle as H  # noqa: E402
 from jspec.speculative.drafters.eagle import EagleDrafter  # noqa: E402
 from jspec.speculative.engines.chain import draft_autoregressive  # noqa: E402
-from jspec.speculative.engines.tree import TreeConfig, build_tree  # noqa: E402
+from jspec.speculative.engines.tree import TreeConfig, draft_tree  # noqa: E402
 from jspec.speculative.policies import resolve_policy  # noqa: E402
 from measure_card_costs import SMOLLM2  # noqa: E402
 
@@ -105,6 +109,9 @@ def main(argv=None) -> None:
                     help="tree levels use jax.lax.top_k instead of the blocked top-k (the old path)")
     ap.add_argument("--unroll", type=int, default=1, help="layer-scan unroll of the verify forwards")
     ap.add_argument("--dump-hlo", action="store_true", help="write each program's optimized HLO under OUT/hlo")
+    ap.add_argument("--head-attention", nargs="+", default=["default"], choices=("default", "xla", "pallas"),
+                    help="how the draft head's attention runs: default (model.default_kernels()), xla (einsums) "
+                         "or pallas (the fused kernel); several are timed one after another")
     args = ap.parse_args(argv)
     if args.dump_hlo:
         HLO_DIR.append(os.path.join(args.out, "hlo"))
@@ -122,7 +129,7 @@ def main(argv=None) -> None:
     tparams = M.init_params(SMOLLM2, jax.random.PRNGKey(0), dtype)
     hcfg = H.HeadConfig("eagle3", SMOLLM2, draft_vocab_size=args.draft_vocab)
     dparams = H.init_head(hcfg, jax.random.PRNGKey(1), dtype)
-    drafter = EagleDrafter(hcfg)
+    drafter = EagleDrafter(hcfg)  # prefill and the initial state; the timed programs pick their own
     K, n, B = args.k, args.n, args.batch
     prompt_len, max_new = 128, 256
     cache_len = prompt_len + max_new + 128
@@ -130,7 +137,7 @@ def main(argv=None) -> None:
     state = RC._start(tparams, SMOLLM2, drafter, dparams, policy, None, K, B, prompt_len, max_new, cache_len)
     print(f"{jax.devices()[0].device_kind}, batch {B}, K/depth {K}, n {n}, kernels {M.default_kernels()}", flush=True)
 
-    def chain(k_max):
+    def chain(drafter, k_max):
         pol = resolve_policy("static", k_max)
         limit = jnp.full(state.last.shape, k_max, jnp.int32)
 
@@ -141,17 +148,19 @@ def main(argv=None) -> None:
 
         return traced(body, (tparams, dparams), state.replace(pstate=pol.init(B, jax.random.PRNGKey(0))), n)
 
-    def tree(depth):
+    def tree(drafter, depth):
         tc = TreeConfig(10, depth, 10)
         pol = resolve_policy("static", depth)
         limit = jnp.full(state.last.shape, depth, jnp.int32)
         pstate = pol.init(B, jax.random.PRNGKey(0))
 
+        # the drafter state rides in the carry, as in the engine's round loop: the fused levels write
+        # the head cache's scratch slots in place instead of into a copy of a loop constant
         def body(k, c):
-            tr, _ = build_tree(drafter, k[1], k[0], SMOLLM2, k[2], c[0], tc, pol, pstate, limit)
-            return tr.tokens[:, -1], c[1] + jnp.sum(tr.ancestors, (1, 2))
+            tr, _, dstate = draft_tree(drafter, k[1], k[0], SMOLLM2, c[2], c[0], tc, pol, pstate, limit)
+            return tr.tokens[:, -1], c[1] + jnp.sum(tr.ancestors, (1, 2)), dstate
 
-        return traced(body, (tparams, dparams, state.dstate), (state.last, jnp.zeros((B,), jnp.int32)), n)
+        return traced(body, (tparams, dparams), (state.last, jnp.zeros((B,), jnp.int32), state.dstate), n)
 
     def verify(T, tree_mask):
         """The target's verify forward of T tokens (+ LM head + argmax); T = 1 is an AR step."""
@@ -169,7 +178,7 @@ def main(argv=None) -> None:
         return traced(body, consts, (jnp.zeros((B, T), jnp.int32), jnp.zeros((B,), jnp.float32)), n)
 
     report = {"card": jax.devices()[0].device_kind, "batch": B, "k": K, "n": n, "kernels": M.default_kernels(),
-              "xla_options": XLA_OPTIONS, "tree_top_k": "lax" if args.lax_top_k else "blocked"}
+              "xla_options": XLA_OPTIONS, "tree_top_k": "lax" if args.lax_top_k else "blocked", "head_attention": {}}
     for T, tree_mask in ((1, False), (60, True)):
         wall, kern, launches = verify(T, tree_mask)
         rows = sorted(kern.items(), key=lambda kv: -kv[1])
@@ -180,19 +189,25 @@ def main(argv=None) -> None:
               flush=True)
         for k, v in rows[: args.top]:
             print(f"  {v:8.2f} µs  {k[:110]}")
-    for name, short, long in (("chain", chain(1), chain(K)), ("tree", tree(1), tree(K))):
-        wall, rows = per_unit(short, long, K - 1)
-        gpu = sum(r[1] for r in rows)
-        launches = (long[2] - short[2]) / (K - 1)
-        report[name] = {"wall_us_per_unit": wall, "gpu_us_per_unit": gpu, "launches_per_unit": launches,
-                        "short_wall_us": short[0],
-                        "long_wall_us": long[0], "kernels_per_unit": [
-                            {"name": r[0], "us_per_unit": r[1], "us_long": r[2]} for r in rows]}
-        unit = "draft step" if name == "chain" else "tree level"
-        print(f"\n{name}: {wall:.1f} µs per {unit} (wall), {gpu:.1f} µs of GPU kernels, "
-              f"{launches:.1f} kernel launches per {unit}", flush=True)
-        for r in rows[: args.top]:
-            print(f"  {r[1]:8.2f} µs  {r[0][:110]}")
+    for mode in args.head_attention:
+        d = EagleDrafter(hcfg, kernels=None if mode == "default" else mode)
+        fused = H.fused_head_attention(hcfg, 1, d.kernels), H.fused_head_attention(hcfg, (K - 1) * 10, d.kernels)
+        section = report["head_attention"].setdefault(mode, {"fused_chain": fused[0], "fused_tree": fused[1]})
+        for name, short, long in (("chain", chain(d, 1), chain(d, K)), ("tree", tree(d, 1), tree(d, K))):
+            wall, rows = per_unit(short, long, K - 1)
+            gpu = sum(r[1] for r in rows)
+            launches = (long[2] - short[2]) / (K - 1)
+            section[name] = {"wall_us_per_unit": wall, "gpu_us_per_unit": gpu, "launches_per_unit": launches,
+                             "short_wall_us": short[0],
+                             "long_wall_us": long[0], "kernels_per_unit": [
+                                 {"name": r[0], "us_per_unit": r[1], "us_long": r[2]} for r in rows]}
+            report.setdefault(name, section[name])  # the first mode's, where earlier reports kept it
+            unit = "draft step" if name == "chain" else "tree level"
+            path = "fused kernel" if fused[name == "tree"] else "einsum"
+            print(f"\n{name} (head attention {mode}: {path}): {wall:.1f} µs per {unit} (wall), {gpu:.1f} µs of GPU "
+                  f"kernels, {launches:.1f} kernel launches per {unit}", flush=True)
+            for r in rows[: args.top]:
+                print(f"  {r[1]:8.2f} µs  {r[0][:110]}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "profile_draft.json"), "w") as fh:
         json.dump(report, fh, indent=1)

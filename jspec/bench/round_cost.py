@@ -37,7 +37,7 @@ import numpy as np
 from jspec import model as M
 from jspec.sampling import GREEDY
 from jspec.speculative.engines.chain import draft_autoregressive, spec_round, start_spec
-from jspec.speculative.engines.tree import TreeConfig, build_tree, tree_round
+from jspec.speculative.engines.tree import TreeConfig, draft_tree, tree_round
 from jspec.speculative.policies import resolve_policy
 from jspec.speculative.policies.auto import card_name, cost_table_path, row_value
 
@@ -125,13 +125,15 @@ def tree_build_us(tparams, tcfg, drafter, dparams, state, tc: TreeConfig, n: int
     limit = jnp.full(state.last.shape, tc.depth, jnp.int32)
     pstate = policy.init(state.last.shape[0], jax.random.PRNGKey(0))
 
+    # the drafter state rides in the carry, as in the engine's round loop: a fused head kernel writes
+    # its scratch slots in place instead of into a copy of a loop constant
     def body(k, c):
-        tp, dp, dstate = k
-        last, acc = c
-        tree, _ = build_tree(drafter, dp, tp, tcfg, dstate, last, tc, policy, pstate, limit)
-        return tree.tokens[:, -1], acc + jnp.sum(tree.ancestors, (1, 2))
+        tp, dp = k
+        last, acc, dstate = c
+        tree, _, dstate = draft_tree(drafter, dp, tp, tcfg, dstate, last, tc, policy, pstate, limit)
+        return tree.tokens[:, -1], acc + jnp.sum(tree.ancestors, (1, 2)), dstate
 
-    return loop_us(body, (tparams, dparams, state.dstate), (state.last, jnp.zeros(state.last.shape, jnp.int32)), n)
+    return loop_us(body, (tparams, dparams), (state.last, jnp.zeros(state.last.shape, jnp.int32), state.dstate), n)
 
 
 def profile_method(tparams, tcfg, drafter, dparams, *, batch: int, policy="static", k_max: int = 6, tree: TreeConfig | None = None,

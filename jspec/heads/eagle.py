@@ -50,12 +50,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig, rope_inv_freq
+from ..kernels import decode_attention as fused_attn
 from ..model import (
+    KERNEL_IMPLS,
     NEG_INF,
     ForwardOut,
     KVCache,
     apply_rope,
     attention_mask,
+    default_kernels,
+    fused_attention_supported,
     init_cache,
     lm_head,
     new_slots,
@@ -283,6 +287,38 @@ def _project_qkv(lcfg: ModelConfig, p: dict, attn_in, positions):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+def fused_head_attention(hcfg: HeadConfig, T: int, kernels: str | None = None) -> bool:
+    """Whether a draft call over blocks of up to T tokens runs the head's attention through the
+    fused kernel (jspec.kernels.decode_attention), by model.forward's rule: `kernels` (default
+    `model.default_kernels()`: "pallas" on a single GPU) is "pallas" or "pallas_fused" and the
+    kernel covers the head layer's geometry at this block size. Else the einsum path runs."""
+    impl = kernels or default_kernels()
+    if impl not in KERNEL_IMPLS:
+        raise ValueError(f"kernels={impl!r}: expected one of {', '.join(KERNEL_IMPLS)}")
+    return impl in ("pallas", "pallas_fused") and fused_attention_supported(head_layer_config(hcfg), T, None)
+
+
+def _fused_attention(lcfg: ModelConfig, qkv, positions, cache: KVCache, new_mask):
+    """One kernel for rope, the cache write and attention: qkv [B, T, q+2kv] (before rope) of T
+    tokens at `positions` [B, T] attend to the committed slots [0, lengths) and to each other under
+    new_mask [B, T, T] (None: causal). Their K/V land at slots lengths[b] + t, in place.
+    Returns (attention output [B, T, Hq*hd], cache)."""
+    B, T = positions.shape
+    hd, half = lcfg.head_dim, lcfg.head_dim // 2
+    cos, sin = rope_tables(jnp.asarray(rope_inv_freq(lcfg, lcfg.rope_theta)), positions)
+    o, k, v = fused_attn.fused_block_attention(
+        qkv.reshape(B, T, lcfg.num_heads + 2 * lcfg.num_kv_heads, hd),
+        cos[..., :half], sin[..., :half],  # rotate-half tables repeat their halves
+        cache.k, cache.v, 0, cache.lengths, new_mask,
+        num_heads=lcfg.num_heads, num_kv_heads=lcfg.num_kv_heads, scale=lcfg.attn_scale,
+        interpret=jax.default_backend() != "gpu",
+        # the einsum path attends to the new tokens' own K/V, so a write past the cache end (a
+        # finished row's cursor, a tree's scratch slots) must not hide them
+        drop_past_end=False,
+    )
+    return o.reshape(B, T, lcfg.q_size), cache.replace(k=k, v=v)
+
+
 def _attend(lcfg: ModelConfig, q, blocks):
     """Softmax attention over several key blocks jointly; returns [B, T, Hq*hd].
 
@@ -406,8 +442,9 @@ def head_step(
     cache.lengths compare (no per-token gather over the whole cache), each new pair sees only
     itself among the new ones (a diagonal block: chain steps are T=1, a tree frontier's nodes are
     siblings), and the logits stay in the head's own vocabulary (callers top-k there and map the
-    chosen ids through d2t). The caller keeps the returned K/V (a chain writes them into its
-    cache, a tree appends them to its pending buffer).
+    chosen ids through d2t). The caller keeps the returned K/V (`head_chain_step` writes them into
+    the cache, `head_tree_level` appends them to its pending buffer). This is the portable (einsum)
+    path of those two; on a single GPU they run the fused attention kernel instead.
 
     tokens [B, T], feats [B, T, D], positions [B, T]; pending = (k, v [B, P, Hkv, hd], visible
     [B, T, P] bool) or None. Returns (h_out [B, T, D], draft-vocab logits [B, T, Vd] float32
@@ -428,6 +465,105 @@ def head_step(
     o = _attend(lcfg, q, blocks)
     h_out = _finish_layer(hcfg, p, o, residual)
     return h_out, draft_logits(hcfg, head_params, target_params, h_out), k, v
+
+
+def head_chain_step(
+    hcfg: HeadConfig,
+    head_params: dict,
+    target_params: dict,
+    tokens: jax.Array,
+    feats: jax.Array,
+    cache: KVCache,
+    *,
+    kernels: str | None = None,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """One chain draft step: one pair per row at position cache.lengths[b] attends to the committed
+    cache and to itself, and its K/V are written at slot lengths[b] (the cursor does not move; the
+    drafter bumps it). tokens [B, 1], feats [B, 1, D].
+
+    On a single GPU (`fused_head_attention`) rope, the cache write and the attention are one fused
+    kernel launch instead of about ten (the step is launch-bound at small batch); elsewhere
+    `head_step`'s einsums and a scatter. Returns (h_out [B, 1, D], draft-vocab logits [B, 1, Vd]
+    float32, cache).
+    """
+    B, T = tokens.shape
+    if T != 1:
+        raise ValueError(f"a chain step drafts one pair per row, got {T}")  # head_step: siblings, not causal
+    positions = cache.lengths[:, None]
+    if not fused_head_attention(hcfg, T, kernels):
+        h, logits, k, v = head_step(hcfg, head_params, target_params, tokens, feats, cache, positions)
+        b = jnp.arange(B)[:, None]
+        cache = cache.replace(
+            k=cache.k.at[0, b, positions].set(k.astype(cache.k.dtype), mode="drop"),
+            v=cache.v.at[0, b, positions].set(v.astype(cache.v.dtype), mode="drop"),
+        )
+        return h, logits, cache
+    p = head_params["layer"]
+    embeds = embed_tokens(target_params, hcfg.target, tokens).astype(head_params["fc"].dtype)
+    attn_in, residual = _attention_input(hcfg, head_params, embeds, feats)
+    o, cache = _fused_attention(head_layer_config(hcfg), attn_in @ p["wqkv"], positions, cache, None)
+    h_out = _finish_layer(hcfg, p, o, residual)
+    return h_out, draft_logits(hcfg, head_params, target_params, h_out), cache
+
+
+def head_tree_level(
+    hcfg: HeadConfig,
+    head_params: dict,
+    target_params: dict,
+    tokens: jax.Array,
+    feats: jax.Array,
+    cache: KVCache,
+    positions: jax.Array,
+    pending: tuple | None,
+    visible: jax.Array,
+    *,
+    fused: bool,
+) -> tuple[jax.Array, jax.Array, tuple, KVCache]:
+    """One level of a draft tree: T frontier nodes per row (siblings: none sees another) attend to
+    the committed cache, to the P pending nodes of earlier levels that `visible` [B, T, P] marks
+    (their ancestors), and to themselves. tokens [B, T], feats [B, T, D], positions [B, T].
+
+    `pending` is what earlier levels returned as `entries`, concatenated along axis 1 (None before
+    the first level); its layout depends on `fused`, which must stay the same for a whole tree
+    (`fused_head_attention(hcfg, largest block)`):
+      * einsum path: the nodes' roped K/V; `head_step` attends to them as a separate key block and
+        the cache is untouched;
+      * fused kernel: the nodes' pre-rope QKV rows and positions. The kernel masks only among the
+        tokens it is given, so every node so far runs as its block, P + T <= MAX_BLOCK tokens
+        under an ancestor mask: each pending node sees only itself (its output is discarded) and
+        the frontier sees its ancestors and itself. The kernel re-writes the K/V of all P + T nodes
+        at slots lengths[b] + i: scratch past the cursor, which nothing reads while drafting and
+        the head's re-read of the accepted path overwrites. One launch instead of about ten.
+
+    Returns (h_out [B, T, D], draft-vocab logits [B, T, Vd] float32, entries, cache).
+    """
+    if not fused:
+        if pending is not None:
+            pending = (*pending, visible)
+        h, logits, k, v = head_step(hcfg, head_params, target_params, tokens, feats, cache, positions, pending)
+        return h, logits, (k, v), cache
+    lcfg = head_layer_config(hcfg)
+    B, T = tokens.shape
+    p = head_params["layer"]
+    embeds = embed_tokens(target_params, hcfg.target, tokens).astype(head_params["fc"].dtype)
+    attn_in, residual = _attention_input(hcfg, head_params, embeds, feats)
+    qkv = attn_in @ p["wqkv"]
+    entries = (qkv, positions)
+    own = jnp.broadcast_to(jnp.eye(T, dtype=bool), (B, T, T))
+    if pending is None:
+        all_qkv, all_pos, mask = qkv, positions, own
+    else:
+        pend_qkv, pend_pos = pending
+        P = pend_qkv.shape[1]
+        all_qkv = jnp.concatenate([pend_qkv, qkv], axis=1)
+        all_pos = jnp.concatenate([pend_pos, positions], axis=1)
+        pend_rows = jnp.broadcast_to(jnp.eye(P, P + T, dtype=bool), (B, P, P + T))
+        mask = jnp.concatenate([pend_rows, jnp.concatenate([visible, own], axis=2)], axis=1)
+    if all_qkv.shape[1] > fused_attn.MAX_BLOCK:
+        raise ValueError(f"a fused tree level runs {all_qkv.shape[1]} nodes; the kernel takes {fused_attn.MAX_BLOCK}")
+    o, cache = _fused_attention(lcfg, all_qkv, all_pos, cache, mask)
+    h_out = _finish_layer(hcfg, p, o[:, -T:], residual)
+    return h_out, draft_logits(hcfg, head_params, target_params, h_out), entries, cache
 
 
 def target_index(hcfg: HeadConfig, head_params: dict) -> jax.Array | None:

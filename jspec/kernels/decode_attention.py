@@ -1,4 +1,5 @@
-"""Fused attention for short blocks (decode, chain and tree verify): one kernel per layer.
+"""Fused attention for short blocks (decode, chain and tree verify, EAGLE heads' draft steps and
+tree levels): one kernel per layer.
 
 At batch 1 a 135M decoder is launch-bound, so what a layer costs is mostly how many kernels it
 launches. The portable path (`model.forward` with attention="xla") spends about ten of them on
@@ -45,15 +46,17 @@ def _next_pow2(n: int) -> int:
 
 
 def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in, o_ref, k_out, v_out, *,
-            T, BT, G, Hq, Hkv, hd, scale, causal):
+            T, BT, G, Hq, Hkv, hd, scale, causal, drop_past_end):
     del k_in, v_in  # aliased with k_out / v_out: read and write through the outputs
     b = pl.program_id(0)
     qh = pl.program_id(1)
     kvh = qh // G
     layer = layer_ref[0]
-    n = len_ref[b]  # committed slots of this row
-    half = hd // 2
     S = k_out.shape[2]
+    # committed slots of this row; a cursor past the cache end (a draft head's finished rows keep
+    # advancing theirs) reads the whole cache, as the einsum paths' `slot < lengths` compare does
+    n = jnp.minimum(len_ref[b], S)
+    half = hd // 2
     t = jnp.arange(BT)
     t_ok = t < T
     rows = pl.ds(0, BT)
@@ -111,8 +114,12 @@ def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in,
         vis = t[None, :] <= t[:, None]
     else:
         vis = load(mask_ref.at[b, rows, rows], t_ok[:, None] & t_ok[None, :]) != 0
-    # a new token whose slot falls past the cache end is dropped, as the einsum path's scatter does
-    vis = vis & (t_ok & (n + t < S))[None, :]
+    if drop_past_end:
+        # a new token whose slot falls past the cache end is dropped, as the einsum path's scatter does
+        vis = vis & (t_ok & (n + t < S))[None, :]
+    else:
+        # the new tokens are attended from registers; their cache write is only a side effect
+        vis = vis & t_ok[None, :]
     sc = jnp.where(vis, scores(q1, q2, k1, k2), NEG_INF)
     m_new = jnp.maximum(m, jnp.max(sc, axis=1))
     corr = jnp.exp(m - m_new)
@@ -134,13 +141,16 @@ def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in,
 
 
 def fused_block_attention(qkv, cos, sin, k_cache, v_cache, layer, lengths, new_mask, *, num_heads, num_kv_heads,
-                          scale, interpret=False, num_warps=4):
+                          scale, interpret=False, num_warps=4, drop_past_end=True):
     """Attention of T new tokens over a stacked cache, writing their K/V; one kernel.
 
     qkv [B, T, Hq + 2*Hkv, hd] (before rope); cos, sin [B, T, hd//2] float32; k_cache, v_cache
     [L, B, S, Hkv, hd]; layer: int32 scalar (which layer of the cache); lengths [B] committed
     slots; new_mask [B, T, T] (nonzero = visible) or None for causal.
     Returns (out [B, T, Hq, hd], k_cache, v_cache) with slots lengths[b] + t of `layer` written.
+    Writes to slots past the cache end are dropped; `drop_past_end` says whether those tokens are
+    also hidden from the block (model.forward: the einsum path reads keys back from the cache) or
+    still attended (draft heads, whose einsum path attends to the new tokens' own K/V).
     """
     B, T, H3, hd = qkv.shape
     assert H3 == num_heads + 2 * num_kv_heads and T <= MAX_BLOCK, (qkv.shape, num_heads, num_kv_heads)
@@ -148,7 +158,7 @@ def fused_block_attention(qkv, cos, sin, k_cache, v_cache, layer, lengths, new_m
     causal = new_mask is None
     mask = jnp.zeros((1, 1, 1), jnp.int32) if causal else new_mask.astype(jnp.int32)
     kernel = functools.partial(_kernel, T=T, BT=BT, G=num_heads // num_kv_heads, Hq=num_heads, Hkv=num_kv_heads,
-                               hd=hd, scale=float(scale), causal=causal)
+                               hd=hd, scale=float(scale), causal=causal, drop_past_end=drop_past_end)
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     out, k_cache, v_cache = pl.pallas_call(
         kernel,

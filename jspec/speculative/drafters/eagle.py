@@ -42,6 +42,10 @@ class EagleDrafter:
     # per-token acceptance measured for this head (its config.json "jspec": {"acceptance": {"alpha"}}):
     # the `auto` policy's prior for the static budget, before the rows' own estimates take over
     acceptance: float | None = None
+    # how the head's draft steps run attention (model.KERNEL_IMPLS; None: model.default_kernels() at
+    # trace time, the fused kernel on a single GPU). A set value is part of the drafter, a static jit
+    # argument, so one process can compile and time both paths (scripts/profile_draft.py)
+    kernels: str | None = None
     name = "eagle"
     parallel = False
     deterministic = False
@@ -80,14 +84,9 @@ class EagleDrafter:
 
     def step(self, dparams, tparams, tcfg, carry, token):
         cache, feat, dstate, tcache, index = carry
-        pos = cache.lengths[:, None]
-        h, logits, k, v = H.head_step(self.head, dparams, tparams, token[:, None], feat[:, None], cache, pos)
-        b = jnp.arange(pos.shape[0])[:, None]
-        cache = cache.replace(
-            k=cache.k.at[0, b, pos].set(k.astype(cache.k.dtype), mode="drop"),
-            v=cache.v.at[0, b, pos].set(v.astype(cache.v.dtype), mode="drop"),
-            lengths=cache.lengths + 1,
-        )
+        h, logits, cache = H.head_chain_step(self.head, dparams, tparams, token[:, None], feat[:, None], cache,
+                                             kernels=self.kernels)  # K/V written at the cursor
+        cache = M.advance(cache, jnp.ones_like(cache.lengths))
         return H.gather_target_vocab(logits[:, 0], index), (cache, h[:, 0], dstate, tcache, index)
 
     def finish(self, carry):

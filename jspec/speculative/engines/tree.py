@@ -68,8 +68,10 @@ class TreeConfig:
     def cache_slots(self) -> int:
         """Cache slots past the cursor one round may write, in the target's cache and the head's:
         the target's num_nodes + 1 tree tokens, and the head's re-read of the accepted path
-        (depth + 1 pairs). Drafting the tree writes no head K/V (the levels' K/V stay in a pending
-        buffer), so nothing grows with (depth - 1) * top_k. `generate` reserves this many."""
+        (depth + 1 pairs). Drafting the tree needs no head slots (the einsum path keeps the levels'
+        K/V in a pending buffer; the fused kernel writes them past the cursor as scratch, drops what
+        falls past the cache end and still attends to it), so nothing grows with (depth - 1) *
+        top_k. `generate` reserves this many."""
         return max(self.num_nodes, self.depth) + 1
 
 
@@ -95,16 +97,29 @@ def _ancestors(parent: jax.Array, max_depth: int) -> jax.Array:
 
 
 def build_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: TreeConfig, policy, pstate, limit):
-    """Draft one EAGLE-2 tree per row. Returns (Tree, pstate).
+    """Draft one EAGLE-2 tree per row. Returns (Tree, pstate); `draft_tree` also returns the
+    drafter state whose head cache the levels wrote scratch slots of."""
+    tree, pstate, _ = draft_tree(drafter, dparams, tparams, tcfg, dstate, last, tc, policy, pstate, limit)
+    return tree, pstate
 
-    Each level is one `heads.eagle.head_step` over the top_k frontier: it attends to the committed
-    head cache (read only), to a short pending buffer holding the K/V of the earlier levels'
-    frontiers (under each node's ancestor mask) and to itself; nothing is written to the cache
-    (after verification the head re-reads the accepted path with exact features)."""
+
+def draft_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: TreeConfig, policy, pstate, limit):
+    """Draft one EAGLE-2 tree per row. Returns (Tree, pstate, dstate).
+
+    Each level is one `heads.eagle.head_tree_level` over the top_k frontier: it attends to the
+    committed head cache, to the earlier levels' frontier nodes it descends from (a pending buffer
+    under each node's ancestor mask) and to itself. The committed slots are only read; with the
+    fused kernel a level also writes its block's K/V past the cursor (scratch), so the returned
+    dstate carries that cache forward for the commit to overwrite in place (passing the old one on
+    would make XLA copy the cache for the kernel). After verification the head re-reads the
+    accepted path with exact features."""
     B = last.shape[0]
     k, D = tc.top_k, tc.depth
     hcfg = drafter.head
     cache, base = dstate.cache, dstate.cache.lengths
+    # all levels run the same attention path; the last (largest) runs the D - 2 earlier frontiers
+    # and its own as one fused block
+    fused = H.fused_head_attention(hcfg, (D - 1) * k, drafter.kernels)
     # Policies see draft-vocab logits (entropies and top probabilities are the same as over the
     # target vocab); one that reads the drafted token's id (LDLP-DDD) gets target-vocab logits.
     index = H.target_index(hcfg, dparams) if policy.needs_in_round_state else None
@@ -116,14 +131,14 @@ def build_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: 
     frontier = jnp.broadcast_to(jnp.arange(k), (B, k))  # candidate index of each frontier node
     f_tok, f_score = tok, score
     f_feat = jnp.broadcast_to(dstate.feature[:, None], (B, k, dstate.feature.shape[-1]))
-    kv_shape = (B, 0) + cache.k.shape[3:]
-    pend_k, pend_v = jnp.zeros(kv_shape, cache.k.dtype), jnp.zeros(kv_shape, cache.v.dtype)
+    pending = None  # the earlier levels' frontier nodes, in the layout head_tree_level returns
     f_anc = jnp.zeros((B, k, 0), bool)  # which pending entries each frontier node sees (its ancestors)
     own = jnp.broadcast_to(jnp.eye(k, dtype=bool), (B, k, k))
     n_cand = k
     for level in range(2, D + 1):
         positions = jnp.broadcast_to(base[:, None] + (level - 2), (B, k))
-        h, logits, nk, nv = H.head_step(hcfg, dparams, tparams, f_tok, f_feat, cache, positions, (pend_k, pend_v, f_anc))
+        h, logits, entries, cache = H.head_tree_level(hcfg, dparams, tparams, f_tok, f_feat, cache, positions,
+                                                      pending, f_anc, fused=fused)
         c_score, c_tok = _children(hcfg, dparams, logits, k)  # [B, k, k]
         cum = (f_score[:, :, None] + c_score).reshape(B, k * k)
         pstate, stop = policy.observe(pstate, jnp.int32(level - 1), policy_logits(logits[:, 0]), c_tok[:, 0, 0])
@@ -143,8 +158,7 @@ def build_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: 
         f_tok = jnp.take_along_axis(c_tok.reshape(B, k * k), pick, axis=1)
         f_feat = jnp.take_along_axis(h, src[:, :, None], axis=1)
         f_anc = jnp.take_along_axis(jnp.concatenate([f_anc, own], axis=2), src[:, :, None], axis=1)
-        pend_k = jnp.concatenate([pend_k, nk.astype(pend_k.dtype)], axis=1)
-        pend_v = jnp.concatenate([pend_v, nv.astype(pend_v.dtype)], axis=1)
+        pending = entries if pending is None else tuple(jnp.concatenate(ab, axis=1) for ab in zip(pending, entries))
         frontier = n_cand + pick
         n_cand += k * k
 
@@ -166,7 +180,7 @@ def build_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: 
     depth = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), node_level], 1)
     ancestors = _ancestors(parent, D)
     valid = (depth <= depth_cap[:, None]) & ~below_eos(tcfg, tree_tok, ancestors)
-    return Tree(tree_tok, parent, depth, ancestors, valid), pstate
+    return Tree(tree_tok, parent, depth, ancestors, valid), pstate, dstate.replace(cache=cache)
 
 
 def below_eos(tcfg, tokens, ancestors):
@@ -187,7 +201,7 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
     key, k_verify = jax.random.split(state.key)
     pstate, limit = policy.start_round(state.pstate, D, round_features(state, tparams))
     limit = jnp.clip(limit, 1, D)
-    tree, pstate = build_tree(drafter, dparams, tparams, tcfg, state.dstate, state.last, tc, policy, pstate, limit)
+    tree, pstate, dstate = draft_tree(drafter, dparams, tparams, tcfg, state.dstate, state.last, tc, policy, pstate, limit)
     positions = state.cache.lengths[:, None] + tree.depth
     vout = M.forward(tparams, tcfg, tree.tokens, state.cache, positions=positions, new_mask=tree.ancestors,
                      capture=drafter.capture_layers, unroll=unroll)
@@ -205,7 +219,7 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
     out, n_out, done = emit(tcfg, state.out, state.n_out, state.done, emitted, n + 1, max_new)
     step = active.astype(jnp.int32)
     cache = M.commit(vout.cache, path, (n + 1) * step)
-    dstate = drafter.commit(dparams, tparams, tcfg, state.dstate, path_tok, n, nxt, gather_out(vout, path))
+    dstate = drafter.commit(dparams, tparams, tcfg, dstate, path_tok, n, nxt, gather_out(vout, path))
     n_drafted = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)  # chain-equivalent draft length
     pstate = policy.update(pstate, n_drafted, n, active)
     n_nodes = jnp.sum(tree.valid[:, 1:], 1).astype(jnp.int32)
