@@ -109,6 +109,8 @@ def main(argv=None) -> None:
                     help="tree levels use jax.lax.top_k instead of the blocked top-k (the old path)")
     ap.add_argument("--unroll", type=int, default=1, help="layer-scan unroll of the verify forwards")
     ap.add_argument("--dump-hlo", action="store_true", help="write each program's optimized HLO under OUT/hlo")
+    ap.add_argument("--sections", default="verify,draft",
+                    help="comma-separated: verify (T=1 and a 60-node tree), draft (chain steps and tree levels)")
     ap.add_argument("--head-attention", nargs="+", default=["default"], choices=("default", "xla", "pallas"),
                     help="how the draft head's attention runs: default (model.default_kernels()), xla (einsums) "
                          "or pallas (the fused kernel); several are timed one after another")
@@ -179,7 +181,8 @@ def main(argv=None) -> None:
 
     report = {"card": jax.devices()[0].device_kind, "batch": B, "k": K, "n": n, "kernels": M.default_kernels(),
               "xla_options": XLA_OPTIONS, "tree_top_k": "lax" if args.lax_top_k else "blocked", "head_attention": {}}
-    for T, tree_mask in ((1, False), (60, True)):
+    sections = set(args.sections.split(","))
+    for T, tree_mask in ((1, False), (60, True)) if "verify" in sections else ():
         wall, kern, launches = verify(T, tree_mask)
         rows = sorted(kern.items(), key=lambda kv: -kv[1])
         key = f"verify_{'tree' if tree_mask else ''}{T}"
@@ -189,7 +192,7 @@ def main(argv=None) -> None:
               flush=True)
         for k, v in rows[: args.top]:
             print(f"  {v:8.2f} µs  {k[:110]}")
-    for mode in args.head_attention:
+    for mode in args.head_attention if "draft" in sections else ():
         d = EagleDrafter(hcfg, kernels=None if mode == "default" else mode)
         fused = H.fused_head_attention(hcfg, 1, d.kernels), H.fused_head_attention(hcfg, (K - 1) * 10, d.kernels)
         section = report["head_attention"].setdefault(mode, {"fused_chain": fused[0], "fused_tree": fused[1]})

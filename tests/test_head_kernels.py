@@ -126,3 +126,23 @@ def test_generation_same_drafts_with_pallas(weights, tree):
     np.testing.assert_array_equal(got.draft_lengths, ref.draft_lengths)
     np.testing.assert_array_equal(got.accepted, ref.accepted)
     assert len(set(ref.draft_lengths[:, 1:].ravel().tolist()) - {0}) > 1  # the stop did vary
+
+
+def test_reread_fused_equals_einsum(weights):
+    """The commit's re-read of a round's accepted pairs (causal, T tokens at the cursor) through the
+    kernel writes the same K/V and returns the same outputs as the einsum path; row 2's block runs
+    past the cache end, where both drop the writes."""
+    tparams, hparams = weights
+    cache = _cache([3, 11, S - 2])
+    B, T = cache.batch, 4
+    rs = np.random.RandomState(5)
+    tok = jnp.asarray(rs.randint(0, CFG.vocab_size, (B, T)), jnp.int32)
+    feat = jnp.asarray(rs.normal(size=(B, T, CFG.hidden_size)), jnp.float32)
+    run = jax.jit(lambda *a: [H.head_forward(HCFG, *a, kernels=impl) for impl in ("xla", "pallas")])
+    ref, out = run(hparams, tparams, tok, feat, cache)
+    rows = np.array([0, 1])  # row 2's tokens past the end differ by design (dropped, not attended)
+    _close(ref[0][rows], out[0][rows])
+    _close(ref[1][rows], out[1][rows])
+    _close(ref[0][2, :2], out[0][2, :2])  # its tokens inside the cache agree
+    _close(ref[2].k, out[2].k)
+    _close(ref[2].v, out[2].v)

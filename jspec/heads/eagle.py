@@ -298,7 +298,7 @@ def fused_head_attention(hcfg: HeadConfig, T: int, kernels: str | None = None) -
     return impl in ("pallas", "pallas_fused") and fused_attention_supported(head_layer_config(hcfg), T, None)
 
 
-def _fused_attention(lcfg: ModelConfig, qkv, positions, cache: KVCache, new_mask):
+def _fused_attention(lcfg: ModelConfig, qkv, positions, cache: KVCache, new_mask, drop_past_end: bool = False):
     """One kernel for rope, the cache write and attention: qkv [B, T, q+2kv] (before rope) of T
     tokens at `positions` [B, T] attend to the committed slots [0, lengths) and to each other under
     new_mask [B, T, T] (None: causal). Their K/V land at slots lengths[b] + t, in place.
@@ -312,9 +312,10 @@ def _fused_attention(lcfg: ModelConfig, qkv, positions, cache: KVCache, new_mask
         cache.k, cache.v, 0, cache.lengths, new_mask,
         num_heads=lcfg.num_heads, num_kv_heads=lcfg.num_kv_heads, scale=lcfg.attn_scale,
         interpret=jax.default_backend() != "gpu",
-        # the einsum path attends to the new tokens' own K/V, so a write past the cache end (a
-        # finished row's cursor, a tree's scratch slots) must not hide them
-        drop_past_end=False,
+        # the drafting einsum paths attend to the new tokens' own K/V, so a write past the cache
+        # end (a finished row's cursor, a tree's scratch slots) must not hide them there;
+        # head_forward's einsum path reads them back from the cache and so drops them
+        drop_past_end=drop_past_end,
     )
     return o.reshape(B, T, lcfg.q_size), cache.replace(k=k, v=v)
 
@@ -394,6 +395,7 @@ def head_forward(
     *,
     positions: jax.Array | None = None,
     new_mask: jax.Array | None = None,
+    kernels: str | None = None,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """Run T new (feature, next-token) pairs per row against the head's cache.
 
@@ -403,14 +405,23 @@ def head_forward(
     not move. Returns (h_out [B, T, D], logits [B, T, V_target] float32, cache), where h_out is
     the tensor to feed back as `feats` at the next draft step: EAGLE-1's predicted feature,
     EAGLE-3's pre-final-norm hidden.
+
+    A causal block of at most the kernel's block size at the default positions (the re-read of a
+    round's accepted pairs) runs its attention through the fused kernel when `kernels` (see
+    fused_head_attention) selects it; prompts and tree masks take the einsum path.
     """
     lcfg = head_layer_config(hcfg)
     B, T = tokens.shape
-    if positions is None:
-        positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     p = head_params["layer"]
     embeds = embed_tokens(target_params, hcfg.target, tokens).astype(head_params["fc"].dtype)
     attn_in, residual = _attention_input(hcfg, head_params, embeds, feats)
+    if positions is None and new_mask is None and fused_head_attention(hcfg, T, kernels):
+        positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+        o, cache = _fused_attention(lcfg, attn_in @ p["wqkv"], positions, cache, None, drop_past_end=True)
+        h_out = _finish_layer(hcfg, p, o, residual)
+        return h_out, head_logits(hcfg, head_params, target_params, h_out), cache
+    if positions is None:
+        positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     q, k, v = _project_qkv(lcfg, p, attn_in, positions)
 
     visible, _ = attention_mask(cache, positions, new_mask)

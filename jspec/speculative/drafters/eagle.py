@@ -63,7 +63,8 @@ class EagleDrafter:
 
     def _read_pairs(self, dparams, tparams, cache, tokens, feats, last_idx):
         """Write T pairs' exact-feature K/V; the LM head runs only on the row that drafts next."""
-        h, _, cache = H.head_forward(self.head, dparams, tparams, tokens, feats, cache)  # logits: dead code
+        h, _, cache = H.head_forward(self.head, dparams, tparams, tokens, feats, cache,  # logits: dead code
+                                     kernels=self.kernels)
         h = take_row(h, last_idx)
         return h, H.draft_logits(self.head, dparams, tparams, h), cache
 
