@@ -139,7 +139,7 @@ def is_eos(cfg: ModelConfig, tok: jax.Array) -> jax.Array:
     return jnp.isin(tok, jnp.asarray(cfg.eos_token_ids, jnp.int32))
 
 
-def prefill(params, cfg: ModelConfig, tokens, lens, cache: M.KVCache, *, capture=(), unroll=1):
+def prefill(params, cfg: ModelConfig, tokens, lens, cache: M.KVCache, *, capture=(), unroll=None):
     """Run padded prompts; return the last real position's logits, the cache and the forward output."""
     out = M.forward(params, cfg, tokens, cache, capture=capture, unroll=unroll)
     cache = out.cache.replace(lengths=lens.astype(jnp.int32))
@@ -167,7 +167,7 @@ def emit(cfg: ModelConfig, out, n_out, done, new_tokens, n_new, max_new):
     return out, n_out, done
 
 
-def decode_step(params, cfg: ModelConfig, sampling: Sampling, max_new: int, state: DecodeState, unroll=1) -> DecodeState:
+def decode_step(params, cfg: ModelConfig, sampling: Sampling, max_new: int, state: DecodeState, unroll=None) -> DecodeState:
     """One target call: feed each row's last token, sample the next."""
     fwd = M.forward(params, cfg, state.last[:, None], state.cache, unroll=unroll)
     logits = M.lm_head(params, cfg, fwd.hidden[:, 0])
@@ -186,7 +186,7 @@ def decode_step(params, cfg: ModelConfig, sampling: Sampling, max_new: int, stat
     )
 
 
-def start_decode(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling, unroll=1) -> DecodeState:
+def start_decode(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling, unroll=None) -> DecodeState:
     B = tokens.shape[0]
     cache = M.init_cache(cfg, B, cache_len, params["embed"].dtype)
     logits, cache, _ = prefill(params, cfg, tokens, lens, cache, unroll=unroll)
@@ -199,7 +199,7 @@ def start_decode(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll"))
-def generate_ar_jit(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling, unroll=1):
+def generate_ar_jit(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling, unroll=None):
     """Whole AR generation under one jit: prefill + a while_loop of decode steps."""
     state = start_decode(params, cfg, tokens, lens, key, max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll)
 
@@ -214,14 +214,14 @@ def generate_ar_jit(params, cfg, tokens, lens, key, *, max_new, cache_len, sampl
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll"))
-def start_decode_jit(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling, unroll=1):
+def start_decode_jit(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling, unroll=None):
     return start_decode(params, cfg, tokens, lens, key, max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll)
 
 
 @functools.partial(
     jax.jit, static_argnames=("cfg", "max_new", "sampling", "n_steps", "unroll"), donate_argnames=("state",)
 )
-def decode_chunk_jit(params, cfg, state, *, max_new, sampling, n_steps, unroll=1):
+def decode_chunk_jit(params, cfg, state, *, max_new, sampling, n_steps, unroll=None):
     """n_steps decode steps (fewer if every row finishes); the state (and its cache) is donated."""
 
     def cond(c):

@@ -67,7 +67,7 @@ def generate(
     tree=None,
     seed: int = 0,
     cache_len: int | None = None,
-    unroll: int | bool = 1,
+    unroll: int | bool | None = None,
     mesh: Mesh | str | None = None,
     engine: "str | SpecBranchConfig | None" = None,
     gamma: int | None = None,
@@ -293,7 +293,7 @@ def generate_stream(
     sampling: Sampling | None = None,
     seed: int = 0,
     chunk: int = 8,
-    unroll: int | bool = 1,
+    unroll: int | bool | None = None,
 ) -> Iterator[list[int]]:
     """Yield new tokens as they come, `chunk` jitted decode steps at a time (one host sync per chunk)."""
     sampling = sampling or GREEDY

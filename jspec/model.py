@@ -249,7 +249,7 @@ def forward(
     new_mask: jax.Array | None = None,
     capture: tuple[int, ...] = (),
     layer_range: tuple[int, int] | None = None,
-    unroll: int | bool = 1,
+    unroll: int | bool | None = None,
     kernels: str | None = None,
     hidden_in: jax.Array | None = None,
     final_norm: bool = True,
@@ -262,7 +262,10 @@ def forward(
     whose *input* hidden state is returned (EAGLE-3 fuses layers 2, L//2, L-3). `layer_range`
     runs only layers [a, b) (early-exit drafting shares the target's cache for those layers).
     `kernels` picks the implementation (KERNEL_IMPLS; default `default_kernels()`); all of them
-    compute the same function.
+    compute the same function. `unroll` is the layer scan's unroll; None (auto) unrolls every layer
+    on the fused-attention path (decode and verify blocks on a GPU: the loop's per-layer overhead
+    is a few percent of a launch-bound step, and with prompts kept scanned the compile stays
+    short) and scans one layer at a time elsewhere (prompts, the portable path).
 
     Pipelines (PPSD's two stages, an exit head behind layer E) feed one layer range's output into
     the next: `hidden_in` [B, T, D] replaces the token embeddings as the input of layer `lo`
@@ -376,7 +379,8 @@ def forward(
 
         layer_ids = jnp.arange(lo, hi, dtype=jnp.int32)
         xs = layer_ids if fused_mats else (layer_params, layer_ids)
-        (x, k_all, v_all), h_ins = jax.lax.scan(fused_layer, (x, cache.k, cache.v), xs, unroll=unroll)
+        (x, k_all, v_all), h_ins = jax.lax.scan(fused_layer, (x, cache.k, cache.v), xs,
+                                                 unroll=True if unroll is None else unroll)
         hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) if final_norm else x
         captured = tuple(h_ins[i - lo] for i in capture) if capture else ()
         return ForwardOut(hidden, captured, cache.replace(k=k_all, v=v_all))
@@ -430,7 +434,8 @@ def forward(
         k_in, v_in = cache.k, cache.v
     else:
         k_in, v_in = cache.k[lo:hi], cache.v[lo:hi]
-    x, (k_new, v_new, h_ins) = jax.lax.scan(layer, x, (layer_params, k_in, v_in, sliding), unroll=unroll)
+    x, (k_new, v_new, h_ins) = jax.lax.scan(layer, x, (layer_params, k_in, v_in, sliding),
+                                            unroll=1 if unroll is None else unroll)
     if (lo, hi) == (0, cfg.num_layers):
         k_all, v_all = k_new, v_new
     else:

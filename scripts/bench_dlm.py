@@ -154,7 +154,7 @@ def main(argv=None):
         def run(t, l):
             o = speculative_generate_jit(tp, dp, None, t, l, key, tcfg=tcfg, drafter=drafter, policy=policy, k_max=k,
                                          max_new=args.max_new_tokens, cache_len=cache_len, sampling=GREEDY,
-                                         verify="lossless", unroll=1)
+                                         verify="lossless", unroll=None)
             out, n, calls, drafted, acc = jax.device_get(o[:5])
             return [(out[b, : n[b]].tolist(), int(calls[b]), int(drafted[b]), int(acc[b])) for b in range(len(n))]
         return run

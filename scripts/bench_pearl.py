@@ -187,12 +187,12 @@ def main(argv=None):
         elif method == "spec":
             r = speculative_generate(tparams, tcfg, tokens, lens, key, drafter=drafter, drafter_params=dparams,
                                      policy="static", policy_params=None, k_max=gamma, max_new=max_new,
-                                     cache_len=cache_len, sampling=GREEDY, verify="lossless", unroll=1)
+                                     cache_len=cache_len, sampling=GREEDY, verify="lossless", unroll=None)
         elif method == "spec_ee":
             ecfg, eparams = exits[jnp.dtype(tparams["embed"].dtype).name]
             r = speculative_generate(tparams, tcfg, tokens, lens, key, drafter=EarlyExitDrafter(exit_layer, head=ecfg),
                                      drafter_params=eparams, policy="static", policy_params=None, k_max=args.ee_k,
-                                     max_new=max_new, cache_len=cache_len, sampling=GREEDY, verify="lossless", unroll=1)
+                                     max_new=max_new, cache_len=cache_len, sampling=GREEDY, verify="lossless", unroll=None)
         elif method.startswith("specbranch"):
             if method == "specbranch":
                 tparams, dparams = placed[id(tparams)]

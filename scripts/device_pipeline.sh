@@ -184,6 +184,32 @@ run_head1() {
   touch "$P/done"
 }
 
+# One GPU, the shipped drafters (overlay: `stage .stage/wX`), nothing trained (JOB=bench1): the
+# EAGLE-3 head and n-gram rows on all of MT-Bench and HumanEval at batch 1, then `auto` at batch
+# 8/16/32; a group's rows reach the outbox as soon as it ends.
+run_bench1() {
+  cd "$SRC" || exit 1
+  export PYTHONPATH="$SRC:/root/stage/site"
+  note "bench1 start on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
+  local logs=$P/bench
+  mkdir -p "$logs"
+  group() {  # out task batches methods [extra]
+    local out=$1 task=$2 batches=$3 methods=$4; shift 4
+    timeout 420 python3 -m jspec.cli bench --model $PRESET --tasks "$task" --max-new-tokens 256 --batch "$batches" \
+      --dtype bfloat16 --methods "$methods" --out "$out" --no-plots --benchmarks-md "$logs/$out.md" "$@" \
+      > "$logs/$out.log" 2>&1
+    note "bench $out exit $?"
+    cp "models/$PRESET/bench/$out.json" "$BOX/1_$out.json" 2>/dev/null
+  }
+  group ${TAG:-h200}_head32k_b1 mt_bench 1 \
+    "ar,spec:eagle3:static:k=6,spec:eagle3:static:tree,spec:eagle3:auto,spec:eagle3:auto:tree,spec:eagle3:ldlp,spec:ngram:auto" \
+    --round-cost 1
+  group ${TAG:-h200}_head32k_humaneval_b1 humaneval 1 "ar,spec:eagle3:static:tree,spec:eagle3:auto:tree"
+  group ${TAG:-h200}_head32k_auto_b8_b16_b32 mt_bench 8,16,32 "ar,spec:eagle3:auto,spec:eagle3:auto:tree,spec:ngram:auto"
+  note "pipeline done"
+  touch "$P/done"
+}
+
 run() {
   cd "$SRC" || exit 1
   export PYTHONPATH="$SRC:/root/stage/site" OUT=$RUN/out  # not the starting call's $OUT (emptied per call)
@@ -250,6 +276,9 @@ case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run ...} in
     ;;
   head1)
     run_head1
+    ;;
+  bench1)
+    run_bench1
     ;;
   wait)
     limit=${2:-570}

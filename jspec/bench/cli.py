@@ -59,10 +59,29 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(draft_step_us, verify_us, round_us, ...) to the spec rows (jspec.bench.round_cost)")
     parser.add_argument("--mesh", default=None,
                         help="jspec methods run on several devices: data=N (rows split) or model=N (tensor parallel)")
-    parser.add_argument("--unroll", type=int, default=1,
-                        help="jspec AR and spec methods: layers per step of the layer scan (generate's unroll; "
-                             "30 = fully unrolled for SmolLM2, longer compiles); recorded in each row")
+    parser.add_argument("--unroll", type=_unroll_arg, default="auto",
+                        help="jspec AR and spec methods: layers per step of the layer scan (generate's unroll): "
+                             "auto (every layer unrolled on the GPU kernels' decode/verify path, scanned "
+                             "elsewhere) or a number; recorded in each row")
     return parser
+
+
+def _unroll_arg(text: str):
+    """--unroll: "auto" or a positive layer count."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--unroll {text!r}: expected auto or a positive number of layers")
+    return n
+
+
+def _unroll_value(arg):
+    """generate()'s unroll for the --unroll argument (None = auto)."""
+    return None if arg == "auto" else arg
 
 
 # ---- inputs ------------------------------------------------------------------------------------
@@ -119,7 +138,7 @@ def reproduce_command(args: argparse.Namespace, dtypes: list[str]) -> str:
         parts.append("--no-chat-template")
     if getattr(args, "mesh", None):
         parts += ["--mesh", args.mesh]
-    if getattr(args, "unroll", 1) != 1:
+    if getattr(args, "unroll", "auto") != "auto":
         parts += ["--unroll", str(args.unroll)]
     return shlex.join(parts)
 
@@ -189,7 +208,7 @@ class MethodFactory:
         extra = {"k_max": a.k_max} if spec.method == "spec" and a.k_max is not None else {}
         extra["mesh"] = self.mesh
         if spec.method in ("ar", "spec"):
-            extra["unroll"] = getattr(a, "unroll", 1)
+            extra["unroll"] = _unroll_value(getattr(a, "unroll", "auto"))
         if spec.method in PARALLEL_METHODS:  # drafter built once, not per call; device pairs from the spec
             params = self.jax_params(dtype)
             extra["drafter"], extra["drafter_params"] = build_drafter(spec.drafter, self.cfg, params, model_name=self.args.model)
@@ -247,7 +266,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                     group = benchmark_group(ctx, methods, task_prompts, task=task, progress=progress)
                     for row in group:
                         if row["method"] in ("ar", "spec"):
-                            row["unroll"] = getattr(args, "unroll", 1)
+                            row["unroll"] = getattr(args, "unroll", "auto")
                     if batch in _int_list(args.round_cost):
                         add_round_costs(group, methods, batch, progress)
                     rows += group

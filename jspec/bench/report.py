@@ -90,8 +90,10 @@ def table_line(row: dict[str, Any]) -> str:
     mesh = f" @ {row['mesh']}" if row.get("mesh") else ""  # multi-device rows name their mesh
     if row.get("kernels") == "xla" and row.get("card", "").lower() != "cpu":  # GPU rows without the GPU kernels
         mesh += " (xla kernels)"
-    if (row.get("unroll") or 1) != 1:
-        mesh += f" (unroll {row['unroll']})"
+    unroll = row.get("unroll") or 1  # rows before the field scanned one layer at a time
+    # a set unroll is named; so is 1 on the GPU kernels, where `auto` (since 2026-11-26) unrolls
+    if unroll != "auto" and (unroll != 1 or row.get("kernels") in ("pallas", "pallas_fused")):
+        mesh += f" (unroll {unroll})"
     cells = [
         row["task"], f"`{method_label(row)}`{mesh}", str(row["batch"]), row["dtype"], str(row["n_prompts"]),
         str(row["max_new_tokens"]), _fmt(row["tokens_per_s"], ".1f"), _fmt(row["speedup_vs_ar"], ".2f", "×"),

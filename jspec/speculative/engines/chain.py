@@ -241,7 +241,7 @@ def spec_chunk_jit(tparams, dparams, state, *, tcfg, drafter, policy, k_max, max
     return jax.lax.while_loop(cond, lambda c: (c[0] + 1, body(c[1])), (jnp.int32(0), state))[1]
 
 
-def speculative_stream(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params=None, k_max, max_new, cache_len, sampling, verify="lossless", unroll=1, rounds_per_chunk=4):
+def speculative_stream(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params=None, k_max, max_new, cache_len, sampling, verify="lossless", unroll=None, rounds_per_chunk=4):
     """Yield (new tokens, SpecState) for row 0 every `rounds_per_chunk` jitted rounds."""
     policy = resolve_policy(policy, k_max)
     verify = resolve_verify(verify)
