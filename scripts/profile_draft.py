@@ -107,7 +107,8 @@ def main(argv=None) -> None:
                          "xla_gpu_enable_dot_strength_reduction=false")
     ap.add_argument("--lax-top-k", action="store_true",
                     help="tree levels use jax.lax.top_k instead of the blocked top-k (the old path)")
-    ap.add_argument("--unroll", type=int, default=1, help="layer-scan unroll of the verify forwards")
+    ap.add_argument("--unroll", type=int, default=None,
+                    help="layer-scan unroll of the verify forwards (default: model.forward's auto)")
     ap.add_argument("--dump-hlo", action="store_true", help="write each program's optimized HLO under OUT/hlo")
     ap.add_argument("--sections", default="verify,draft",
                     help="comma-separated: verify (T=1 and a 60-node tree), draft (chain steps and tree levels)")

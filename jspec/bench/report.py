@@ -91,8 +91,10 @@ def table_line(row: dict[str, Any]) -> str:
     if row.get("kernels") == "xla" and row.get("card", "").lower() != "cpu":  # GPU rows without the GPU kernels
         mesh += " (xla kernels)"
     unroll = row.get("unroll") or 1  # rows before the field scanned one layer at a time
-    # a set unroll is named; so is 1 on the GPU kernels, where `auto` (since 2026-11-26) unrolls
-    if unroll != "auto" and (unroll != 1 or row.get("kernels") in ("pallas", "pallas_fused")):
+    # a set unroll is named; so is 1 for jspec AR/spec rows on a GPU, where `auto` (the default
+    # since 2026-11-26) unrolls the decode/verify layers: older rows there scanned them
+    on_gpu = row.get("method") in ("ar", "spec") and row.get("card", "").lower() != "cpu" and row.get("kernels") != "xla"
+    if unroll != "auto" and (unroll != 1 or on_gpu):
         mesh += f" (unroll {unroll})"
     cells = [
         row["task"], f"`{method_label(row)}`{mesh}", str(row["batch"]), row["dtype"], str(row["n_prompts"]),
