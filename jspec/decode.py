@@ -140,8 +140,11 @@ def is_eos(cfg: ModelConfig, tok: jax.Array) -> jax.Array:
 
 
 def prefill(params, cfg: ModelConfig, tokens, lens, cache: M.KVCache, *, capture=(), unroll=None):
-    """Run padded prompts; return the last real position's logits, the cache and the forward output."""
-    out = M.forward(params, cfg, tokens, cache, capture=capture, unroll=unroll)
+    """Run padded prompts; return the last real position's logits, the cache and the forward output.
+
+    unroll None keeps the layer scan here even for prompts short enough for the fused path: a
+    prompt runs once per generation, and unrolling it only lengthens the compile."""
+    out = M.forward(params, cfg, tokens, cache, capture=capture, unroll=1 if unroll is None else unroll)
     cache = out.cache.replace(lengths=lens.astype(jnp.int32))
     last_h = jnp.take_along_axis(out.hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
     return M.lm_head(params, cfg, last_h), cache, out

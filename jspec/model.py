@@ -263,9 +263,10 @@ def forward(
     runs only layers [a, b) (early-exit drafting shares the target's cache for those layers).
     `kernels` picks the implementation (KERNEL_IMPLS; default `default_kernels()`); all of them
     compute the same function. `unroll` is the layer scan's unroll; None (auto) unrolls every layer
-    on the fused-attention path (decode and verify blocks on a GPU: the loop's per-layer overhead
-    is a few percent of a launch-bound step, and with prompts kept scanned the compile stays
-    short) and scans one layer at a time elsewhere (prompts, the portable path).
+    on the fused-attention path (blocks of at most 64 tokens on a GPU: the loop's per-layer
+    overhead is a few percent of a launch-bound decode or verify step) and scans one layer at a
+    time on the portable path. Prompt forwards pass 1 (decode.prefill does): they run once per
+    generation, and unrolling them only lengthens the compile.
 
     Pipelines (PPSD's two stages, an exit head behind layer E) feed one layer range's output into
     the next: `hidden_in` [B, T, D] replaces the token embeddings as the input of layer `lo`

@@ -40,7 +40,7 @@ class ModelDrafter:
     def init(self, dparams, tparams, tcfg, prompt, lens, first_token, prefill_out, cache_len):
         B = prompt.shape[0]
         cache = M.init_cache(self.cfg, B, cache_len, dparams["embed"].dtype)
-        out = M.forward(dparams, self.cfg, prompt, cache)
+        out = M.forward(dparams, self.cfg, prompt, cache, unroll=1)  # a prompt: scanned
         cache = out.cache.replace(lengths=(lens - 1).astype(jnp.int32))
         return ModelDraftState(cache=cache, prev_token=take_row(prompt[:, :, None], lens - 1)[:, 0])
 

@@ -239,7 +239,7 @@ def _run(tparams, dparams, tokens, lens, key, row_id, *, tcfg, dcfg, gamma, max_
 
     def target_prefill(_):
         cache = M.init_cache(tcfg, B, cache_len, dtype)
-        out = M.forward(tparams, tcfg, tokens, cache, kernels=kernels)
+        out = M.forward(tparams, tcfg, tokens, cache, kernels=kernels, unroll=1)  # a prompt: scanned
         h = jnp.take_along_axis(out.hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
         logits = M.lm_head(tparams, tcfg, h)
         if sampling.greedy:
@@ -251,7 +251,7 @@ def _run(tparams, dparams, tokens, lens, key, row_id, *, tcfg, dcfg, gamma, max_
 
     def draft_prefill(_):
         cache = M.init_cache(dcfg, B, cache_len, dparams["embed"].dtype)
-        out = M.forward(dparams, dcfg, tokens, cache, kernels=kernels)
+        out = M.forward(dparams, dcfg, tokens, cache, kernels=kernels, unroll=1)
         return out.cache.replace(lengths=lens.astype(jnp.int32))
 
     # The other role's cache stays empty on each device, but its cursor is tracked everywhere:

@@ -152,7 +152,7 @@ def _run(tparams, eparams, tokens, lens, key, row_id, *, tcfg, ecfg, exit_layer,
     # Prefill (both devices run it: each needs the prompt in its stage's layers; the first token
     # is role 1's, sent over, like every decision).
     cache = M.init_cache(tcfg, B, cache_len, dtype)
-    full = M.forward(tparams, tcfg, tokens, cache, capture=(exit_layer,), kernels=kernels)
+    full = M.forward(tparams, tcfg, tokens, cache, capture=(exit_layer,), kernels=kernels, unroll=1)  # a prompt
     if ecfg is None:
         ecache = M.init_cache(tcfg, B, 1, dtype, num_layers=1)  # unused
     else:

@@ -278,7 +278,7 @@ def _run(tparams, dparams, hp, tokens, lens, key, row_id, *, tcfg, dcfg, sb, max
 
     def target_prefill(_):
         cache = M.init_cache(tcfg, R, cache_len, dtype)
-        out = M.forward(tparams, tcfg, tokens, cache, kernels=kernels)
+        out = M.forward(tparams, tcfg, tokens, cache, kernels=kernels, unroll=1)  # a prompt: scanned
         h = jnp.take_along_axis(out.hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
         logits = M.lm_head(tparams, tcfg, h)
         if sampling.greedy:
@@ -290,7 +290,7 @@ def _run(tparams, dparams, hp, tokens, lens, key, row_id, *, tcfg, dcfg, sb, max
 
     def draft_prefill(_):
         cache = M.init_cache(dcfg, R * NB, cache_len, dparams["embed"].dtype)
-        out = M.forward(dparams, dcfg, _rep(tokens, NB), cache, kernels=kernels)
+        out = M.forward(dparams, dcfg, _rep(tokens, NB), cache, kernels=kernels, unroll=1)
         return out.cache.replace(lengths=_rep(lens, NB).astype(jnp.int32))
 
     empty_t = M.init_cache(tcfg, R, cache_len, dtype).replace(lengths=lens.astype(jnp.int32))
