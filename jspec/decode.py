@@ -205,12 +205,13 @@ def start_decode(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling
 def generate_ar_jit(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling, unroll=None):
     """Whole AR generation under one jit: prefill + a while_loop of decode steps."""
     state = start_decode(params, cfg, tokens, lens, key, max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll)
+    loop = M.loop_params(params, cfg, unroll=unroll)  # per-layer weight buffers for the loop body
 
     def cond(s):
         return ~jnp.all(s.done)
 
     def body(s):
-        return decode_step(params, cfg, sampling, max_new, s, unroll=unroll)
+        return decode_step(loop, cfg, sampling, max_new, s, unroll=unroll)
 
     state = jax.lax.while_loop(cond, body, state)
     return state.out, state.n_out, state.steps
@@ -226,6 +227,7 @@ def start_decode_jit(params, cfg, tokens, lens, key, *, max_new, cache_len, samp
 )
 def decode_chunk_jit(params, cfg, state, *, max_new, sampling, n_steps, unroll=None):
     """n_steps decode steps (fewer if every row finishes); the state (and its cache) is donated."""
+    loop = M.loop_params(params, cfg, unroll=unroll)
 
     def cond(c):
         i, s = c
@@ -233,7 +235,7 @@ def decode_chunk_jit(params, cfg, state, *, max_new, sampling, n_steps, unroll=N
 
     def body(c):
         i, s = c
-        return i + 1, decode_step(params, cfg, sampling, max_new, s, unroll=unroll)
+        return i + 1, decode_step(loop, cfg, sampling, max_new, s, unroll=unroll)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 

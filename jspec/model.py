@@ -307,11 +307,19 @@ def forward(
     slots = new_slots(cache, T, new_mask)  # [B, T]
     G = cfg.num_heads // cfg.num_kv_heads
     hd = cfg.head_dim
-    layer_params = jax.tree.map(lambda a: a[lo:hi], params["layers"]) if (lo, hi) != (0, cfg.num_layers) else params["layers"]
-
     impl = kernels or default_kernels()
     if impl not in KERNEL_IMPLS:
         raise ValueError(f"kernels={impl!r}: expected one of {', '.join(KERNEL_IMPLS)}")
+    per_layer = isinstance(params["layers"], (tuple, list))  # loop_params' layout
+    if per_layer and not (impl == "pallas" and unroll in (None, True) and fused_attention_supported(cfg, T, new_mask)):
+        params = {**params, "layers": stack_layers(params["layers"])}  # a path that scans: one stacked copy
+        per_layer = False
+    if per_layer:
+        layer_params = params["layers"][lo:hi]
+    elif (lo, hi) != (0, cfg.num_layers):
+        layer_params = jax.tree.map(lambda a: a[lo:hi], params["layers"])
+    else:
+        layer_params = params["layers"]
     def project_qkv(h, p):  # [B, T, q_size + 2 * kv_size], before rope
         qkv = rms_norm(h, p["attn_norm"], cfg.rms_norm_eps) @ p["wqkv"]
         return qkv + p["bqkv"] if cfg.attention_bias else qkv
@@ -378,10 +386,17 @@ def forward(
                 h_next = attn_out_and_mlp(h, o, p)
             return (h_next, kc, vc), (h if capture else None)
 
-        layer_ids = jnp.arange(lo, hi, dtype=jnp.int32)
-        xs = layer_ids if fused_mats else (layer_params, layer_ids)
-        (x, k_all, v_all), h_ins = jax.lax.scan(fused_layer, (x, cache.k, cache.v), xs,
-                                                 unroll=True if unroll is None else unroll)
+        if per_layer:  # unrolled over each layer's own buffers: no weight slices to copy
+            carry, h_ins = (x, cache.k, cache.v), []
+            for li, p in zip(range(lo, hi), layer_params):
+                carry, h_in = fused_layer(carry, (p, jnp.int32(li)))
+                h_ins.append(h_in)
+            x, k_all, v_all = carry
+        else:
+            layer_ids = jnp.arange(lo, hi, dtype=jnp.int32)
+            xs = layer_ids if fused_mats else (layer_params, layer_ids)
+            (x, k_all, v_all), h_ins = jax.lax.scan(fused_layer, (x, cache.k, cache.v), xs,
+                                                     unroll=True if unroll is None else unroll)
         hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) if final_norm else x
         captured = tuple(h_ins[i - lo] for i in capture) if capture else ()
         return ForwardOut(hidden, captured, cache.replace(k=k_all, v=v_all))
@@ -445,6 +460,37 @@ def forward(
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) if final_norm else x
     captured = tuple(h_ins[i - lo] for i in capture) if capture else ()
     return ForwardOut(hidden, captured, cache.replace(k=k_all, v=v_all))
+
+
+# Weights of at most this many bytes get per-layer copies in loop_params [I]: the copies double
+# the layers' memory for the whole generation, which matters little for the launch-bound small
+# models that the unrolled path serves and too much for large ones.
+LOOP_PARAMS_MAX_BYTES = 2 << 30
+
+
+def stack_layers(layers) -> dict:
+    """Per-layer weight dicts (loop_params' layout) -> the stacked [L, ...] layout."""
+    return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+
+
+def loop_params(params: dict, cfg: ModelConfig, *, unroll=None, kernels: str | None = None) -> dict:
+    """The target weights a decode/verify loop body should close over.
+
+    Inside a loop, the unrolled fused path takes layer i's weights as a slice of the stacked
+    [L, ...] arrays, and XLA copies those slices for its GEMM kernels on every call: about 250 µs
+    of a 60-node tree verify's 1.27 ms on an H200 (SmolLM2-135M). Called inside the jitted
+    generation before its loop, this makes one copy per layer per generation instead, as a tuple
+    of per-layer dicts that `forward` reads directly. Other paths (portable einsums, an explicit
+    unroll, large weights) get `params` unchanged; `forward` restacks the tuple if a call ever
+    needs the scan (a prompt, a block over 64 tokens).
+    """
+    impl = kernels or default_kernels()
+    layers = params["layers"]
+    if impl != "pallas" or unroll is not None or isinstance(layers, (tuple, list)):
+        return params
+    if sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(layers)) > LOOP_PARAMS_MAX_BYTES:
+        return params
+    return {**params, "layers": tuple(jax.tree.map(lambda a: a[i], layers) for i in range(cfg.num_layers))}
 
 
 def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -68,9 +68,16 @@ XLA_OPTIONS: dict = {}  # compiler options of every timed program (--xla-option)
 HLO_DIR: list[str] = []  # --dump-hlo: where each timed program's optimized HLO goes
 
 
-def traced(fn, consts, carry, n: int) -> tuple[float, dict[str, float], float]:
-    """(wall µs, kernel µs by name, kernel launches), per iteration of n in one program."""
-    run = jax.jit(lambda k, c: jax.lax.fori_loop(0, n, lambda i, x: fn(k, x), c), compiler_options=XLA_OPTIONS or None)
+def traced(fn, consts, carry, n: int, prepare=None) -> tuple[float, dict[str, float], float]:
+    """(wall µs, kernel µs by name, kernel launches), per iteration of n in one program.
+    `prepare` maps the constants inside the program before its loop (as generation does with
+    model.loop_params)."""
+
+    def program(k, c):
+        k = prepare(k) if prepare else k
+        return jax.lax.fori_loop(0, n, lambda i, x: fn(k, x), c)
+
+    run = jax.jit(program, compiler_options=XLA_OPTIONS or None)
     jax.block_until_ready(run(consts, carry))
     if HLO_DIR:
         path = os.path.join(HLO_DIR[0], f"program_{len(os.listdir(HLO_DIR[0])):02d}.hlo.txt")
@@ -111,7 +118,8 @@ def main(argv=None) -> None:
                     help="layer-scan unroll of the verify forwards (default: model.forward's auto)")
     ap.add_argument("--dump-hlo", action="store_true", help="write each program's optimized HLO under OUT/hlo")
     ap.add_argument("--sections", default="verify,draft",
-                    help="comma-separated: verify (T=1 and a 60-node tree), draft (chain steps and tree levels)")
+                    help="comma-separated: verify (T=1 and a 60-node tree, with model.loop_params' per-layer "
+                         "weights and with the stacked ones), draft (chain steps and tree levels)")
     ap.add_argument("--head-attention", nargs="+", default=["default"], choices=("default", "xla", "pallas"),
                     help="how the draft head's attention runs: default (model.default_kernels()), xla (einsums) "
                          "or pallas (the fused kernel); several are timed one after another")
@@ -165,8 +173,9 @@ def main(argv=None) -> None:
 
         return traced(body, (tparams, dparams), (state.last, jnp.zeros((B,), jnp.int32), state.dstate), n)
 
-    def verify(T, tree_mask):
-        """The target's verify forward of T tokens (+ LM head + argmax); T = 1 is an AR step."""
+    def verify(T, tree_mask, stacked=False):
+        """The target's verify forward of T tokens (+ LM head + argmax); T = 1 is an AR step. The
+        weights are model.loop_params' (as in generation) unless `stacked`."""
         cache = RC.filled_cache(tparams, SMOLLM2, B, cache_len, prompt_len)
         mask, depth = RC.random_tree_mask(T, B) if tree_mask else (None, jnp.arange(T, dtype=jnp.int32))
         pos = cache.lengths[:, None] + depth[None]
@@ -178,15 +187,17 @@ def main(argv=None) -> None:
             return nxt, c[1] + o.cache.k[0, :, 0, 0, 0].astype(jnp.float32)
 
         consts = (tparams, cache, pos, mask if tree_mask else jnp.zeros((), bool))
-        return traced(body, consts, (jnp.zeros((B, T), jnp.int32), jnp.zeros((B,), jnp.float32)), n)
+        prepare = None if stacked else (lambda k: (M.loop_params(k[0], SMOLLM2, unroll=args.unroll), *k[1:]))
+        return traced(body, consts, (jnp.zeros((B, T), jnp.int32), jnp.zeros((B,), jnp.float32)), n, prepare)
 
     report = {"card": jax.devices()[0].device_kind, "batch": B, "k": K, "n": n, "kernels": M.default_kernels(),
               "xla_options": XLA_OPTIONS, "tree_top_k": "lax" if args.lax_top_k else "blocked", "head_attention": {}}
     sections = set(args.sections.split(","))
-    for T, tree_mask in ((1, False), (60, True)) if "verify" in sections else ():
-        wall, kern, launches = verify(T, tree_mask)
+    cases = [(T, m, st) for st in (False, True) for T, m in ((1, False), (60, True))] if "verify" in sections else []
+    for T, tree_mask, stacked in cases:
+        wall, kern, launches = verify(T, tree_mask, stacked)
         rows = sorted(kern.items(), key=lambda kv: -kv[1])
-        key = f"verify_{'tree' if tree_mask else ''}{T}"
+        key = f"verify_{'tree' if tree_mask else ''}{T}{'_stacked' if stacked else ''}"
         report[key] = {"wall_us": wall, "gpu_us": sum(kern.values()), "launches": launches,
                        "kernels": [{"name": k, "us": v} for k, v in rows]}
         print(f"\n{key}: {wall:.1f} µs (wall), {sum(kern.values()):.1f} µs of GPU kernels, {launches:.0f} launches",

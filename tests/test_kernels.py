@@ -97,3 +97,22 @@ def test_kernel_choice(monkeypatch):
     monkeypatch.setenv("JSPEC_KERNELS", "triton")
     with pytest.raises(ValueError, match="JSPEC_KERNELS"):
         M.default_kernels()
+
+
+def test_loop_params_per_layer_buffers():
+    """loop_params' per-layer weights give the same forward as the stacked ones: on the unrolled
+    kernel path (read directly), with a layer range and captures, and on paths that scan (the
+    tuple is restacked). Other settings keep the stacked params."""
+    cfg = TINY
+    params = M.init_params(cfg, jax.random.PRNGKey(0), scale=0.2)
+    loop = M.loop_params(params, cfg, kernels="pallas")
+    assert isinstance(loop["layers"], tuple) and len(loop["layers"]) == cfg.num_layers
+    assert M.loop_params(params, cfg, kernels="xla") is params
+    assert M.loop_params(params, cfg, kernels="pallas", unroll=1) is params
+    cache = _filled(cfg, params, 2, [5, 2])
+    toks = jax.random.randint(jax.random.PRNGKey(3), (2, 3), 0, cfg.vocab_size)
+    for impl, kw in (("pallas", {"capture": (0, 1)}), ("pallas", {"layer_range": (0, 1), "final_norm": False}),
+                     ("xla", {"capture": (1,)})):
+        ref = _forward(params, cfg, toks, cache, impl, **kw)
+        out = _forward(loop, cfg, toks, cache, impl, **kw)
+        _assert_same(ref, out)

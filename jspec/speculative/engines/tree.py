@@ -242,7 +242,8 @@ _STATIC = ("tcfg", "drafter", "policy", "tree", "max_new", "cache_len", "samplin
 def tree_generate_jit(tparams, dparams, policy_params, tokens, lens, key, policy_state=None, *, tcfg, drafter, policy, tree, max_new, cache_len, sampling, unroll, with_policy_state=False):
     state = start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, tree.depth, max_new, cache_len, sampling, unroll, tokens, lens, key,
                        policy_state=policy_state)
-    body = functools.partial(tree_round, tparams, tcfg, drafter, dparams, policy, tree, max_new, sampling, unroll)
+    loop = M.loop_params(tparams, tcfg, unroll=unroll)  # per-layer weight buffers for the rounds
+    body = functools.partial(tree_round, loop, tcfg, drafter, dparams, policy, tree, max_new, sampling, unroll)
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     outputs = (state.out, state.n_out, state.target_calls, state.drafted, state.accepted, state.trace_drafted, state.trace_tokens)
     return outputs + (state.pstate,) if with_policy_state else outputs
