@@ -12,6 +12,9 @@
 # .stage/head and stage it in its own call before `start` (`stage .stage/head`: 46 MB), then start
 # with INIT_HEAD=/root/stage/head (train-head --init-head keeps its vocabulary and LM head).
 #
+# Calls must follow each other with no pause: the machine goes back after about 30 s without a
+# call, and the pipeline with it (a whole distill-and-train run was lost that way).
+#
 # `start` stages the last GGUF part and the corpus, copies the repo to /root/jspec-src (later calls
 # re-send the working tree; the pipeline must not read a tree that changes under it) and launches
 # `run` in its own process session. `wait S` prints progress for up to S seconds (or until the
@@ -48,12 +51,21 @@ ship() {  # priority name path...: tar the paths (relative to $RUN) into 15 MiB 
   note "shipped $name ($(du -sh "$BOX/${prio}_${name}".tar.part* | awk '{print $1}' | tr '\n' ' '))"
 }
 
+use_unfinished_head() {  # the run still has not finished: go on with its newest intermediate export
+  [ -f "$RUN/eagle3/eagle/model.safetensors" ] && return
+  local latest
+  latest=$(ls -d "$RUN"/eagle3/eagle-step* 2>/dev/null | sort -V | tail -n 1)
+  [ -n "$latest" ] && ln -sfn "$latest" "$RUN/eagle3/eagle" && note "using the unfinished head $latest"
+}
+
 lane_head() {
   CUDA_VISIBLE_DEVICES=0,1 timeout $((TRAIN_S + 150)) bash scripts/device_train_heads.sh train eagle3 "$TRAIN_S" \
     ${INIT_HEAD:+--init-head "$INIT_HEAD"} > "$P/eagle3.log" 2>&1
   note "eagle3 training exit $? ($(tail -n 1 "$RUN/eagle3/metrics.jsonl" 2>/dev/null | cut -c1-160))"
   if [ ! -f "$RUN/eagle3/eagle/model.safetensors" ]; then  # stopped by its budget: export what it has
-    CUDA_VISIBLE_DEVICES=0,1 timeout 200 bash scripts/device_train_heads.sh train eagle3 90 >> "$P/eagle3.log" 2>&1
+    CUDA_VISIBLE_DEVICES=0,1 timeout 200 bash scripts/device_train_heads.sh train eagle3 90 --export-when-stopped \
+      >> "$P/eagle3.log" 2>&1
+    use_unfinished_head
   fi
   CUDA_VISIBLE_DEVICES=0 timeout 200 bash scripts/device_train_heads.sh ldlp 110 > "$P/ldlp.log" 2>&1
   note "ldlp exit $?"
@@ -168,7 +180,8 @@ run_head1() {
     --init-head /root/stage/head --lr "${TRAIN_LR:-3e-4}" --warmup-ratio 0.03 > "$P/eagle3.log" 2>&1
   note "eagle3 training exit $? ($(tail -n 1 "$RUN/eagle3/metrics.jsonl" 2>/dev/null | cut -c1-160))"
   if [ ! -f "$RUN/eagle3/eagle/model.safetensors" ]; then  # stopped by its budget: export what it has
-    timeout 200 bash scripts/device_train_heads.sh train eagle3 90 >> "$P/eagle3.log" 2>&1
+    timeout 200 bash scripts/device_train_heads.sh train eagle3 90 --export-when-stopped >> "$P/eagle3.log" 2>&1
+    use_unfinished_head
   fi
   timeout 200 bash scripts/device_train_heads.sh ldlp 110 > "$P/ldlp.log" 2>&1
   note "ldlp exit $?"

@@ -255,3 +255,22 @@ def test_init_head_must_exist_and_match_the_recipe(tmp_path):
     assert hcfg.draft_vocab == HCFG3.draft_vocab and params["fc"].dtype == np.float32
     with pytest.raises(SystemExit, match="differ from the recipe"):
         _warm_start(str(tmp_path / "h"), HCFG3.replace(draft_vocab_size=40), TARGET)
+
+
+def test_export_dir_of_finished_and_stopped_runs(tmp_path):
+    """A finished run exports to --export (default OUT/eagle); a stopped one only with
+    --export-when-stopped, and then to OUT/eagle-step<N>, never to the finished head's place."""
+    import argparse
+    import types
+
+    from jspec.train.cli import add_train_args, export_dir
+
+    def args(*extra):
+        return add_train_args(argparse.ArgumentParser()).parse_args(["--target", "t", "--recipe", "r", *extra])
+
+    done = types.SimpleNamespace(finished=True, last_step=50)
+    stopped = types.SimpleNamespace(finished=False, last_step=37)
+    assert export_dir(args(), "run", done) == "run/eagle"
+    assert export_dir(args("--export", "x"), "run", done) == "x"
+    assert export_dir(args(), "run", stopped) is None
+    assert export_dir(args("--export-when-stopped"), "run", stopped) == "run/eagle-step37"

@@ -55,6 +55,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     budget.add_argument("--time-budget-s", type=float, default=None,
                         help="this process stops cleanly (checkpoint, no export) before this many seconds; "
                              "--resume continues")
+    budget.add_argument("--export-when-stopped", action="store_true",
+                        help="a run that stops before its last step (time budget, --stop-at) still exports its "
+                             "head, to OUT/eagle-step<N> (the schedule has not ended: an intermediate head)")
     budget.add_argument("--fit-steps-to-budget", action="store_true",
                         help="on a fresh run, set the total steps (and the schedule's end) to what fits the "
                              "budget after measuring the step time (at most the recipe's steps)")
@@ -196,11 +199,22 @@ def train_from_args(args: argparse.Namespace):
                    head_params=init_params, warm_start=init_params is not None)
     if first_host and hcfg.reduced_vocab:
         _write_vocab_report(out, data_dir, cfg, result.head_params)
-    if first_host and result.finished:
-        export = args.export or os.path.join(out, "eagle")
+    export = export_dir(args, out, result)
+    if first_host and export:
         save_eagle_head(export, hcfg, result.head_params, dtype=recipe.run.export_dtype)
         print(f"exported {hcfg.kind} head to {export}")
     return result
+
+
+def export_dir(args: argparse.Namespace, out: str, result) -> str | None:
+    """Where the trained head goes: --export (default OUT/eagle) when the run is complete; with
+    --export-when-stopped, an unfinished run's head goes to OUT/eagle-step<N>, never to the
+    finished head's place; otherwise nothing is exported."""
+    if result.finished:
+        return args.export or os.path.join(out, "eagle")
+    if getattr(args, "export_when_stopped", False):
+        return os.path.join(out, f"eagle-step{result.last_step}")
+    return None
 
 
 def _write_data_report(out: str, data_dir: str, seq_len: int, loop_cut) -> None:
