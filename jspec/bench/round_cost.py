@@ -44,10 +44,18 @@ from jspec.speculative.policies.auto import card_name, cost_table_path, row_valu
 VERIFY_TS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def loop_us(body, consts, carry, n: int, reps: int = 3) -> float:
+def loop_us(body, consts, carry, n: int, reps: int = 3, tcfg=None) -> float:
     """Median µs of one `body(consts, carry) -> carry` call, run n times in one jitted fori_loop.
-    Weights and caches travel in `consts` (jit arguments, never baked-in constants)."""
-    run = jax.jit(lambda k, c: jax.lax.fori_loop(0, n, lambda i, x: body(k, x), c))
+    Weights and caches travel in `consts` (jit arguments, never baked-in constants). With `tcfg`,
+    consts[0] holds the target weights and goes through model.loop_params before the loop, as in
+    generation (per-layer buffers on the unrolled kernel path)."""
+
+    def program(k, c):
+        if tcfg is not None:
+            k = (M.loop_params(k[0], tcfg), *k[1:])
+        return jax.lax.fori_loop(0, n, lambda i, x: body(k, x), c)
+
+    run = jax.jit(program)
     jax.block_until_ready(run(consts, carry))  # compile + warm up
     ts = []
     for _ in range(reps):
@@ -94,7 +102,8 @@ def verify_us(tparams, tcfg, batch: int, Ts=VERIFY_TS, tree_nodes=(), *, cache_l
             return nxt, acc + o.cache.k[0, :, 0, 0, 0].astype(jnp.float32)  # keep the cache write live
 
         consts = (tparams, cache, pos, mask if tree else jnp.zeros((), bool))
-        out[f"tree{T}" if tree else str(T)] = loop_us(body, consts, (jnp.zeros((batch, T), jnp.int32), jnp.zeros((batch,), jnp.float32)), n)
+        out[f"tree{T}" if tree else str(T)] = loop_us(body, consts, (jnp.zeros((batch, T), jnp.int32), jnp.zeros((batch,), jnp.float32)), n,
+                                                        tcfg=tcfg)
     return out
 
 
@@ -117,7 +126,8 @@ def draft_loop_us(tparams, tcfg, drafter, dparams, state, k_max: int, n: int) ->
                                                         k_max, GREEDY, st.key, False)
         return st.replace(last=draft.tokens[:, -1], dstate=dstate, pstate=pstate)
 
-    return loop_us(body, (tparams, dparams), state.replace(pstate=policy.init(state.last.shape[0], jax.random.PRNGKey(0))), n)
+    return loop_us(body, (tparams, dparams), state.replace(pstate=policy.init(state.last.shape[0], jax.random.PRNGKey(0))), n,
+                   tcfg=tcfg)
 
 
 def tree_build_us(tparams, tcfg, drafter, dparams, state, tc: TreeConfig, n: int) -> float:
@@ -133,7 +143,7 @@ def tree_build_us(tparams, tcfg, drafter, dparams, state, tc: TreeConfig, n: int
         tree, _, dstate = draft_tree(drafter, dp, tp, tcfg, dstate, last, tc, policy, pstate, limit)
         return tree.tokens[:, -1], acc + jnp.sum(tree.ancestors, (1, 2)), dstate
 
-    return loop_us(body, (tparams, dparams), (state.last, jnp.zeros(state.last.shape, jnp.int32), state.dstate), n)
+    return loop_us(body, (tparams, dparams), (state.last, jnp.zeros(state.last.shape, jnp.int32), state.dstate), n, tcfg=tcfg)
 
 
 def profile_method(tparams, tcfg, drafter, dparams, *, batch: int, policy="static", k_max: int = 6, tree: TreeConfig | None = None,
@@ -167,10 +177,10 @@ def profile_method(tparams, tcfg, drafter, dparams, *, batch: int, policy="stati
             prof["tree_build_us"] = tree_build_us(tparams, tcfg, drafter, dparams, state, tree, n)
     prof["policy_us"] = policy_us(pol, batch, depth, tcfg.vocab_size, n)
     if tree is None:
-        body = lambda k, st: spec_round(k[0], tcfg, drafter, k[1], pol, k_max, max_new, GREEDY, "lossless", 1, st)  # noqa: E731
+        body = lambda k, st: spec_round(k[0], tcfg, drafter, k[1], pol, k_max, max_new, GREEDY, "lossless", None, st)  # noqa: E731
     else:
-        body = lambda k, st: tree_round(k[0], tcfg, drafter, k[1], pol, tree, max_new, GREEDY, 1, st)  # noqa: E731
-    prof["round_us"] = loop_us(body, (tparams, dparams), state, n)
+        body = lambda k, st: tree_round(k[0], tcfg, drafter, k[1], pol, tree, max_new, GREEDY, None, st)  # noqa: E731
+    prof["round_us"] = loop_us(body, (tparams, dparams), state, n, tcfg=tcfg)  # the engines' unroll and weights
     prof["commit_us"] = commit_us(tparams, tcfg, drafter, dparams, state, extra, n)
     return prof
 
@@ -204,7 +214,7 @@ def commit_us(tparams, tcfg, drafter, dparams, state, T: int, n: int) -> float:
         tp, dp, vo = k
         return drafter.commit(dp, tp, tcfg, ds, block, n_acc, state.last, vo)
 
-    return loop_us(body, (tparams, dparams, vout), state.dstate, n)
+    return loop_us(body, (tparams, dparams, vout), state.dstate, n, tcfg=tcfg)
 
 
 # ---- the auto policy's per-card cost table ------------------------------------------------------------
