@@ -42,9 +42,9 @@ def _prompts(batch=4, seed=0):
     return [list(rs.randint(4, CFG.vocab_size, n)) for n in rs.randint(2, 14, batch)]  # ragged
 
 
-def _ppsd(models, prompts, sampling=GREEDY, mesh=None, seed=0, cfg=CFG, max_new=MAX_NEW):
+def _ppsd(models, prompts, sampling=GREEDY, mesh=None, seed=0, cfg=CFG, max_new=MAX_NEW, cache_len=None):
     tparams, ecfg, eparams = models
-    tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new, 1)
+    tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new, 1, cache_len=cache_len)
     return ppsd_generate(tparams, cfg, eparams, ecfg, E, tokens, lens, jax.random.PRNGKey(seed), max_new=max_new,
                          cache_len=cache_len, sampling=sampling, mesh=mesh)
 
@@ -97,8 +97,11 @@ def test_sampling_is_lossless_chi_square():
     ecfg, eparams = EH.init_from_target(tparams, cfg, E)
     prompt = [2, 5, 1]
     n, new, s = 3000, 3, Sampling(temperature=1.0)
-    r = _ppsd((tparams, ecfg, eparams), [prompt] * n, s, seed=7, cfg=cfg, max_new=new)
-    two = _ppsd((tparams, ecfg, eparams), [prompt] * 32, s, seed=7, cfg=cfg, max_new=new, mesh=ppsd_mesh(jax.devices()[:2]))
+    # a 16-slot cache holds the 8 slots needed (3 prompt + 3 new + 2): the default plan (a 128-slot
+    # cache, prompts padded to 32) makes every attention over the 3000 rows several times larger
+    r = _ppsd((tparams, ecfg, eparams), [prompt] * n, s, seed=7, cfg=cfg, max_new=new, cache_len=16)
+    two = _ppsd((tparams, ecfg, eparams), [prompt] * 32, s, seed=7, cfg=cfg, max_new=new, cache_len=16,
+                mesh=ppsd_mesh(jax.devices()[:2]))
     np.testing.assert_array_equal(two.tokens, r.tokens[:32])  # per-row streams: a sub-batch draws the same
     assert (r.accepted > 0).any() and (r.rolled_back > 0).any()  # both branches ran
     V = cfg.vocab_size

@@ -8,6 +8,8 @@ Q/K un-permutation and Gemma norm handling), loaded into the transformers model 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -48,13 +50,38 @@ def gemma3_path() -> Path:
     return pkg.assemble(Path.home() / ".cache" / "jspec" / pkg.MODEL_NAME)
 
 
+@contextlib.contextmanager
+def _one_parse_per_file():
+    """transformers' GGUF path parses the file's metadata twice (config, then tensors: 262k vocabulary
+    strings for Gemma) and rebuilds gguf's tensor-name map, a pure function of (arch, depth), once
+    per submodule (~400 times for SmolLM2). Within this block one reader serves each file and one
+    map each (arch, depth): the same parse results, computed once."""
+    import gguf
+
+    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers = {}
+
+    def reader(path, *args, **kwargs):
+        if args or kwargs:
+            return reader_cls(path, *args, **kwargs)
+        if str(path) not in readers:
+            readers[str(path)] = reader_cls(path)
+        return readers[str(path)]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
+
+
 def transformers_from_gguf(path: Path):
     """A transformers fp32 model loaded by transformers' GGUF code path (see module docstring)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    with fast_gguf_parsing():
+    with fast_gguf_parsing(), _one_parse_per_file():
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         with no_init_weights():
             hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -74,7 +101,9 @@ def jspec_greedy(cfg, params, prompts: list[list[int]], n_new: int) -> np.ndarra
         tokens[b, : len(p)] = p
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
 
-    @jax.jit
+    # conftest's XLA flags trade run time for compile time, right for the suite's tiny programs; this
+    # 30-layer model's 31 decode steps would run 2-3x slower, so this one program keeps XLA's defaults.
+    @functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 2, "xla_cpu_use_fusion_emitters": True})
     def step(params, tokens, cache, last):
         out = model.forward(params, cfg, tokens, cache)
         hidden = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]
