@@ -275,6 +275,12 @@ def _attention_input(hcfg: HeadConfig, head_params: dict, embeds, feats):
     return a, feats
 
 
+def _pair_inputs(hcfg: HeadConfig, head_params: dict, target_params: dict, tokens, feats):
+    """_attention_input of (feature, next-token) pairs given as token ids (the target's embedding)."""
+    embeds = embed_tokens(target_params, hcfg.target, tokens).astype(head_params["fc"].dtype)
+    return _attention_input(hcfg, head_params, embeds, feats)
+
+
 def _project_qkv(lcfg: ModelConfig, p: dict, attn_in, positions):
     """Roped q [B,T,Hq,hd], k and v [B,T,Hkv,hd] for tokens at `positions` [B, T]."""
     B, T = positions.shape
@@ -413,8 +419,7 @@ def head_forward(
     lcfg = head_layer_config(hcfg)
     B, T = tokens.shape
     p = head_params["layer"]
-    embeds = embed_tokens(target_params, hcfg.target, tokens).astype(head_params["fc"].dtype)
-    attn_in, residual = _attention_input(hcfg, head_params, embeds, feats)
+    attn_in, residual = _pair_inputs(hcfg, head_params, target_params, tokens, feats)
     if positions is None and new_mask is None and fused_head_attention(hcfg, T, kernels):
         positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
         o, cache = _fused_attention(lcfg, attn_in @ p["wqkv"], positions, cache, None, drop_past_end=True)
@@ -463,8 +468,7 @@ def head_step(
     """
     lcfg = head_layer_config(hcfg)
     p = head_params["layer"]
-    embeds = embed_tokens(target_params, hcfg.target, tokens).astype(head_params["fc"].dtype)
-    attn_in, residual = _attention_input(hcfg, head_params, embeds, feats)
+    attn_in, residual = _pair_inputs(hcfg, head_params, target_params, tokens, feats)
     q, k, v = _project_qkv(lcfg, p, attn_in, positions)
     S = cache.k.shape[2]
     committed = (jnp.arange(S, dtype=jnp.int32)[None] < cache.lengths[:, None])[:, None, None, None]
@@ -510,8 +514,7 @@ def head_chain_step(
         )
         return h, logits, cache
     p = head_params["layer"]
-    embeds = embed_tokens(target_params, hcfg.target, tokens).astype(head_params["fc"].dtype)
-    attn_in, residual = _attention_input(hcfg, head_params, embeds, feats)
+    attn_in, residual = _pair_inputs(hcfg, head_params, target_params, tokens, feats)
     o, cache = _fused_attention(head_layer_config(hcfg), attn_in @ p["wqkv"], positions, cache, None)
     h_out = _finish_layer(hcfg, p, o, residual)
     return h_out, draft_logits(hcfg, head_params, target_params, h_out), cache
@@ -556,8 +559,7 @@ def head_tree_level(
     lcfg = head_layer_config(hcfg)
     B, T = tokens.shape
     p = head_params["layer"]
-    embeds = embed_tokens(target_params, hcfg.target, tokens).astype(head_params["fc"].dtype)
-    attn_in, residual = _attention_input(hcfg, head_params, embeds, feats)
+    attn_in, residual = _pair_inputs(hcfg, head_params, target_params, tokens, feats)
     qkv = attn_in @ p["wqkv"]
     entries = (qkv, positions)
     own = jnp.broadcast_to(jnp.eye(T, dtype=bool), (B, T, T))
