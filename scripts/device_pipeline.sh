@@ -198,14 +198,33 @@ run_head1() {
 }
 
 # One GPU, the shipped drafters (overlay: `stage .stage/wX`), nothing trained (JOB=bench1): the
-# EAGLE-3 head and n-gram rows on all of MT-Bench and HumanEval at batch 1, then `auto` at batch
-# 8/16/32; a group's rows reach the outbox as soon as it ends.
+# draft-step profile at batch 1 and 16 (random weights), this card's `auto` cost table measured
+# anew at batch 1/8/16/32 (COSTS=0 keeps the committed one), then the EAGLE-3 head and n-gram rows
+# on all of MT-Bench and HumanEval at batch 1, then `auto` at batch 8/16/32; each result reaches
+# the outbox as soon as it exists.
 run_bench1() {
   cd "$SRC" || exit 1
   export PYTHONPATH="$SRC:/root/stage/site"
   note "bench1 start on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
   local logs=$P/bench
   mkdir -p "$logs"
+  for b in 1 16; do
+    timeout 300 python3 scripts/profile_draft.py --out "$RUN/profile_b$b" --batch $b --sections draft,topk \
+      --top-k default sort64 sort128 --draft-loop policy while > "$logs/profile_b$b.log" 2>&1
+    note "profile_draft b$b exit $? $(grep -E '^(chain|tree) ' "$logs/profile_b$b.log" | cut -c1-90 | tr '\n' ';')"
+    cp "$RUN/profile_b$b/profile_draft.json" "$BOX/0_profile_draft_b$b.json" 2>/dev/null
+    cp "$logs/profile_b$b.log" "$BOX/0_profile_draft_b$b.log" 2>/dev/null
+  done
+  if [ "${COSTS:-1}" = 1 ]; then
+    local table
+    table=$(python3 -c "from jspec.speculative.policies.auto import cost_table_path as p; print(p('$PRESET'))")
+    mkdir -p "$RUN/costs"
+    for b in 1 8 16 32; do
+      timeout 300 python3 scripts/measure_card_costs.py --batch $b --out "$RUN/costs/b$b.json" > "$logs/costs_b$b.log" 2>&1
+      note "card costs b$b exit $? $(tail -n 1 "$logs/costs_b$b.log" | cut -c1-200)"
+    done
+    python3 scripts/measure_card_costs.py --merge "$RUN"/costs/b*.json --out "$table" && cp "$table" "$BOX/0_$(basename "$table")"
+  fi
   group() {  # out task batches methods [extra]
     local out=$1 task=$2 batches=$3 methods=$4; shift 4
     timeout 420 python3 -m jspec.cli bench --model $PRESET --tasks "$task" --max-new-tokens 256 --batch "$batches" \

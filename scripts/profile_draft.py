@@ -7,11 +7,16 @@ and K = 6, tree build at depth 1 and depth 6) it runs `n` iterations in one jitt
 (per-level) cost of a kernel is its difference between the long and the short program, divided by the
 extra steps (levels) — the same differential method as jspec.bench.round_cost.
 
-    python scripts/profile_draft.py --out OUT [--batch 1] [--n 20] [--top 25] [--xla-option K=V] [--lax-top-k]
-        [--head-attention default|xla|pallas ...]
+    python scripts/profile_draft.py --out OUT [--batch 1] [--n 20] [--top 25] [--xla-option K=V]
+        [--head-attention default|xla|pallas ...] [--draft-loop policy|while ...]
+        [--top-k default|lax|sort<BLOCK>|rank<BLOCK> ...] [--sections verify,draft,topk]
 
 The head's attention runs as model.default_kernels() picks (one fused Pallas kernel on a single
 GPU); `--head-attention xla pallas` times the einsum path and the kernel side by side in one process.
+`--draft-loop while` times the chain under the early-exit while_loop that policies with in-round
+stops get (`policy`: the static policy's own loop of known length). `--top-k` picks how
+jspec.kernels.top_k selects (`lax`: jax.lax.top_k; `sortB` / `rankB`: rows ranked by a stable sort
+or by counting, long rows blocked by B); the `topk` section times it alone on a tree level's shapes.
 Writes OUT/profile_draft.json ({"chain": {...}, "tree": {...}}: wall µs per step / level and the
 kernel table, for the first --head-attention; all of them under "head_attention") and prints the
 top kernels of each.
@@ -37,10 +42,12 @@ import jax.numpy as jnp  # noqa: E402
 from jspec import model as M  # noqa: E402
 from jspec.bench import round_cost as RC  # noqa: E402
 from jspec.heads import eagle as H  # noqa: E402
+from jspec.kernels import top_k as TK  # noqa: E402
 from jspec.speculative.drafters.eagle import EagleDrafter  # noqa: E402
 from jspec.speculative.engines.chain import draft_autoregressive  # noqa: E402
 from jspec.speculative.engines.tree import TreeConfig, draft_tree  # noqa: E402
 from jspec.speculative.policies import resolve_policy  # noqa: E402
+from jspec.speculative.policies.static import StaticPolicy  # noqa: E402
 from measure_card_costs import SMOLLM2  # noqa: E402
 
 
@@ -93,6 +100,32 @@ def traced(fn, consts, carry, n: int, prepare=None) -> tuple[float, dict[str, fl
     return wall, {k: v / n for k, v in kernels.items()}, launches / n
 
 
+class WhileLoopStatic(StaticPolicy):
+    """The static policy drafted under the early-exit while_loop (as if it could stop in a round)."""
+
+    stops_in_round = True
+
+
+SHIPPED_TOP_K = (TK.BLOCK, TK.SORT_BLOCK, TK.RANK_COMPARES, TK.top_k)
+
+
+def set_top_k(variant: str) -> None:
+    """Point jspec.kernels.top_k (and the modules that imported it) at a --top-k variant."""
+    import jspec.speculative.engines.tree as tree_engine
+
+    block, sort_block, rank_compares, fn = SHIPPED_TOP_K
+    if variant == "lax":
+        fn = lambda x, k, block=None: jax.lax.top_k(x, k)  # noqa: E731
+    elif variant != "default":
+        kind, width = variant[:4], variant[4:]
+        if kind not in ("sort", "rank") or not width.isdigit():
+            raise SystemExit(f"--top-k {variant!r}: expected default, lax, sort<BLOCK> or rank<BLOCK>")
+        block = sort_block = int(width)
+        rank_compares = 1 << 62 if kind == "rank" else 0
+    TK.BLOCK, TK.SORT_BLOCK, TK.RANK_COMPARES = block, sort_block, rank_compares
+    tree_engine.top_k = fn
+
+
 def per_unit(short, long, units: int) -> tuple[float, list[tuple[str, float, float]]]:
     """Differential wall µs per unit, and per-kernel (name, µs per unit, µs in the long program)."""
     (ws, ks, _), (wl, kl, _) = short, long
@@ -112,14 +145,18 @@ def main(argv=None) -> None:
     ap.add_argument("--xla-option", action="append", default=[],
                     help="KEY=VALUE compiler option for every timed program (repeatable), e.g. "
                          "xla_gpu_enable_dot_strength_reduction=false")
-    ap.add_argument("--lax-top-k", action="store_true",
-                    help="tree levels use jax.lax.top_k instead of the blocked top-k (the old path)")
+    ap.add_argument("--top-k", nargs="+", default=["default"],
+                    help="how top_k selects, several timed one after another: default (jspec.kernels.top_k "
+                         "as shipped), lax (jax.lax.top_k), sort<BLOCK> or rank<BLOCK> (e.g. sort128 rank64)")
+    ap.add_argument("--draft-loop", nargs="+", default=["policy"], choices=("policy", "while"),
+                    help="chain draft loop: policy (the static policy's loop of known length) or while "
+                         "(the early-exit while_loop of policies that stop inside a round)")
     ap.add_argument("--unroll", type=int, default=None,
                     help="layer-scan unroll of the verify forwards (default: model.forward's auto)")
     ap.add_argument("--dump-hlo", action="store_true", help="write each program's optimized HLO under OUT/hlo")
     ap.add_argument("--sections", default="verify,draft",
                     help="comma-separated: verify (T=1 and a 60-node tree, with model.loop_params' per-layer "
-                         "weights and with the stacked ones), draft (chain steps and tree levels)")
+                         "weights and with the stacked ones), draft (chain steps and tree levels), topk (top_k alone on a tree level's shapes)")
     ap.add_argument("--head-attention", nargs="+", default=["default"], choices=("default", "xla", "pallas"),
                     help="how the draft head's attention runs: default (model.default_kernels()), xla (einsums) "
                          "or pallas (the fused kernel); several are timed one after another")
@@ -130,10 +167,6 @@ def main(argv=None) -> None:
     for item in args.xla_option:
         key, _, value = item.partition("=")
         XLA_OPTIONS[key] = {"true": True, "false": False}.get(value.lower(), value)
-    if args.lax_top_k:
-        from jspec.speculative.engines import tree as tree_engine
-
-        tree_engine.top_k_blocked = lambda x, k, block=0: jax.lax.top_k(x, k)
     if args.batch < 1 or args.n < 1 or args.k < 2:
         ap.error("--batch and --n must be >= 1 and --k >= 2")
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
@@ -148,8 +181,8 @@ def main(argv=None) -> None:
     state = RC._start(tparams, SMOLLM2, drafter, dparams, policy, None, K, B, prompt_len, max_new, cache_len)
     print(f"{jax.devices()[0].device_kind}, batch {B}, K/depth {K}, n {n}, kernels {M.default_kernels()}", flush=True)
 
-    def chain(drafter, k_max):
-        pol = resolve_policy("static", k_max)
+    def chain(drafter, k_max, loop="policy"):
+        pol = WhileLoopStatic(k_max=k_max) if loop == "while" else resolve_policy("static", k_max)
         limit = jnp.full(state.last.shape, k_max, jnp.int32)
 
         def body(k, st):
@@ -191,7 +224,7 @@ def main(argv=None) -> None:
         return traced(body, consts, (jnp.zeros((B, T), jnp.int32), jnp.zeros((B,), jnp.float32)), n, prepare)
 
     report = {"card": jax.devices()[0].device_kind, "batch": B, "k": K, "n": n, "kernels": M.default_kernels(),
-              "xla_options": XLA_OPTIONS, "tree_top_k": "lax" if args.lax_top_k else "blocked", "head_attention": {}}
+              "xla_options": XLA_OPTIONS, "head_attention": {}}
     sections = set(args.sections.split(","))
     cases = [(T, m, st) for st in (False, True) for T, m in ((1, False), (60, True))] if "verify" in sections else []
     for T, tree_mask, stacked in cases:
@@ -204,11 +237,35 @@ def main(argv=None) -> None:
               flush=True)
         for k, v in rows[: args.top]:
             print(f"  {v:8.2f} µs  {k[:110]}")
-    for mode in args.head_attention if "draft" in sections else ():
+    if "topk" in sections:
+        # a tree level's selections: each frontier node's children (10 x draft vocab), the next
+        # frontier (10 of 100) and the kept nodes (59 of 510); a policy's top-2 over the target vocab
+        shapes = [((B * 10, args.draft_vocab), 10), ((B, 100), 10), ((B, 510), 59), ((B, SMOLLM2.vocab_size), 2)]
+        for variant in args.top_k:
+            set_top_k(variant)
+            rows = report.setdefault("top_k", {}).setdefault(variant, {})
+            for shape, k in shapes:
+                x = jax.random.normal(jax.random.PRNGKey(2), shape, jnp.float32)
+                fn = lambda xs, c, k=k: c + TK.top_k(xs + c[:, :1] * 1e-9, k)[0][:, :1]  # noqa: E731
+                wall, kern, launches = traced(lambda xs, c: fn(xs, c), x, jnp.zeros((shape[0], 1), jnp.float32), n)
+                key = f"{shape[0]}x{shape[1]}_k{k}"
+                rows[key] = {"wall_us": wall, "gpu_us": sum(kern.values()), "launches": launches}
+                print(f"top_k {variant:>8} {key:>14}: {wall:6.1f} µs wall, {sum(kern.values()):6.1f} µs GPU, "
+                      f"{launches:.0f} launches", flush=True)
+        set_top_k("default")
+    runs = [(mode, loop, tk) for mode in args.head_attention for loop in args.draft_loop for tk in args.top_k]
+    for mode, loop, tk in runs if "draft" in sections else ():
         d = EagleDrafter(hcfg, kernels=None if mode == "default" else mode)
         fused = H.fused_head_attention(hcfg, 1, d.kernels), H.fused_head_attention(hcfg, (K - 1) * 10, d.kernels)
-        section = report["head_attention"].setdefault(mode, {"fused_chain": fused[0], "fused_tree": fused[1]})
-        for name, short, long in (("chain", chain(d, 1), chain(d, K)), ("tree", tree(d, 1), tree(d, K))):
+        label = mode + ("" if loop == "policy" else f"/{loop}") + ("" if tk == "default" else f"/top_k={tk}")
+        section = report["head_attention"].setdefault(label, {"fused_chain": fused[0], "fused_tree": fused[1]})
+        set_top_k(tk)
+        programs = []
+        if tk == args.top_k[0]:  # the chain does not select top-k: timed once per loop
+            programs.append(("chain", chain(d, 1, loop), chain(d, K, loop)))
+        if loop == args.draft_loop[0]:  # the tree has no draft loop: timed once per top-k
+            programs.append(("tree", tree(d, 1), tree(d, K)))
+        for name, short, long in programs:
             wall, rows = per_unit(short, long, K - 1)
             gpu = sum(r[1] for r in rows)
             launches = (long[2] - short[2]) / (K - 1)
@@ -216,13 +273,14 @@ def main(argv=None) -> None:
                              "short_wall_us": short[0],
                              "long_wall_us": long[0], "kernels_per_unit": [
                                  {"name": r[0], "us_per_unit": r[1], "us_long": r[2]} for r in rows]}
-            report.setdefault(name, section[name])  # the first mode's, where earlier reports kept it
+            report.setdefault(name, section[name])  # the first run's, where earlier reports kept it
             unit = "draft step" if name == "chain" else "tree level"
             path = "fused kernel" if fused[name == "tree"] else "einsum"
-            print(f"\n{name} (head attention {mode}: {path}): {wall:.1f} µs per {unit} (wall), {gpu:.1f} µs of GPU "
-                  f"kernels, {launches:.1f} kernel launches per {unit}", flush=True)
+            print(f"\n{name} ({label}, head attention: {path}): {wall:.1f} µs per {unit} (wall), {gpu:.1f} µs of "
+                  f"GPU kernels, {launches:.1f} kernel launches per {unit}", flush=True)
             for r in rows[: args.top]:
                 print(f"  {r[1]:8.2f} µs  {r[0][:110]}")
+        set_top_k("default")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "profile_draft.json"), "w") as fh:
         json.dump(report, fh, indent=1)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.kernels.top_k import BLOCK, top_k, top_k_sorted
+from jspec.kernels.top_k import BLOCK, top_k, top_k_ranked, top_k_sorted
 
 
 @pytest.mark.parametrize("shape,k", [((3, 4, 32000), 10),  # a tree level: blocked path
@@ -30,3 +30,13 @@ def test_ties_prefer_the_lower_id_like_lax_top_k():
 def test_k_out_of_range_is_one_line():
     with pytest.raises(ValueError, match=r"k=7 must be in \[1, 6\]"):
         top_k(jnp.zeros((2, 6)), 7)
+
+
+@pytest.mark.parametrize("select", [top_k_ranked, top_k_sorted])
+def test_whole_row_paths_equal_lax_top_k_with_ties_and_infs(select):
+    x = jnp.round(jax.random.normal(jax.random.PRNGKey(2), (3, 5, 300)) * 3)
+    x = x.at[:, :, ::7].set(-jnp.inf)
+    for k in (1, 10, 59):
+        want, got = jax.lax.top_k(x, k), select(x, k)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))

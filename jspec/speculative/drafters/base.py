@@ -5,12 +5,15 @@ pytree (`dparams`), so the whole speculative loop is one jitted function:
 
 * Autoregressive drafters (EAGLE heads, a small draft model, the target's early exit) produce one
   distribution per step. The engine drives them through
-      begin(dparams, tparams, tcfg, dstate, tcache, last_token) -> (logits [B, V], carry)
-      step(dparams, tparams, tcfg, carry, token [B])             -> (logits [B, V], carry)
-      finish(carry)                                               -> (dstate, tcache)
-  so the engine owns the loop, the policy's stop decisions and the sampling. While drafting, a
-  drafter may advance its cache cursor as if its drafts were committed (chain attention is then
-  plain causal attention); `finish` rewinds it.
+      begin(dparams, tparams, tcfg, dstate, tcache, last_token) -> (logits [B, V], carry, consts)
+      step(dparams, tparams, tcfg, consts, carry, token [B])     -> (logits [B, V], carry)
+      finish(consts, carry)                                       -> (dstate, tcache)
+  so the engine owns the loop, the policy's stop decisions and the sampling. `carry` holds only
+  what the steps change and `consts` what they read (the round's starting state, lookup tables):
+  the engine runs the steps in loops and branches whose carried values XLA copies where they
+  pass through unchanged (a target cache is megabytes). While drafting, a drafter may advance its
+  cache cursor as if its drafts were committed (chain attention is then plain causal attention);
+  `finish` rewinds it.
 * Parallel drafters (n-gram prompt lookup) propose all K tokens at once:
       propose(dstate, last_token, k) -> (tokens [B, K], valid [B, K])
 

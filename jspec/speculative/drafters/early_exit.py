@@ -60,15 +60,14 @@ class EarlyExitDrafter:
 
     def begin(self, dparams, tparams, tcfg, dstate, tcache, last_token):
         logits, cache, hcache = self._run(dparams, tparams, tcfg, tcache, dstate, last_token)
-        return logits, (cache, tcache.lengths, hcache)
+        return logits, (cache, hcache), tcache.lengths
 
-    def step(self, dparams, tparams, tcfg, carry, token):
-        cache, base, hcache = carry
-        logits, cache, hcache = self._run(dparams, tparams, tcfg, cache, hcache, token)
-        return logits, (cache, base, hcache)
+    def step(self, dparams, tparams, tcfg, consts, carry, token):
+        logits, cache, hcache = self._run(dparams, tparams, tcfg, *carry, token)
+        return logits, (cache, hcache)
 
-    def finish(self, carry):
-        cache, base, hcache = carry
+    def finish(self, base, carry):
+        cache, hcache = carry
         return hcache, cache.replace(lengths=base)
 
     def commit(self, dparams, tparams, tcfg, dstate, block_tokens, n_accepted, next_token, verify_out):

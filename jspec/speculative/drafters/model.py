@@ -51,17 +51,16 @@ class ModelDrafter:
         block = jnp.stack([dstate.prev_token, last_token], axis=1)
         out = M.forward(dparams, self.cfg, block, dstate.cache)
         logits = M.lm_head(dparams, self.cfg, out.hidden[:, 1])
-        return logits, (M.advance(out.cache, jnp.full_like(base, 2)), base, dstate, tcache)
+        return logits, M.advance(out.cache, jnp.full_like(base, 2)), (dstate, tcache)
 
-    def step(self, dparams, tparams, tcfg, carry, token):
-        cache, base, dstate, tcache = carry
+    def step(self, dparams, tparams, tcfg, consts, cache, token):
         out = M.forward(dparams, self.cfg, token[:, None], cache)
         logits = M.lm_head(dparams, self.cfg, out.hidden[:, 0])
-        return logits, (M.advance(out.cache, jnp.ones_like(base)), base, dstate, tcache)
+        return logits, M.advance(out.cache, jnp.ones_like(cache.lengths))
 
-    def finish(self, carry):
-        cache, base, dstate, tcache = carry
-        return dstate.replace(cache=cache.replace(lengths=base)), tcache
+    def finish(self, consts, cache):
+        dstate, tcache = consts
+        return dstate.replace(cache=cache.replace(lengths=dstate.cache.lengths)), tcache
 
     def commit(self, dparams, tparams, tcfg, dstate, block_tokens, n_accepted, next_token, verify_out):
         prev = take_row(block_tokens[:, :, None], n_accepted)[:, 0]

@@ -159,6 +159,14 @@ class Policy:
     ) -> Any:
         return state.replace(rounds=count_rounds(state.rounds, active))
 
+    @property
+    def stops_in_round(self) -> bool:
+        """Whether `stop` / `observe` can end a row's draft before its round limit. A round under a
+        rule that cannot is drafted as max(limit) steps, a loop whose length the compiler knows
+        (engines.chain.draft_autoregressive)."""
+        cls = type(self)
+        return cls.stop is not Policy.stop or cls.observe is not Policy.observe
+
     def stop_skips_token(self, state: Any) -> jax.Array:
         """[B] bool: True where a stop at this step drops the step's token (a rule checked before
         drafting it, AdaEDL); False where the token that triggered the stop is kept."""

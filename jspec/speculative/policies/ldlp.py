@@ -251,6 +251,10 @@ class LDLPPolicy(Policy):
     def needs_in_round_state(self) -> bool:  # type: ignore[override]
         return self.ddd
 
+    @property
+    def stops_in_round(self) -> bool:  # type: ignore[override]
+        return self.ddd  # without DDD the predicted length is the round's limit, set before drafting
+
     def init(self, batch, key, params=None):
         if params is None:
             if self.d_model is None:
