@@ -106,23 +106,22 @@ class WhileLoopStatic(StaticPolicy):
     stops_in_round = True
 
 
-SHIPPED_TOP_K = (TK.BLOCK, TK.SORT_BLOCK, TK.RANK_COMPARES, TK.top_k)
+SHIPPED_TOP_K = (TK.BLOCK, TK.RANK_COMPARES, TK.top_k)
 
 
 def set_top_k(variant: str) -> None:
     """Point jspec.kernels.top_k (and the modules that imported it) at a --top-k variant."""
     import jspec.speculative.engines.tree as tree_engine
 
-    block, sort_block, rank_compares, fn = SHIPPED_TOP_K
+    block, rank_compares, fn = SHIPPED_TOP_K
     if variant == "lax":
         fn = lambda x, k, block=None: jax.lax.top_k(x, k)  # noqa: E731
     elif variant != "default":
         kind, width = variant[:4], variant[4:]
         if kind not in ("sort", "rank") or not width.isdigit():
             raise SystemExit(f"--top-k {variant!r}: expected default, lax, sort<BLOCK> or rank<BLOCK>")
-        block = sort_block = int(width)
-        rank_compares = 1 << 62 if kind == "rank" else 0
-    TK.BLOCK, TK.SORT_BLOCK, TK.RANK_COMPARES = block, sort_block, rank_compares
+        block, rank_compares = int(width), (1 << 62 if kind == "rank" else 0)
+    TK.BLOCK, TK.RANK_COMPARES = block, rank_compares
     tree_engine.top_k = fn
 
 

@@ -9,10 +9,11 @@ So short rows are ranked by counting: an entry's rank is the number of entries t
 it (larger, or equal with a lower id), one fused compare-and-sum, and the k entries of rank < k
 are picked by a one-hot sum. Its cost grows with rows x n^2, a sort's far slower: above
 RANK_COMPARES compares a call sorts instead (H200, a tree level's 10 x 32k selection: 14.6 µs
-ranked against 29.4 sorted at batch 1; 97.6 against 41.6 at batch 16). Long rows go through block maxima first:
-the k blocks with the largest maxima hold the k largest entries (a block outside them has k blocks
-above its max), so only k * BLOCK candidates are ranked. Portable jnp: CPU and TPU run the same
-code. Rows too long to rank whole whose k is too large to block are sorted (`top_k_sorted`).
+ranked against 25.6 sorted at batch 1; 97.6 against 32.6 at batch 16). Long rows go through
+block maxima first: the k blocks with the largest maxima hold the k largest entries (a block
+outside them has k blocks above its max), so only k * BLOCK candidates are selected. Portable
+jnp: CPU and TPU run the same code. Rows too long to rank whole whose k is too large to block are
+sorted (`top_k_sorted`).
 
 Ties: ranks follow the id, so equal values come out lowest id first, as with lax.top_k. In the
 blocked path a tie at the k-th value that straddles blocks may pick another of the tied ids (a tree
@@ -24,10 +25,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Block width of the two-pass path: 64 where the call ranks its block maxima and candidates
-# (both stay short), 128 where it sorts them (fewer maxima to sort); H200 timings in BENCHMARKS.md.
+# Block width of the two-pass path. H200, 10 (160) rows of 32k: 64 beats 128 ranked and sorted
+# (14.6 against 29.1 µs ranked at batch 1; 32.6 against 41.3 µs sorted at batch 16).
 BLOCK = 64
-SORT_BLOCK = 128
 # Most compares (rows x n^2) a call ranks by counting, fused into one reduction; above it, one
 # stable sort. [I] 2^24: the crossover of the H200 timings in the module doc.
 RANK_COMPARES = 1 << 24
@@ -59,8 +59,7 @@ def _top_k_whole(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 def top_k(x: jax.Array, k: int, block: int | None = None) -> tuple[jax.Array, jax.Array]:
     """(values, int32 ids) of the k largest entries of the last axis, largest first."""
     n = x.shape[-1]
-    if block is None:
-        block = BLOCK if (x.size // n) * (-(-n // BLOCK)) ** 2 <= RANK_COMPARES else SORT_BLOCK
+    block = BLOCK if block is None else block
     if not 1 <= k <= n:
         raise ValueError(f"top_k: k={k} must be in [1, {n}] (the length of the last axis)")
     if k > block or -(-n // block) < 2 * k:  # too few blocks for the two passes to pay
