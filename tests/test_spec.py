@@ -55,3 +55,26 @@ def test_unknown_policy_and_k_max_beyond_cache(target):
         make_policy("nope")
     with pytest.raises(PromptError, match="cache"):
         generate(target, CFG, [[5, 6]], max_new_tokens=4, drafter=NgramDrafter(), k_max=200, cache_len=64)
+
+
+@pytest.mark.parametrize("policy_name", ["static", "heuristic"])
+def test_known_length_draft_loop_equals_the_early_exit_loop(target, policy_name):
+    """Limit-only policies draft max(limit) steps in a loop of known length (one branch per step
+    count); the early-exit while_loop that stop rules need must give the same rounds and tokens,
+    sampled drafts (the kept draft distributions) included."""
+    import dataclasses
+
+    import numpy as np
+
+    from jspec.sampling import Sampling
+
+    policy = make_policy(policy_name, k_max=K)
+    assert not policy.stops_in_round
+    early_exit = type("EarlyExit", (type(policy),), {"stops_in_round": True})(
+        **{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)})
+    drafter, dparams = _drafters(target)["eagle3"]
+    prompts = _prompts(11, batch=3)
+    runs = [generate(target, CFG, prompts, max_new_tokens=MAX_NEW, drafter=drafter, drafter_params=dparams,
+                     policy=p, k_max=K, sampling=Sampling(temperature=0.8), seed=3) for p in (policy, early_exit)]
+    for field in ("tokens", "lengths", "drafted", "accepted", "draft_lengths"):
+        np.testing.assert_array_equal(getattr(runs[0], field), getattr(runs[1], field), err_msg=field)
