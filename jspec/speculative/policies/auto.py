@@ -17,11 +17,16 @@ Two decisions use it:
   `min_gain` (1.05 by default: a margin for the model's error), `plan` returns "ar": the call runs
   plain decoding.
   Stragglers: a batch runs until its slowest row is done, and rows differ in acceptance, so at
-  batch B the plan uses the acceptance of a slow row, a - ROW_SPREAD * z(B), where z(B) is the
-  expected maximum of B standard normals (0 at B = 1, about 2 at B = 32). [I] ROW_SPREAD = 0.04 is
-  the smallest spread under which no plan that ran below AR on jspec's H200 MT-Bench rows at batch
-  8-32 is chosen (without it the plan drafted EAGLE-2 trees at batch 32, 0.96x AR); every plan
-  that ran above AR there is kept. `plan(..., row_spread=)` changes it.
+  batch B the plan uses the acceptance of a slow row, a - s * z(B), where z(B) is the expected
+  maximum of B standard normals (0 at B = 1, about 2 at B = 32) and s the drafter's spread of
+  per-row acceptance (`ROW_SPREAD`). [I] Both spreads are fits to jspec's H200 MT-Bench rows at
+  batch 8-32. EAGLE heads, 0.04: the smallest spread under which no plan that ran below AR is
+  chosen (without it the plan drafted EAGLE-2 trees at batch 32, 0.96x AR), and every plan that
+  ran above AR is kept. n-gram lookup, 0.15: its acceptance depends on how much a prompt repeats
+  itself (at batch 1, 76% of its rounds add one token and 6.5% add eight), and the slow-row
+  acceptance that explains its measured batch-16 and batch-32 speed-ups (1.06x, 0.97x at K = 2)
+  is a - 0.15 z(B) and a - 0.16 z(B). The seventh run's EAGLE rows imply 0.03-0.08.
+  `plan(..., row_spread=)` overrides it.
 * Device side, per round and per row (`round_limit`): with the verify cost of the static block,
   the draft length (or tree depth) k in [1, K] that maximises tau(k) / c(k) under the row's own
   running acceptance estimate (a geometric fit of accepted / drafted, smoothed over rounds).
@@ -65,7 +70,9 @@ def tree_acceptance(alpha, nodes: int, depth: int):
 # lookup: ~1.7 tokens per round from ~3.4 drafts -> a ~ 0.4). A table's "acceptance" overrides them.
 ACCEPTANCE_PRIOR = {"eagle": 0.45, "ngram": 0.4}
 DEFAULT_PRIOR = 0.4
-ROW_SPREAD = 0.04  # [I] spread of per-row acceptance (module doc: stragglers)
+# [I] spread of per-row acceptance by drafter (module doc: stragglers); other drafters get the default
+ROW_SPREAD = {"eagle": 0.04, "ngram": 0.15}
+DEFAULT_ROW_SPREAD = 0.04
 
 
 def expected_max_normal(n: int) -> float:
@@ -75,7 +82,7 @@ def expected_max_normal(n: int) -> float:
     return float(NormalDist().inv_cdf((n - 0.375) / (n + 0.25)))
 
 
-def straggler_acceptance(alpha: float, batch: int, row_spread: float = ROW_SPREAD) -> float:
+def straggler_acceptance(alpha: float, batch: int, row_spread: float = DEFAULT_ROW_SPREAD) -> float:
     """The per-token acceptance of a batch's slow row, which sets the batch's pace (module doc)."""
     return float(np.clip(alpha - row_spread * expected_max_normal(batch), 0.0, 0.99))
 
@@ -172,12 +179,15 @@ class AutoPlan:
 
 def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: int = 8, tree: bool = False,
          tree_top_k: int = 10, tree_depth: int = 6, alpha: float | None = None, min_gain: float = 1.05,
-         row_spread: float = ROW_SPREAD) -> AutoPlan:
+         row_spread: float | None = None) -> AutoPlan:
     """The static budget for one generate call (module doc). `parallel` drafters (n-gram) cost
     nothing per draft step. alpha: the drafter's mean per-token acceptance (None: the table's or
-    the prior); the plan uses a slow row's (`straggler_acceptance`)."""
+    the prior); the plan uses a slow row's (`straggler_acceptance`, with the drafter's
+    `ROW_SPREAD` unless row_spread is given)."""
     cm = CostModel(costs, batch)
     a = alpha if alpha is not None else costs.get("acceptance", {}).get(drafter_name, ACCEPTANCE_PRIOR.get(drafter_name, DEFAULT_PRIOR))
+    if row_spread is None:
+        row_spread = ROW_SPREAD.get(drafter_name, DEFAULT_ROW_SPREAD)
     a_mean, a = a, straggler_acceptance(a, batch, row_spread)
     ar = cm.ar_step()
     step = 0.0 if parallel else cm.draft_step()
