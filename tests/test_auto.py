@@ -130,3 +130,29 @@ def test_a_heads_measured_acceptance_sets_the_budget(target):
     good = auto_budget("auto", dataclasses.replace(drafter, acceptance=0.9), 1, 8, None, costs=REFERENCE_COSTS)
     assert poor[0] is None  # plain decoding is expected to be faster
     assert good[0] is not None and good[2] >= 4
+
+
+def test_cost_tables_of_another_version_are_measured_anew(tmp_path, monkeypatch):
+    """A cached table measured under older jspec code (rounds got cheaper since) is not trusted:
+    ensure_costs measures the batch again and the saved table replaces the old one."""
+    from jspec.bench import round_cost as RC
+    from jspec.speculative.policies.auto import cost_table_path
+
+    (tmp_path / "tiny").mkdir()
+    path = cost_table_path("tiny", str(tmp_path))
+    old = {"card": "x", "verify_us": {"1": {"1": 5.0}, "8": {"1": 9.0}}}  # no version: before versions
+    path.write_text(__import__("json").dumps(old))
+    measured = []
+
+    def fake_measure(costs, *args, batch, **kw):
+        measured.append(batch)
+        costs["version"] = RC.COST_TABLE_VERSION
+        costs.setdefault("verify_us", {})[str(batch)] = {"1": 1.0}
+        return costs
+
+    monkeypatch.setattr(RC, "measure_batch_costs", fake_measure)
+    costs = RC.ensure_costs(None, None, None, None, batch=1, preset="tiny", models_dir=str(tmp_path), tree=False)
+    assert measured == [1] and costs["verify_us"] == {"1": {"1": 1.0}}
+    assert RC.load_card_costs(path) == {"version": RC.COST_TABLE_VERSION, "verify_us": {"1": {"1": 1.0}}}
+    RC.ensure_costs(None, None, None, None, batch=1, preset="tiny", models_dir=str(tmp_path), tree=False)
+    assert measured == [1]  # current version, batch present: read from the cache

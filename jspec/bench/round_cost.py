@@ -19,6 +19,8 @@ next iteration (so nothing is hoisted), on a mid-generation cache:
 `profile_method` returns these as a dict of floats (µs) that the bench adds to its JSON rows;
 `measure_batch_costs` / `ensure_costs` measure and cache (per card) the table the `auto` policy's
 cost model reads: verify over T per batch, draft step, tree level and round overhead per batch.
+A table records the `COST_TABLE_VERSION` it was measured under; `ensure_costs` measures a table of
+another version anew, since jspec's own rounds got cheaper in between.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ from jspec import model as M
 from jspec.sampling import GREEDY
 from jspec.speculative.engines.chain import draft_autoregressive, spec_round, start_spec
 from jspec.speculative.engines.tree import TreeConfig, draft_tree, tree_round
+
+# Bumped whenever a change to jspec moves round costs enough to change plans. 2: per-layer weight
+# buffers in the generation loops (AR 25% faster at batch 16), chain drafts under limit-only
+# policies as loops of known length, tree children by the ranked top-k.
+COST_TABLE_VERSION = 2
 from jspec.speculative.policies import resolve_policy
 from jspec.speculative.policies.auto import card_name, cost_table_path, row_value
 
@@ -226,6 +233,7 @@ def measure_batch_costs(costs: dict, tparams, tcfg, drafter=None, dparams=None, 
     autoregressive drafter draft_step_us / draft_first_us / round_overhead_us[B] (chain) and
     tree_level_us / tree_overhead_us[B] (when `tree` is given)."""
     b = str(batch)
+    costs["version"] = COST_TABLE_VERSION
     costs.setdefault("card", card_name())
     costs.setdefault("dtype", str(tparams["embed"].dtype))
     v = costs.setdefault("verify_us", {})[b] = verify_us(tparams, tcfg, batch, Ts, tree_nodes if tree is not None else (), n=n)
@@ -248,6 +256,8 @@ def ensure_costs(tparams, tcfg, drafter, dparams, *, batch: int, preset: str | N
     """This card's cost table with `batch` measured (measured now and cached when missing)."""
     path = cost_table_path(preset, models_dir)
     costs = load_card_costs(path) or {}
+    if costs.get("version") != COST_TABLE_VERSION:
+        costs = {}  # measured under other code (or never): every batch size is measured anew
     need = str(batch) not in costs.get("verify_us", {}) or (
         drafter is not None and not drafter.parallel and str(batch) not in costs.get("draft_step_us", {}))
     if need:
@@ -306,8 +316,10 @@ def plot_round_cost(rows: list[dict], path: Path) -> Path | None:
 
 def save_card_costs(costs: dict, path: Path) -> Path:
     """Write the table, merged per batch into what is on disk (bench processes on several GPUs of
-    one host each measure their own batch sizes)."""
+    one host each measure their own batch sizes); a table on disk of another version is replaced."""
     merged = load_card_costs(path) or {}
+    if merged.get("version") != costs.get("version"):
+        merged = {}
     for key, value in costs.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = {**merged[key], **value}
