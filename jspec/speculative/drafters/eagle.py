@@ -84,15 +84,15 @@ class EagleDrafter:
         return H.gather_target_vocab(dstate.logits, index), (dstate.cache, dstate.feature), (dstate, tcache, index)
 
     def step(self, dparams, tparams, tcfg, consts, carry, token):
-        cache, feat = carry
+        (cache, feat), (_, _, index) = carry, consts
         h, logits, cache = H.head_chain_step(self.head, dparams, tparams, token[:, None], feat[:, None], cache,
                                              kernels=self.kernels)  # K/V written at the cursor
         cache = M.advance(cache, jnp.ones_like(cache.lengths))
-        return H.gather_target_vocab(logits[:, 0], consts[2]), (cache, h[:, 0])
+        return H.gather_target_vocab(logits[:, 0], index), (cache, h[:, 0])
 
     def finish(self, consts, carry):
-        dstate, tcache, _ = consts
-        return dstate.replace(cache=carry[0].replace(lengths=dstate.cache.lengths)), tcache
+        (dstate, tcache, _), (cache, _) = consts, carry
+        return dstate.replace(cache=cache.replace(lengths=dstate.cache.lengths)), tcache
 
     def commit(self, dparams, tparams, tcfg, dstate, block_tokens, n_accepted, next_token, verify_out):
         feats = H.head_features(self.head, dparams, verify_out)  # f_c .. f_{c+K}

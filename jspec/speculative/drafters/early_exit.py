@@ -63,7 +63,8 @@ class EarlyExitDrafter:
         return logits, (cache, hcache), tcache.lengths
 
     def step(self, dparams, tparams, tcfg, consts, carry, token):
-        logits, cache, hcache = self._run(dparams, tparams, tcfg, *carry, token)
+        cache, hcache = carry
+        logits, cache, hcache = self._run(dparams, tparams, tcfg, cache, hcache, token)
         return logits, (cache, hcache)
 
     def finish(self, base, carry):
