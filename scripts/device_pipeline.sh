@@ -13,7 +13,8 @@
 # with INIT_HEAD=/root/stage/head (train-head --init-head keeps its vocabulary and LM head).
 #
 # Calls must follow each other with no pause: the machine goes back after about 30 s without a
-# call, and the pipeline with it (a whole distill-and-train run was lost that way).
+# call, and the pipeline with it (a whole distill-and-train run was lost that way). `wait` on a
+# fresh machine says so and exits 4 at once instead of waiting on nothing.
 #
 # `start` stages the last GGUF part and the corpus, copies the repo to /root/jspec-src (later calls
 # re-send the working tree; the pipeline must not read a tree that changes under it) and launches
@@ -314,6 +315,10 @@ case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run ...} in
     ;;
   wait)
     limit=${2:-570}
+    if [ ! -f "$P/progress.txt" ]; then  # a fresh machine: the last one went back, its pipeline with it
+      echo "no pipeline on this machine: it is a fresh one (the previous was released); stage and start again" >&2
+      exit 4
+    fi
     t0=$(date +%s)
     while [ ! -f "$P/done" ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 10; done
     tail -n 30 "$P/progress.txt"
