@@ -1,4 +1,5 @@
-"""`jspec` command line: generate, convert, info, bench, train-head, build-corpus, distill, train-ldlp."""
+"""`jspec` command line: generate, convert, info, bench, train-head, build-corpus, distill, merge-data,
+train-ldlp."""
 
 from __future__ import annotations
 
@@ -303,6 +304,20 @@ def cmd_info(a) -> int:
     return 0
 
 
+def cmd_merge_data(a) -> int:
+    from .train.shards import merge_datasets
+
+    try:
+        meta = merge_datasets(a.out, a.inputs)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    rows = sum(s["rows"] for s in meta["shards"])
+    tokens = sum(s["response_tokens"] for s in meta["shards"])
+    print(f"merged {len(a.inputs)} datasets into {a.out}: {len(meta['shards'])} shards, {rows} rows, "
+          f"{tokens / 1e6:.2f}M response tokens, {len(meta['eval_shards'])} evaluation shards")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jspec", description="Dynamic speculative decoding in JAX")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -318,6 +333,9 @@ def main(argv=None) -> int:
     add_bench_args(bench)
     corpus = sub.add_parser("build-corpus", help="prompt corpus for self-distillation (ShareGPT + chitchat, decontaminated)")
     distill = sub.add_parser("distill", help="the target answers the prompt corpus on every local device")
+    merge = sub.add_parser("merge-data", help="one training dataset from several distilled directories")
+    merge.add_argument("--out", required=True, help="new dataset directory")
+    merge.add_argument("inputs", nargs="+", help="distilled dataset directories (jspec distill)")
     ldlp = sub.add_parser("train-ldlp", help="train AdaEAGLE's draft-length predictor for an EAGLE head")
     try:
         from .train.cli import add_train_args
@@ -365,6 +383,8 @@ def run_command(a) -> int:
         from .train.distill import run_distill
 
         return run_distill(a)
+    if a.cmd == "merge-data":
+        return cmd_merge_data(a)
     if a.cmd == "train-ldlp":
         from .train.ldlp import run_train_ldlp
 

@@ -11,6 +11,9 @@
 # To continue training the shipped head instead of starting a new one, copy its directory to
 # .stage/head and stage it in its own call before `start` (`stage .stage/head`: 46 MB), then start
 # with INIT_HEAD=/root/stage/head (train-head --init-head keeps its vocabulary and LM head).
+# JOB=head1 ships its distilled shards home (1_data.tar.part*); unpack them here under
+# .stage/dataN/data_prev/<name>/ and stage that folder (≤ 60 MiB a call) on a later machine:
+# head1 merges them with what it distils (`jspec merge-data`) and trains on the union.
 #
 # Calls must follow each other with no pause: the machine goes back after about 30 s without a
 # call, and the pipeline with it (a whole distill-and-train run was lost that way). `wait` on a
@@ -177,6 +180,12 @@ run_head1() {
     --seed "${DISTILL_SEED:-1}" > "$P/distill.log" 2>&1
   note "distill exit $? $(grep -o '"splits".*' "$RUN/out/distill_summary.json" 2>/dev/null | head -c 300)"
   cp "$RUN/out/distill_summary.json" "$BOX/1_distill_summary.json" 2>/dev/null
+  ship 1 data data  # the distilled shards come home: a later machine trains on them too
+  if ls /root/stage/data_prev/*/meta.json >/dev/null 2>&1; then  # data distilled on earlier machines
+    python3 -m jspec.cli merge-data --out "$RUN/data_all" "$RUN/data" /root/stage/data_prev/*/ > "$P/merge.log" 2>&1
+    note "merge-data exit $? $(tail -n 1 "$P/merge.log")"
+    [ -f "$RUN/data_all/meta.json" ] && export JSPEC_TRAIN_DATA=$RUN/data_all
+  fi
   timeout $((TRAIN_S + 150)) bash scripts/device_train_heads.sh train eagle3 "$TRAIN_S" \
     --init-head /root/stage/head --lr "${TRAIN_LR:-3e-4}" --warmup-ratio 0.03 > "$P/eagle3.log" 2>&1
   note "eagle3 training exit $? ($(tail -n 1 "$RUN/eagle3/metrics.jsonl" 2>/dev/null | cut -c1-160))"
@@ -281,6 +290,8 @@ case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run ...} in
       mkdir -p /root/stage/head && cp "$2"/* /root/stage/head/ && ls -la /root/stage/head
     elif [ -d "$2/models" ]; then  # shipped files at their repo paths, copied over the source at `start`
       mkdir -p /root/stage/overlay && cp -r "$2"/models /root/stage/overlay/ && du -sh /root/stage/overlay
+    elif [ -d "$2/data_prev" ]; then  # datasets distilled on earlier machines (head1 merges them in)
+      mkdir -p /root/stage/data_prev && cp -r "$2"/data_prev/. /root/stage/data_prev/ && du -sh /root/stage/data_prev
     else
       bash scripts/device_stage.sh "$2" 2
     fi

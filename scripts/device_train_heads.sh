@@ -19,7 +19,8 @@
 # $OUT gets at most 8 files of at most 15 MiB (a head travels as KIND.tar.partN pieces; rebuild them
 # here with scripts/unpack_device_out.sh). Carry the corpus (.stage/corpus, built here by
 # `jspec build-corpus`) with one stage call. Environment: JSPEC_RUN (default /root/jspec-run),
-# JSPEC_TARGET (smollm2-135m-instruct), JSPEC_RECIPE_EAGLE3 / _EAGLE1, PYTHON (python3).
+# JSPEC_TARGET (smollm2-135m-instruct), JSPEC_RECIPE_EAGLE3 / _EAGLE1, JSPEC_TRAIN_DATA (the dataset
+# train and ldlp read; default $RUN/data, what distill writes), PYTHON (python3).
 set -euo pipefail
 
 RUN=${JSPEC_RUN:-/root/jspec-run}
@@ -29,6 +30,7 @@ RECIPE_eagle1=${JSPEC_RECIPE_EAGLE1:-training/smollm2-eagle1-corpus.json}
 PY=${PYTHON:-python3}
 OUT=${OUT:-$RUN/out}
 PART_MB=15
+DATA=${JSPEC_TRAIN_DATA:-$RUN/data}  # what train / ldlp read (a merged directory, see device_pipeline.sh head1)
 
 mkdir -p "$RUN" "$OUT"
 export PYTHONPATH="$PWD:/root/stage/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -115,13 +117,13 @@ EOF
     kind=${1:?usage: train eagle3|eagle1 [BUDGET_S]}
     budget=${2:-540}
     recipe=$(recipe_for "$kind")
-    $PY -m jspec.cli train-head --target "$TARGET" --recipe "$recipe" --data "$RUN/data" --out "$RUN/$kind" \
+    $PY -m jspec.cli train-head --target "$TARGET" --recipe "$recipe" --data "$DATA" --out "$RUN/$kind" \
       --resume --fit-steps-to-budget --time-budget-s "$budget" "${@:3}"
     if [ -f "$RUN/$kind/eagle/model.safetensors" ]; then export_head "$kind"; fi
     ;;
   ldlp)
     budget=${1:-300}
-    $PY -m jspec.cli train-ldlp --target "$TARGET" --head "$RUN/eagle3/eagle" --data "$RUN/data" \
+    $PY -m jspec.cli train-ldlp --target "$TARGET" --head "$RUN/eagle3/eagle" --data "$DATA" \
       --time-budget-s "$budget" "${@:2}"
     export_head eagle3
     ;;

@@ -132,10 +132,51 @@ def test_driver_exports_in_pieces_and_unpacks(pipeline, tmp_path):
         assert (back / name).read_bytes() == (pipeline["run"] / name).read_bytes()
 
 
-@pytest.mark.parametrize("command", ["build-corpus", "distill", "train-ldlp", "train-head"])
+@pytest.mark.parametrize("command", ["build-corpus", "distill", "merge-data", "train-ldlp", "train-head"])
 def test_cli_has_the_pipeline_commands(command, capsys):
     from jspec.cli import main
 
     with pytest.raises(SystemExit) as e:
         main([command, "--help"])
     assert e.value.code == 0 and f"jspec {command}" in capsys.readouterr().out
+
+
+def test_merge_data_joins_datasets_and_maps_sources(tmp_path, capsys):
+    """Datasets distilled apart (other hosts, machines or days) train as one: every row, split and
+    evaluation shard arrives, and each row's source keeps its name under the union of sources."""
+    from jspec.cli import main
+
+    def dataset(name, sources, n, first_item):
+        w = S.RowWriter(str(tmp_path / name), vocab_size=TARGET.vocab_size, pad_id=0, eos_token_ids=(1,),
+                        sources=sources, rows_per_shard=4, holdout_every=2)
+        for i in range(n):
+            w.add(np.asarray([2, 3]), np.asarray([5 + i, 1]), item=first_item + i, source=i % len(sources),
+                  temperature=0.0, ended=True)
+        w.add(np.asarray([2]), np.asarray([9, 1]), item=0, source=0, temperature=0.0, ended=True, split="eval")
+        w.flush()
+        return w.meta
+
+    a, b = dataset("a", ["sharegpt", "chitchat"], 9, 0), dataset("b", ["self", "sharegpt"], 6, 100)
+    assert main(["merge-data", "--out", str(tmp_path / "ab"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert "15 rows" in capsys.readouterr().out
+    meta = S.read_meta(str(tmp_path / "ab"))
+    assert meta["sources"] == ["sharegpt", "chitchat", "self"]
+    assert [s["split"] for s in meta["shards"]] == [s["split"] for s in a["shards"] + b["shards"]]
+    assert len(meta["eval_shards"]) == 2
+
+    def named_rows(d, m, split="all"):
+        out = []
+        for entry in S.shard_files(m, split):
+            rows = S.load_rows(d, entry["file"])
+            out += [(m["sources"][rows["source"][r]], S.row_tokens(rows, r).tolist()) for r in range(len(rows["items"]))]
+        return out
+
+    assert named_rows(str(tmp_path / "ab"), meta) == (named_rows(str(tmp_path / "a"), a) + named_rows(str(tmp_path / "b"), b))
+
+    assert main(["merge-data", "--out", str(tmp_path / "ab"), str(tmp_path / "a")]) == 2  # not over a dataset
+    other = S.RowWriter(str(tmp_path / "c"), vocab_size=TARGET.vocab_size + 1, pad_id=0, eos_token_ids=(1,), sources=["x"])
+    other.add(np.asarray([2]), np.asarray([3, 1]), item=0, source=0, temperature=0.0, ended=True)
+    other.flush()
+    assert main(["merge-data", "--out", str(tmp_path / "ac"), str(tmp_path / "a"), str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "already holds a dataset" in err[0] and "vocab_size" in err[1]

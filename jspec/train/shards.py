@@ -143,6 +143,48 @@ class RowWriter:
         _atomic_json(os.path.join(self.out_dir, META_FILE), self.meta)
 
 
+def merge_datasets(out_dir: str, inputs: list[str]) -> dict:
+    """One dataset from several v2 directories (hosts that distilled disjoint parts of a corpus,
+    runs on other machines or days): every shard is copied under a new number with its split, and
+    `source` indices are mapped onto the union of the inputs' sources. Rows keep their own
+    directory's `items` numbering (meta["merged_from"] records which shard came from where), so a
+    merged directory is for training, not for resuming a distillation. Returns the new meta."""
+    if not inputs:
+        raise ValueError("merge: give at least one dataset directory")
+    if os.path.isfile(os.path.join(out_dir, META_FILE)):
+        raise ValueError(f"merge: {out_dir} already holds a dataset; merge into a new directory")
+    metas = [read_meta(d) for d in inputs]
+    first = metas[0]
+    for d, m in zip(inputs, metas):
+        if m.get("format") != FORMAT:
+            raise ValueError(f"merge: {d} holds a {m.get('format')} dataset; merge takes {FORMAT} directories")
+        for key in ("vocab_size", "pad_id", "eos_token_ids", "token_dtype"):
+            if m.get(key) != first.get(key):
+                raise ValueError(f"merge: {d} has {key} {m.get(key)!r}, {inputs[0]} has {first.get(key)!r}")
+    sources = list(dict.fromkeys(name for m in metas for name in m["sources"]))
+    if len(sources) > 256:
+        raise ValueError(f"merge: {len(sources)} distinct sources; a row's source is one byte (256 at most)")
+    os.makedirs(out_dir, exist_ok=True)
+    meta = {key: first[key] for key in ("format", "vocab_size", "pad_id", "eos_token_ids", "token_dtype")}
+    meta.update(sources=sources, shards=[], eval_shards=[], merged_from=[])
+    for d, m in zip(inputs, metas):
+        remap = np.asarray([sources.index(name) for name in m["sources"]], np.uint8)
+        record = {"dir": os.path.abspath(d), "files": {}, **{k: m[k] for k in ("corpus", "distill") if k in m}}
+        for key, prefix in (("shards", "shard"), ("eval_shards", "eval")):
+            for entry in m.get(key, []):
+                name = f"{prefix}-{len(meta[key]):05d}.npz"
+                rows = load_rows(d, entry["file"])
+                rows["source"] = remap[rows["source"]]
+                tmp = os.path.join(out_dir, name + ".tmp.npz")
+                np.savez_compressed(tmp, **rows)
+                os.replace(tmp, os.path.join(out_dir, name))
+                meta[key].append({**entry, "file": name})
+                record["files"][name] = entry["file"]
+        meta["merged_from"].append(record)
+    _atomic_json(os.path.join(out_dir, META_FILE), meta)  # last: a killed merge leaves no dataset
+    return meta
+
+
 def shard_files(meta: dict, split: str = "train") -> list[dict]:
     """Shards of a split: "train", "holdout", "eval" or "all" (train + holdout)."""
     if split == "eval":
