@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -173,10 +174,13 @@ def merge_datasets(out_dir: str, inputs: list[str]) -> dict:
         for key, prefix in (("shards", "shard"), ("eval_shards", "eval")):
             for entry in m.get(key, []):
                 name = f"{prefix}-{len(meta[key]):05d}.npz"
-                rows = load_rows(d, entry["file"])
-                rows["source"] = remap[rows["source"]]
                 tmp = os.path.join(out_dir, name + ".tmp.npz")
-                np.savez_compressed(tmp, **rows)
+                if np.array_equal(remap, np.arange(len(remap))):  # same source numbering: the file as is
+                    shutil.copyfile(os.path.join(d, entry["file"]), tmp)
+                else:
+                    rows = load_rows(d, entry["file"])
+                    rows["source"] = remap[rows["source"]]
+                    np.savez_compressed(tmp, **rows)
                 os.replace(tmp, os.path.join(out_dir, name))
                 meta[key].append({**entry, "file": name})
                 record["files"][name] = entry["file"]
