@@ -4,6 +4,7 @@ Timing does not depend on the weights' values, so a new card's table can be meas
 checkpoint is staged (and in parallel, one batch size per GPU):
 
     CUDA_VISIBLE_DEVICES=0 python3 scripts/measure_card_costs.py --batch 1 --out /root/costs/b1.json
+    python3 scripts/measure_card_costs.py --batch 8 16 32 --out /root/costs/b8_16_32.json  # several, one process
     python3 scripts/measure_card_costs.py --merge /root/costs/b*.json --out models/smollm2-135m-instruct/round_cost_<card>.json
 
 The shape is SmolLM2-135M's with an EAGLE-3 head (the shipped preset's drafter).
@@ -46,7 +47,7 @@ def merge(paths: list[str]) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, help="batch size to measure")
+    ap.add_argument("--batch", type=int, nargs="+", help="batch sizes to measure")
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--merge", nargs="*", help="per-batch tables to merge instead of measuring")
     ap.add_argument("--out", required=True)
@@ -55,14 +56,17 @@ def main(argv=None) -> None:
         save_card_costs(merge(args.merge), Path(args.out))
         print(f"merged {len(args.merge)} tables -> {args.out}")
         return
-    if not args.batch or args.batch < 1:
-        sys.exit("measure_card_costs: error: --batch must be a positive batch size")
+    if not args.batch or min(args.batch) < 1:
+        sys.exit("measure_card_costs: error: --batch takes positive batch sizes")
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
     tparams = M.init_params(SMOLLM2, jax.random.PRNGKey(0), dtype)
     hcfg = H.HeadConfig("eagle3", SMOLLM2, draft_vocab_size=args.draft_vocab)
     hparams = H.init_head(hcfg, jax.random.PRNGKey(1), dtype)
-    costs = measure_batch_costs({}, tparams, SMOLLM2, EagleDrafter(hcfg), hparams, batch=args.batch, tree=TreeConfig())
-    save_card_costs(costs, Path(args.out))
+    costs: dict = {}
+    for batch in args.batch:  # saved after each batch size: a killed run keeps what it measured
+        measure_batch_costs(costs, tparams, SMOLLM2, EagleDrafter(hcfg), hparams, batch=batch, tree=TreeConfig())
+        save_card_costs(costs, Path(args.out))
+        print(f"batch {batch} measured -> {args.out}", flush=True)
     print(json.dumps({k: v for k, v in costs.items() if k in ("card", "draft_step_us", "tree_level_us")}))
 
 

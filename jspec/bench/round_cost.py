@@ -155,9 +155,11 @@ def tree_build_us(tparams, tcfg, drafter, dparams, state, tc: TreeConfig, n: int
 
 def profile_method(tparams, tcfg, drafter, dparams, *, batch: int, policy="static", k_max: int = 6, tree: TreeConfig | None = None,
                    prompt_len: int = 128, max_new: int = 256, n: int = 20, verify_ts=VERIFY_TS,
-                   policy_params=None) -> dict[str, Any]:
+                   policy_params=None, bookkeeping: bool = True) -> dict[str, Any]:
     """Round-cost profile of one speculative method at one batch size (µs; see the module doc).
-    policy_params: the weights of a learned policy (LDLP's predictor)."""
+    policy_params: the weights of a learned policy (LDLP's predictor). verify_ts=None skips the
+    verify timings and bookkeeping=False policy_us and commit_us: the cost table measures verify
+    by itself and reads none of the rest, and every timing is one more compile."""
     depth = tree.depth if tree is not None else k_max
     extra = tree.num_nodes + 1 if tree is not None else k_max + 1
     max_new = max_new + (n + 1) * extra  # room for the timed rounds' progress
@@ -167,7 +169,9 @@ def profile_method(tparams, tcfg, drafter, dparams, *, batch: int, policy="stati
     capture = getattr(drafter, "capture_layers", ())
     nodes = (tree.num_nodes + 1,) if tree is not None else ()
     prof: dict[str, Any] = {"batch": batch}
-    prof["verify_us"] = verify_us(tparams, tcfg, batch, verify_ts, nodes, cache_len=cache_len, committed=prompt_len, n=n, capture=capture)
+    if verify_ts is not None:
+        prof["verify_us"] = verify_us(tparams, tcfg, batch, verify_ts, nodes, cache_len=cache_len, committed=prompt_len, n=n,
+                                      capture=capture)
     if not drafter.parallel:
         if tree is None:
             t1 = draft_loop_us(tparams, tcfg, drafter, dparams, state, 1, n)
@@ -182,13 +186,15 @@ def profile_method(tparams, tcfg, drafter, dparams, *, batch: int, policy="stati
             prof["tree_level_us"] = (td - t1) / max(tree.depth - 1, 1)
             prof["draft_step_us"] = prof["tree_level_us"]
             prof["tree_build_us"] = tree_build_us(tparams, tcfg, drafter, dparams, state, tree, n)
-    prof["policy_us"] = policy_us(pol, batch, depth, tcfg.vocab_size, n)
+    if bookkeeping:
+        prof["policy_us"] = policy_us(pol, batch, depth, tcfg.vocab_size, n)
     if tree is None:
         body = lambda k, st: spec_round(k[0], tcfg, drafter, k[1], pol, k_max, max_new, GREEDY, "lossless", None, st)  # noqa: E731
     else:
         body = lambda k, st: tree_round(k[0], tcfg, drafter, k[1], pol, tree, max_new, GREEDY, None, st)  # noqa: E731
     prof["round_us"] = loop_us(body, (tparams, dparams), state, n, tcfg=tcfg)  # the engines' unroll and weights
-    prof["commit_us"] = commit_us(tparams, tcfg, drafter, dparams, state, extra, n)
+    if bookkeeping:
+        prof["commit_us"] = commit_us(tparams, tcfg, drafter, dparams, state, extra, n)
     return prof
 
 
@@ -239,13 +245,13 @@ def measure_batch_costs(costs: dict, tparams, tcfg, drafter=None, dparams=None, 
     v = costs.setdefault("verify_us", {})[b] = verify_us(tparams, tcfg, batch, Ts, tree_nodes if tree is not None else (), n=n)
     if drafter is None or drafter.parallel:
         return costs
-    prof = profile_method(tparams, tcfg, drafter, dparams, batch=batch, k_max=k_max, n=n, verify_ts=())
+    prof = profile_method(tparams, tcfg, drafter, dparams, batch=batch, k_max=k_max, n=n, verify_ts=None, bookkeeping=False)
     costs.setdefault("draft_step_us", {})[b] = prof["draft_step_us"]
     costs.setdefault("draft_first_us", {})[b] = prof["draft_first_us"]
     loop = prof["draft_first_us"] + (k_max - 1) * prof["draft_step_us"]
     costs.setdefault("round_overhead_us", {})[b] = max(prof["round_us"] - loop - row_value(v, str(k_max + 1)), 0.0)
     if tree is not None:
-        tp = profile_method(tparams, tcfg, drafter, dparams, batch=batch, tree=tree, n=n, verify_ts=())
+        tp = profile_method(tparams, tcfg, drafter, dparams, batch=batch, tree=tree, n=n, verify_ts=None, bookkeeping=False)
         costs.setdefault("tree_level_us", {})[b] = tp["tree_level_us"]
         costs.setdefault("tree_overhead_us", {})[b] = max(tp["round_us"] - tp["tree_build_us"] - row_value(v, f"tree{tree.num_nodes + 1}"), 0.0)
     return costs
