@@ -97,6 +97,25 @@ def test_batches_pad_the_last_group_and_drop_the_fillers(clock):
     assert row["n_prompts"] == 3 and row["mean_new_tokens"] == 3.0
 
 
+def test_short_passes_repeat_and_each_batch_keeps_its_median_time(clock):
+    class Noisy(FakeMethod):  # prompt 0's batch takes 2 s, then 9 s, then 2 s: the median is 2 s
+        slow = iter([0.0, 7.0, 0.0])
+
+        def run(self, prompts):
+            if prompts[0][0] == 0:
+                self.clock.t += next(self.slow)
+            return super().run(prompts)
+
+    method = Noisy(clock, MethodSpec("ar"), ar_table())
+    (row,) = benchmark_group(ctx(), [method], PROMPTS, task="t", min_timed_s=14.0)
+    assert method.calls == [[0], [1]] * 3  # 3 s, then 10 s more: 13 s < 14 s, so a third pass
+    assert row["timed_passes"] == 3
+    assert row["tokens_per_s"] == pytest.approx((4 / 2 + 2 / 1) / 2)
+    one = FakeMethod(clock, MethodSpec("ar"), ar_table())
+    (row,) = benchmark_group(ctx(), [one], PROMPTS, task="t")  # default: one pass
+    assert one.calls == [[0], [1]] and row["timed_passes"] == 1
+
+
 def test_group_must_share_batch_and_dtype(clock):
     a = FakeMethod(clock, MethodSpec("ar"), ar_table(), batch=1)
     b = FakeMethod(clock, MethodSpec("hf"), ar_table(), batch=2)

@@ -44,6 +44,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--n-prompts", type=int, default=None, help="first N questions of each task (default all)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch", default="1", help="comma list of batch sizes, e.g. 1,16")
+    parser.add_argument("--min-timed-s", type=float, default=5.0,
+                        help="repeat a method's timed pass over the prompts until this many seconds are timed "
+                             "(at most 5 passes; each batch keeps its median time): a pass at batch 32 takes about "
+                             "a second, where noise is a few percent")
     parser.add_argument("--dtype", default=None, help="comma list; default bfloat16 on accelerators, float32 on CPU")
     parser.add_argument("--methods", default="ar,hf",
                         help="comma list of ar, hf, hf_pld, spec:DRAFTER[:ARG]:POLICY[:OPTION]... (grammar below)")
@@ -134,6 +138,8 @@ def reproduce_command(args: argparse.Namespace, dtypes: list[str]) -> str:
               "--methods", args.methods, "--out", args.out]
     if args.k_max is not None:
         parts += ["--k-max", str(args.k_max)]
+    if args.min_timed_s != 5.0:
+        parts += ["--min-timed-s", str(args.min_timed_s)]
     if args.no_chat_template:
         parts.append("--no-chat-template")
     if getattr(args, "mesh", None):
@@ -263,7 +269,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                     if skipped:
                         progress.write(f"skipping {', '.join(skipped)} at batch {batch}: transformers runs it at batch 1 only")
                     methods = [factory.build(s, dtype, batch) for s in specs if factory.supports(s, batch)]
-                    group = benchmark_group(ctx, methods, task_prompts, task=task, progress=progress)
+                    group = benchmark_group(ctx, methods, task_prompts, task=task, progress=progress, min_timed_s=args.min_timed_s)
                     for row in group:
                         if row["method"] in ("ar", "spec"):
                             row["unroll"] = getattr(args, "unroll", "auto")
