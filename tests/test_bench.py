@@ -116,6 +116,22 @@ def test_short_passes_repeat_and_each_batch_keeps_its_median_time(clock):
     assert one.calls == [[0], [1]] and row["timed_passes"] == 1
 
 
+def test_methods_take_turns_pass_by_pass(clock):
+    log = []
+
+    class Logged(FakeMethod):
+        def run(self, prompts):
+            log.append(self.name)
+            return super().run(prompts)
+
+    ar = Logged(clock, MethodSpec("ar"), ar_table())
+    spec = Logged(clock, parse_method_spec("spec:ngram:static"), spec_table())
+    rows = benchmark_group(ctx(), [spec, ar], PROMPTS, task="t", min_timed_s=4.0)  # AR 3 s, spec 1.5 s a pass
+    assert log == ["ar", "ar", "spec:ngram:static", "spec:ngram:static"] * 3  # until spec has 4.5 s
+    assert [r["timed_passes"] for r in rows] == [3, 3]
+    assert rows[1]["speedup_vs_ar"] == pytest.approx(2.0)
+
+
 def test_group_must_share_batch_and_dtype(clock):
     a = FakeMethod(clock, MethodSpec("ar"), ar_table(), batch=1)
     b = FakeMethod(clock, MethodSpec("hf"), ar_table(), batch=2)

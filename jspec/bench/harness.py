@@ -74,41 +74,70 @@ def _peak_memory(method: Method) -> int | None:
     return own() if own is not None else jax_peak_memory_bytes()
 
 
-def run_method(method: Method, prompts: Sequence[Sequence[int]], progress=None, *, min_timed_s: float = 0.0,
-               max_passes: int = MAX_TIMED_PASSES) -> MethodRun:
-    """Prepare (untimed), then time each batch with perf_counter around ``method.run``.
-
-    A fast method's whole pass over the prompts can take about a second (batch 32), where the
-    clock, the GPU's boost and the host add a few percent of noise: passes then repeat until
-    `min_timed_s` seconds are timed (at most `max_passes`), and each batch keeps its median time.
-    The outputs are the first pass's (every pass computes the same ones)."""
-    groups = batches_of(prompts, method.batch)
-    if progress is not None:
-        progress.set_description(f"{method.name} b{method.batch} {method.dtype}")
+def _prepare(method: Method, groups) -> float:
     reset = getattr(method, "reset_peak_memory", None)
     if reset is not None:
         reset()
     # Every timed batch is offered for warm-up: a method that compiles per shape (jspec buckets
     # prompt lengths) can warm each shape; others just use the first batch.
-    compile_s = float(method.prepare([p for batch_prompts, _ in groups for p in batch_prompts]))
-    seconds: list[list[float]] = [[] for _ in groups]
-    outputs: list[list[RowResult]] = []
+    return float(method.prepare([p for batch_prompts, _ in groups for p in batch_prompts]))
+
+
+def _timed_pass(method: Method, groups) -> list[tuple[float, list[RowResult]]]:
+    """(seconds, real rows) of each batch, timed with perf_counter around ``method.run``."""
+    out = []
+    for batch_prompts, n_real in groups:
+        start = _now()
+        rows = method.run(batch_prompts)
+        seconds = _now() - start
+        if len(rows) != len(batch_prompts):
+            raise RuntimeError(f"{method.name}: run returned {len(rows)} rows for {len(batch_prompts)} prompts")
+        out.append((seconds, list(rows[:n_real])))
+    return out
+
+
+def run_methods(methods: Sequence[Method], prompts: Sequence[Sequence[int]], progress=None, *,
+                min_timed_s: float = 0.0, max_passes: int = MAX_TIMED_PASSES) -> list[MethodRun]:
+    """Prepare every method (untimed), then time whole passes over the prompts, the methods
+    taking turns pass by pass.
+
+    A fast method's pass can take about a second (batch 32), where the clock, the GPU's clocks
+    and the host move timings by several percent for seconds at a time. So passes repeat until
+    each method has `min_timed_s` seconds timed (at most `max_passes` passes), interleaved so a
+    slow stretch of the machine falls on every method alike, and each batch keeps its median
+    time. The outputs are the first pass's (every pass computes the same ones)."""
+    groups = [batches_of(prompts, m.batch) for m in methods]
+    compile_s = []
+    for m, g in zip(methods, groups):
+        if progress is not None:
+            progress.set_description(f"{m.name} b{m.batch} {m.dtype} (compile)")
+        compile_s.append(_prepare(m, g))
+    passes: list[list[list[tuple[float, list[RowResult]]]]] = [[] for _ in methods]
+    peak: list[int | None] = [None] * len(methods)
     while True:
-        for i, (batch_prompts, n_real) in enumerate(groups):
-            start = _now()
-            rows = method.run(batch_prompts)
-            seconds[i].append(_now() - start)
-            if len(rows) != len(batch_prompts):
-                raise RuntimeError(f"{method.name}: run returned {len(rows)} rows for {len(batch_prompts)} prompts")
-            if len(outputs) < len(groups):
-                outputs.append(list(rows[:n_real]))
+        for i, (m, g) in enumerate(zip(methods, groups)):
+            if progress is not None:
+                progress.set_description(f"{m.name} b{m.batch} {m.dtype}")
+            passes[i].append(_timed_pass(m, g))
+            if len(passes[i]) == 1:
+                peak[i] = _peak_memory(m)  # as before interleaving: the process's peak after its first pass
                 if progress is not None:
-                    progress.update(1)
-        passes = len(seconds[0])
-        if passes >= max_passes or sum(sum(s) for s in seconds) >= min_timed_s:
+                    progress.update(len(g))
+        n = len(passes[0])
+        timed = min(sum(sec for p in mp for sec, _ in p) for mp in passes)
+        if n >= max_passes or timed >= min_timed_s:
             break
-    timed = [TimedBatch(float(np.median(s)), rows) for s, rows in zip(seconds, outputs)]
-    return MethodRun(method, timed, compile_s, _peak_memory(method), passes)
+    runs = []
+    for m, mp, c, pk in zip(methods, passes, compile_s, peak):
+        batches = [TimedBatch(float(np.median([p[b][0] for p in mp])), mp[0][b][1]) for b in range(len(mp[0]))]
+        runs.append(MethodRun(m, batches, c, pk, len(mp)))
+    return runs
+
+
+def run_method(method: Method, prompts: Sequence[Sequence[int]], progress=None, *, min_timed_s: float = 0.0,
+               max_passes: int = MAX_TIMED_PASSES) -> MethodRun:
+    """One method's run (see run_methods)."""
+    return run_methods([method], prompts, progress, min_timed_s=min_timed_s, max_passes=max_passes)[0]
 
 
 def first_trace(run: MethodRun) -> dict[str, list[int]] | None:
@@ -185,7 +214,7 @@ def benchmark_group(
     if len(shapes) > 1:
         raise ValueError(f"one group must share batch and dtype, got {sorted(shapes)}")
     ordered = sorted(methods, key=lambda m: (m.method != "ar", not _is_plain_hf(m)))
-    runs = [run_method(m, prompts, progress, min_timed_s=min_timed_s) for m in ordered]
+    runs = run_methods(ordered, prompts, progress, min_timed_s=min_timed_s)
     ar_run = next((r for r in runs if r.method.method == "ar"), None)
     hf_run = next((r for r in runs if _is_plain_hf(r.method)), None)
     return [make_row(ctx, r, task=task, ar_run=ar_run, hf_run=hf_run) for r in runs]
