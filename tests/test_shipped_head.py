@@ -1,4 +1,5 @@
-"""The EAGLE-3 head shipped for SmolLM2 loads through the preset and keeps greedy output identical."""
+"""The EAGLE heads shipped for SmolLM2 (EAGLE-3 and EAGLE-1) load through the preset and keep
+greedy output identical."""
 
 import pytest
 
@@ -11,11 +12,18 @@ pytestmark = pytest.mark.slow
 PRESET = "smollm2-135m-instruct"
 
 
-def test_shipped_eagle3_head_is_lossless_and_accepts():
-    if shipped_head_path(PRESET, "eagle3") is None:
-        pytest.skip("no EAGLE-3 head shipped")
-    cfg, params, tok = resolve_model(PRESET)
-    drafter, dparams = build_drafter("eagle3", cfg, params, model_name=PRESET)
+@pytest.fixture(scope="module")
+def target():
+    return resolve_model(PRESET)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_shipped_eagle_head_is_lossless_and_accepts(target, kind):
+    if shipped_head_path(PRESET, kind) is None:
+        pytest.skip(f"no {kind} head shipped")
+    cfg, params, tok = target
+    drafter, dparams = build_drafter(kind, cfg, params, model_name=PRESET)
+    assert drafter.head.kind == ("eagle3" if kind == "eagle3" else "eagle1")
     prompts = [apply_chat(tok, "Give me three tips for better sleep.")]
     ar = generate(params, cfg, prompts, max_new_tokens=24)
     sp = generate(params, cfg, prompts, max_new_tokens=24, drafter=drafter, drafter_params=dparams, k_max=4)
