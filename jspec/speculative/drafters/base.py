@@ -20,7 +20,9 @@ pytree (`dparams`), so the whole speculative loop is one jitted function:
 After verification every drafter gets
       commit(dparams, tparams, tcfg, dstate, block_tokens [B, K+1], n_accepted [B], next_token [B], verify_out)
 with the verified block ([last_token, d_1..d_K]) and the target's ForwardOut over it, and returns
-its state for the next round. `init(...)` builds the state after the target's prefill.
+its state for the next round. `init(...)` builds the state after the target's prefill. A drafter
+may define `loop_params(dparams)`: its weights as the round loop should read them
+(`drafter_loop_params`).
 
 One file per drafter: ngram.py, model.py, early_exit.py, eagle.py. `factory.build_drafter` builds
 one from a spec string.
@@ -31,3 +33,11 @@ from __future__ import annotations
 
 class DrafterError(ValueError):
     """The drafter cannot serve this target (vocabulary mismatch, missing weights, bad option)."""
+
+
+def drafter_loop_params(drafter, dparams):
+    """The drafter weights a round loop should close over. A drafter that runs a model of its own
+    defines `loop_params(dparams)` (the draft model: per-layer weight buffers, as
+    `model.loop_params` gives the target's); the others' weights are read as they are."""
+    own = getattr(drafter, "loop_params", None)
+    return dparams if own is None or dparams is None else own(dparams)

@@ -37,6 +37,9 @@ class ModelDrafter:
                 f"({tcfg.vocab_size} tokens); speculative decoding needs a shared tokenizer"
             )
 
+    def loop_params(self, dparams):
+        return M.loop_params(dparams, self.cfg)  # per-layer buffers, as the target's in the round loop
+
     def init(self, dparams, tparams, tcfg, prompt, lens, first_token, prefill_out, cache_len):
         B = prompt.shape[0]
         cache = M.init_cache(self.cfg, B, cache_len, dparams["embed"].dtype)

@@ -26,7 +26,7 @@ from ... import model as M
 from ...config import ModelConfig
 from ...decode import GenerationResult, emit, is_eos, prefill, stream_row0
 from ...sampling import Sampling, probs, sample
-from ..drafters.base import DrafterError
+from ..drafters.base import DrafterError, drafter_loop_params
 from ..policies import resolve_policy
 from ..state import SpecState, record_call, result_from_device, round_features, take_row
 from ..verify.chain import verify_greedy, verify_sampling
@@ -200,7 +200,8 @@ def speculative_generate_jit(tparams, dparams, policy_params, tokens, lens, key,
     state = start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, max_new, cache_len, sampling, unroll, tokens, lens, key,
                        policy_state=policy_state, verify=verify)
     loop = M.loop_params(tparams, tcfg, unroll=unroll)  # per-layer weight buffers for the rounds
-    body = functools.partial(spec_round, loop, tcfg, drafter, dparams, policy, k_max, max_new, sampling, verify, unroll)
+    body = functools.partial(spec_round, loop, tcfg, drafter, drafter_loop_params(drafter, dparams), policy, k_max, max_new,
+                             sampling, verify, unroll)
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     outputs = (state.out, state.n_out, state.target_calls, state.drafted, state.accepted, state.trace_drafted, state.trace_tokens)
     return outputs + (state.pstate,) if with_policy_state else outputs
@@ -244,7 +245,8 @@ def start_spec_jit(tparams, dparams, policy_params, tokens, lens, key, *, tcfg, 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("n_rounds",), donate_argnames=("state",))
 def spec_chunk_jit(tparams, dparams, state, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll, n_rounds):
-    body = functools.partial(spec_round, M.loop_params(tparams, tcfg, unroll=unroll), tcfg, drafter, dparams, policy, k_max, max_new, sampling, verify, unroll)
+    body = functools.partial(spec_round, M.loop_params(tparams, tcfg, unroll=unroll), tcfg, drafter,
+                             drafter_loop_params(drafter, dparams), policy, k_max, max_new, sampling, verify, unroll)
 
     def cond(c):
         return (c[0] < n_rounds) & ~jnp.all(c[1].done)

@@ -282,6 +282,10 @@ def _run(tparams, dparams, tokens, lens, key, row_id, *, tcfg, dcfg, gamma, max_
         rolled_back=zeros,
     )
 
+    # The loop reads per-layer weight buffers (model.loop_params), made once here after the scanned
+    # prefills, as the chain and tree engines do.
+    tparams, dparams = M.loop_params(tparams, tcfg, kernels=kernels), M.loop_params(dparams, dcfg, kernels=kernels)
+
     def body(s: PearlState) -> PearlState:
         if two_device:
             def as_draft(s):

@@ -179,6 +179,7 @@ def _run(tparams, eparams, tokens, lens, key, row_id, *, tcfg, ecfg, exit_layer,
         q=jnp.zeros((B, qV), jnp.float32), row_id=row_id, ticks=jnp.ones_like(zeros), drafted=zeros, accepted=zeros,
         bubbles=zeros,
     )
+    tparams = M.loop_params(tparams, tcfg, kernels=kernels)  # per-layer weight buffers for the ticks, after the prefill
     stage1 = functools.partial(_stage1, tparams, tcfg, eparams, ecfg, exit_layer, sampling, key, kernels)
     stage2 = functools.partial(_stage2, tparams, tcfg, exit_layer, sampling, key, kernels)
 

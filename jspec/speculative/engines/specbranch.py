@@ -316,6 +316,9 @@ def _run(tparams, dparams, hp, tokens, lens, key, row_id, *, tcfg, dcfg, sb, max
         branch_saves=zeros)
     H1 = 1 if hp is None else hp["b1"].shape[0]
 
+    # per-layer weight buffers for the loop (model.loop_params), after the scanned prefills
+    tparams, dparams = M.loop_params(tparams, tcfg, kernels=kernels), M.loop_params(dparams, dcfg, kernels=kernels)
+
     def body(s: BranchState) -> BranchState:
         if two_device:
             def as_draft(s):
