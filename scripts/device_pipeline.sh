@@ -209,9 +209,10 @@ run_head1() {
 
 # One GPU, the shipped drafters (overlay: `stage .stage/wX`), nothing trained (JOB=bench1): the
 # draft-step profile at batch 1 and 16 (random weights), this card's `auto` cost table measured
-# anew at batch 1/8/16/32 (COSTS=0 keeps the committed one), then the EAGLE-3 head and n-gram rows
-# on all of MT-Bench and HumanEval at batch 1, then `auto` at batch 8/16/32; each result reaches
-# the outbox as soon as it exists.
+# anew at batch 1/8/16/32 (COSTS=0 keeps the committed one, COST_BATCHES="1" measures only those),
+# then the EAGLE-3 head and n-gram rows on all of MT-Bench at batch 1, the EAGLE-1 head beside the
+# EAGLE-3 head's chain, HumanEval at batch 1, then `auto` at batch 8/16/32; each result reaches the
+# outbox as soon as it exists. The overlay holds both heads' weights (.stage/w3: 56 MB).
 run_bench1() {
   cd "$SRC" || exit 1
   export PYTHONPATH="$SRC:/root/stage/site"
@@ -229,11 +230,11 @@ run_bench1() {
     local table
     table=$(python3 -c "from jspec.speculative.policies.auto import cost_table_path as p; print(p('$PRESET'))")
     mkdir -p "$RUN/costs"
-    for b in 1 8 16 32; do
-      timeout 300 python3 scripts/measure_card_costs.py --batch $b --out "$RUN/costs/b$b.json" > "$logs/costs_b$b.log" 2>&1
-      note "card costs b$b exit $? $(tail -n 1 "$logs/costs_b$b.log" | cut -c1-200)"
-    done
-    python3 scripts/measure_card_costs.py --merge "$RUN"/costs/b*.json --out "$table" && cp "$table" "$BOX/0_$(basename "$table")"
+    # one process, saved after each batch size (about 2 minutes each on an H200)
+    timeout 600 python3 scripts/measure_card_costs.py --batch ${COST_BATCHES:-1 8 16 32} --out "$RUN/costs/table.json" \
+      > "$logs/costs.log" 2>&1
+    note "card costs exit $? $(tail -n 1 "$logs/costs.log" | cut -c1-200)"
+    python3 scripts/measure_card_costs.py --merge "$RUN"/costs/table.json --out "$table" && cp "$table" "$BOX/0_$(basename "$table")"
   fi
   group() {  # out task batches methods [extra]
     local out=$1 task=$2 batches=$3 methods=$4; shift 4
@@ -246,6 +247,7 @@ run_bench1() {
   group ${TAG:-h200}_head32k_b1 mt_bench 1 \
     "ar,spec:eagle3:static:k=6,spec:eagle3:static:tree,spec:eagle3:auto,spec:eagle3:auto:tree,spec:eagle3:ldlp,spec:ngram:auto" \
     --round-cost 1
+  group ${TAG:-h200}_eagle1_b1 mt_bench 1 "ar,spec:eagle:static:k=6,spec:eagle:static:tree,spec:eagle3:static:k=6"
   group ${TAG:-h200}_head32k_humaneval_b1 humaneval 1 "ar,spec:eagle3:static:tree,spec:eagle3:auto:tree"
   group ${TAG:-h200}_head32k_auto_b8_b16_b32 mt_bench 8,16,32 "ar,spec:eagle3:auto,spec:eagle3:auto:tree,spec:ngram:auto"
   note "pipeline done"
