@@ -437,6 +437,8 @@ def measure_gamma(tparams, tcfg, dparams, dcfg, *, batch: int = 1, cache_len: in
 
         @jax.jit
         def loop(params, cache):
+            params = M.loop_params(params, cfg, kernels=kernels)  # as the generation loop reads them
+
             def one(i, c):
                 cache, acc = c
                 tok = jnp.full((batch, T), i % cfg.vocab_size, jnp.int32)
