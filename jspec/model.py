@@ -169,6 +169,14 @@ def commit(cache: KVCache, accepted: jax.Array, n: jax.Array) -> KVCache:
 # ---------------------------------------------------------------------------------------------
 
 
+def embed(params: dict, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Input embeddings of `tokens`, embed_scale included (Gemma scales them by sqrt(D))."""
+    x = params["embed"][tokens]
+    if cfg.embed_scale != 1.0:
+        x = x * jnp.asarray(cfg.embed_scale, x.dtype)
+    return x
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
@@ -253,6 +261,7 @@ def forward(
     kernels: str | None = None,
     hidden_in: jax.Array | None = None,
     final_norm: bool = True,
+    layer_sliding: jax.Array | None = None,
 ) -> ForwardOut:
     """Run T new tokens per row against the cache.
 
@@ -272,7 +281,9 @@ def forward(
     the next: `hidden_in` [B, T, D] replaces the token embeddings as the input of layer `lo`
     (tokens may then be None), and `final_norm=False` returns the raw residual stream after layer
     `hi - 1` instead of the final-normed hidden state, so running (0, E) then (E, L) this way
-    computes exactly what one full forward computes.
+    computes exactly what one full forward computes. `layer_sliding` [hi - lo] bool, when given,
+    replaces cfg.sliding_layers[lo:hi] as the per-layer sliding-window flags (it may be traced: a
+    PPSD stage picks its layers per device); cfg must then have sliding layers.
     """
     if hidden_in is not None:
         B, T = hidden_in.shape[:2]
@@ -283,12 +294,7 @@ def forward(
         positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     lo, hi = layer_range if layer_range is not None else (0, cfg.num_layers)
 
-    if hidden_in is not None:
-        x = hidden_in.astype(dtype)
-    else:
-        x = params["embed"][tokens]
-        if cfg.embed_scale != 1.0:
-            x = x * jnp.asarray(cfg.embed_scale, dtype)
+    x = hidden_in.astype(dtype) if hidden_in is not None else embed(params, cfg, tokens)
 
     visible, key_pos = attention_mask(cache, positions, new_mask)
     cos_g, sin_g = rope_tables(jnp.asarray(rope_inv_freq(cfg, cfg.rope_theta)), positions)
@@ -299,7 +305,7 @@ def forward(
             jnp.asarray(rope_inv_freq(cfg, local_theta, scaled=cfg.arch != "gemma3")), positions
         )
         in_window = (positions[:, :, None] - key_pos[:, None, :]) < cfg.sliding_window
-        sliding = jnp.asarray(np.array(cfg.sliding_layers[lo:hi], dtype=bool))
+        sliding = jnp.asarray(np.array(cfg.sliding_layers[lo:hi], dtype=bool)) if layer_sliding is None else layer_sliding
     else:
         sliding = jnp.zeros((hi - lo,), bool)
 

@@ -89,6 +89,26 @@ def test_two_and_eight_devices_match_one_device_and_ar(models):
         np.testing.assert_array_equal(eight.target_calls, one.target_calls)
 
 
+@pytest.mark.parametrize("exit_layer", [2, 4])
+def test_sliding_window_target_on_two_devices(exit_layer):
+    """A Gemma-3-like target (sliding and global layers, sandwich norms, scaled embeddings): the two
+    stages then differ in their layer pattern (each device's flags are picked by its role), and
+    with E = 4 of 6 stage 2 is padded with an identity layer; greedy output is still AR's."""
+    cfg = ModelConfig(arch="gemma3", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=6, num_heads=4,
+                      num_kv_heads=2, head_dim=8, eos_token_ids=(3,), max_position_embeddings=512, sliding_window=4,
+                      sliding_layers=(True, True, False, True, True, False), qk_norm=True, sandwich_norm=True,
+                      embed_scale=32 ** 0.5, rope_local_theta=10000.0)
+    tparams = M.init_params(cfg, jax.random.PRNGKey(1), scale=0.35)
+    ecfg, eparams = EH.init_from_target(tparams, cfg, exit_layer)
+    prompts = _prompts(seed=3)
+    ar = generate(tparams, cfg, prompts, max_new_tokens=MAX_NEW)
+    tokens, lens, cache_len = pack_prompts(cfg, prompts, MAX_NEW, 1)
+    two = ppsd_generate(tparams, cfg, eparams, ecfg, exit_layer, tokens, lens, jax.random.PRNGKey(0), max_new=MAX_NEW,
+                        cache_len=cache_len, sampling=GREEDY, mesh=ppsd_mesh(jax.devices()[:2]))
+    np.testing.assert_array_equal(two.tokens, ar.tokens)
+    assert two.accepted.sum() > 0
+
+
 def test_sampling_is_lossless_chi_square():
     """Joint law of the first three sampled tokens = the target's, over many independent rows; on two
     devices (stage 2 decides and broadcasts), the same tokens as on one."""

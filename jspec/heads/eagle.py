@@ -59,6 +59,7 @@ from ..model import (
     apply_rope,
     attention_mask,
     default_kernels,
+    embed,
     fused_attention_supported,
     init_cache,
     lm_head,
@@ -241,10 +242,7 @@ def init_head_cache(hcfg: HeadConfig, batch: int, max_len: int, dtype=jnp.float3
 
 def embed_tokens(target_params: dict, target_cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     """The target's (frozen) input embedding, embed_scale included."""
-    x = target_params["embed"][tokens]
-    if target_cfg.embed_scale != 1.0:
-        x = x * jnp.asarray(target_cfg.embed_scale, x.dtype)
-    return x
+    return embed(target_params, target_cfg, tokens)
 
 
 def head_features(hcfg: HeadConfig, head_params: dict, target_out: ForwardOut) -> jax.Array:

@@ -28,15 +28,19 @@ argmax (so output = AR greedy); sampling accepts with probability min(1, p/q) an
 emits a sample of norm(max(0, p − q)), lossless. Each position is tested once with randomness
 `fold_in(key, row, position)`, so the one- and two-device modes emit the same tokens.
 
-Two devices: one jitted program under `shard_map` over PEARL's ("data", "role") mesh; role 0 runs
-stage 1, role 1 stage 2 (`lax.cond` on `axis_index`). Stage 2 *takes the decision itself*: it
-holds p, and the draft and q arrived with the previous exchange. After each tick one collective
-permute swaps (trunk output, new draft, q) from role 0 for (accept bit, correction) from role 1,
-so the decision is computed once and broadcast, never recomputed on the other device: the two
-devices cannot diverge even if their floating point differed. Each device carries the whole
-target cache (it touches only its stage's layers) [I: simple; small next to the weights for the
-models jspec runs]. One device: both stages run one after the other each tick (tests, one-GPU
-users; slower than AR there, since nothing overlaps).
+Two devices: one jitted program under `shard_map` over PEARL's ("data", "role") mesh, role 0
+running stage 1 and role 1 stage 2. The two stages are given the same shape, S layers each
+(`stage_depth`; the shorter is padded with all-zero identity layers), so both devices run *the same
+instructions* on their own weights and cache: no `lax.cond` on the role, which XLA on a GPU
+executes by reading the branch index back to the host every tick. Stage 2 *takes the decision
+itself*: it holds p, and the draft and q arrived with the previous exchange. After each tick one
+collective permute of one packed array swaps (trunk output, new draft, q) from role 0 for
+(accept bit, correction) from role 1, so the decision is computed once and broadcast, never
+recomputed on the other device: the two devices cannot diverge even if their floating point
+differed. Every device runs the prefill over the whole target (the replicated weights), then
+keeps only its stage's S layers of weights and cache for the ticks. One device: both stages run
+one after the other each tick, through the same stage function (tests, one-GPU users; slower than
+AR there, since nothing overlaps).
 """
 
 from __future__ import annotations
@@ -57,13 +61,14 @@ from ...sampling import Sampling, probs
 from .pearl import DATA_AXIS, ROLE_AXIS, ParallelResult, _categorical, _row_keys, _uniform, pearl_mesh, still_running
 
 STAGE1_ROLE, STAGE2_ROLE = 0, 1
+MAX_VOCAB = 1 << 24  # ids are exact in float32 below this
 ppsd_mesh = pearl_mesh  # the same ("data", "role") pairs
 
 
 @struct.dataclass
 class PpsdState:
-    cache: M.KVCache  # the target's; lengths = base (positions < base are in every layer)
-    ecache: M.KVCache  # the exit head's one layer; written at stage 1's cursor
+    caches: tuple  # per stage this device runs (both on one device, its own on two): KVCache [S, B, ...]
+    base: jax.Array  # [B] positions < base are in every stage's cache
     out: jax.Array  # [B, max_new]
     n_out: jax.Array  # [B]
     done: jax.Array  # [B]
@@ -79,48 +84,107 @@ class PpsdState:
     bubbles: jax.Array  # [B] ticks in which stage 2 had nothing to do for the row
 
 
-def _stage1(tparams, tcfg, eparams, ecfg, exit_layer, sampling, key, kernels, s: PpsdState):
-    """Trunk + exit head on one token per row; returns (h [B, D], draft [B], q, cache, ecache)."""
-    cur = s.cache.lengths + s.has_mid.astype(jnp.int32)
-    inp = jnp.where(s.has_mid, s.draft, s.tok)
-    trunk = EH.trunk_hidden(tparams, tcfg, inp[:, None], s.cache.replace(lengths=cur), exit_layer, kernels=kernels)
-    if ecfg is None:  # no trained head: the target's own final norm and LM head
-        logits, ecache = M.lm_head(tparams, tcfg, M.rms_norm(trunk.hidden[:, 0], tparams["final_norm"], tcfg.rms_norm_eps)), s.ecache
-    else:
-        logits, ecache = EH.head_logits(eparams, ecfg, trunk.hidden, s.ecache.replace(lengths=cur), kernels=kernels)
-        logits = logits[:, 0]
-    if sampling.greedy:
-        draft, q = jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((logits.shape[0], 1), jnp.float32)
-    else:
-        q = probs(logits, sampling)
-        keys = _row_keys(jax.random.fold_in(key, 1), s.row_id, (cur + 1)[:, None])[:, 0]
-        draft = _categorical(keys, jnp.log(q))
-    return trunk.hidden[:, 0], draft, q, trunk.cache, ecache
+# ---------------------------------------------------------------------------------------------
+# The two stages as one layer stack each: same shapes, so one program runs either
+# ---------------------------------------------------------------------------------------------
 
 
-def _stage2(tparams, tcfg, exit_layer, sampling, key, kernels, s: PpsdState):
-    """Layers [E, L) on h_mid at position base, then the test of the draft for base + 1.
-    Returns (accept [B] bool, correction [B], cache)."""
-    out = M.forward(tparams, tcfg, None, s.cache, hidden_in=s.h_mid[:, None].astype(tparams["embed"].dtype),
-                    layer_range=(exit_layer, tcfg.num_layers), kernels=kernels)
-    logits = M.lm_head(tparams, tcfg, out.hidden[:, 0])
+def stage_depth(tcfg: ModelConfig, exit_layer: int) -> int:
+    """Layers per stage, S: stage 1 holds layers [0, E) and the exit layer (an identity layer when
+    there is no trained head, so its local layer E always reads the trunk output), stage 2 layers
+    [E, L); the shorter one is padded with identity layers."""
+    return max(exit_layer + 1, tcfg.num_layers - exit_layer)
+
+
+def _identity_layer(layer: dict) -> dict:
+    """All-zero weights: the norms feeding attention and the MLP output 0, so both branches add
+    exactly 0 to the residual stream (and the K/V it writes are never read as anything else)."""
+    return jax.tree.map(jnp.zeros_like, layer)
+
+
+def _layer(layers: dict, i: int) -> dict:
+    return jax.tree.map(lambda a: a[i], layers)
+
+
+def stage_layers(tparams: dict, tcfg: ModelConfig, eparams: dict | None, exit_layer: int) -> tuple[list, list]:
+    """(stage 1, stage 2) as lists of S per-layer weight dicts."""
+    S = stage_depth(tcfg, exit_layer)
+    trunk = [_layer(tparams["layers"], i) for i in range(tcfg.num_layers)]
+    pad = _identity_layer(trunk[0])
+    s1 = trunk[:exit_layer] + ([_layer(eparams["layers"], 0)] if eparams is not None else [])
+    s2 = trunk[exit_layer:]
+    return s1 + [pad] * (S - len(s1)), s2 + [pad] * (S - len(s2))
+
+
+def stage_sliding(tcfg: ModelConfig, exit_layer: int) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """Per-layer sliding-window flags of the two stages (the exit layer takes the flag of the layer
+    it sits behind, as heads/exit_head.exit_config does; pads are full-attention)."""
+    S = stage_depth(tcfg, exit_layer)
+    flags = tuple(tcfg.sliding_layers) if tcfg.has_sliding else (False,) * tcfg.num_layers
+    s1 = flags[:exit_layer] + (flags[exit_layer - 1],)
+    s2 = flags[exit_layer:]
+    return s1 + (False,) * (S - len(s1)), s2 + (False,) * (S - len(s2))
+
+
+def _pick(role, a, b):
+    """a on role 0, b on role 1 (role: a Python int on one device, the traced axis index on two)."""
+    if isinstance(role, int):
+        return a if role == STAGE1_ROLE else b
+    return jax.tree.map(lambda x, y: jnp.where(role == STAGE1_ROLE, x, y), a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# One stage on one tick, and the message it sends
+# ---------------------------------------------------------------------------------------------
+#
+# A message is one float32 row per batch row: [h (D) | draft | accept | correction | q or p (qV)].
+# Stage 1 fills h, draft and q; stage 2 accept and correction; each also computes the other's
+# fields (the same program runs on both devices), which the receiver ignores. One array means
+# one collective permute a tick. Integers travel as float32 values (exact below 2^24).
+
+
+def _pack(h, draft, accept, corr, dist):
+    ints = jnp.stack([draft, accept.astype(jnp.int32), corr], -1).astype(jnp.float32)
+    return jnp.concatenate([h.astype(jnp.float32), ints, dist.astype(jnp.float32)], -1)
+
+
+def _unpack(msg, D: int):
+    ints = msg[:, D : D + 3].astype(jnp.int32)
+    return msg[:, :D], ints[:, 0], ints[:, 1].astype(bool), ints[:, 2], msg[:, D + 3 :]
+
+
+def _stage(params, scfg, tcfg, sliding, exit_layer, sampling, key, kernels, role, cache, s: PpsdState):
+    """Run this role's stage on its one token per row; returns (message, cache).
+
+    Stage 1 reads the embedding of `draft` (or of `tok` on a bubble tick) at position base +
+    has_mid and drafts the next token from the exit head; stage 2 reads h_mid at position base and
+    tests `draft` with the full model's distribution (the chain rule of verify/chain.py)."""
+    is1 = role == STAGE1_ROLE
+    cur = s.base + jnp.where(is1, s.has_mid, False).astype(jnp.int32)
+    tok_in = jnp.where(s.has_mid, s.draft, s.tok)
+    x = jnp.where(is1, M.embed(params, tcfg, tok_in[:, None]), s.h_mid[:, None].astype(params["embed"].dtype))
+    out = M.forward(params, scfg, None, cache.replace(lengths=cur), hidden_in=x, capture=(exit_layer,), kernels=kernels,
+                    layer_sliding=sliding)
+    logits = M.lm_head(params, tcfg, out.hidden[:, 0])
+    h = out.captured[0][:, 0]
     if sampling.greedy:
         top = jnp.argmax(logits, -1).astype(jnp.int32)
-        return s.draft == top, top, out.cache
-    pos = (s.cache.lengths + 1)[:, None]  # the tested position
-    p = probs(logits, sampling)
-    p_at = jnp.take_along_axis(p, s.draft[:, None], -1)[:, 0]
+        msg = _pack(h, top, s.draft == top, top, jnp.zeros((top.shape[0], 1), jnp.float32))
+        return msg, out.cache
+    dist = probs(logits, sampling)  # q on stage 1, p on stage 2
+    draft = _categorical(_row_keys(jax.random.fold_in(key, 1), s.row_id, (cur + 1)[:, None])[:, 0], jnp.log(dist))
+    pos = (s.base + 1)[:, None]  # the position stage 2 tests
+    p_at = jnp.take_along_axis(dist, s.draft[:, None], -1)[:, 0]
     q_at = jnp.take_along_axis(s.q, s.draft[:, None], -1)[:, 0]
-    u = _uniform(_row_keys(jax.random.fold_in(key, 2), s.row_id, pos))[:, 0]
-    accept = u * q_at < p_at
-    res = jnp.maximum(p - s.q, 0.0)
+    accept = _uniform(_row_keys(jax.random.fold_in(key, 2), s.row_id, pos))[:, 0] * q_at < p_at
+    res = jnp.maximum(dist - s.q, 0.0)
     mass = jnp.sum(res, -1, keepdims=True)
-    res = jnp.where(mass > 0, res / jnp.where(mass > 0, mass, 1.0), p)
+    res = jnp.where(mass > 0, res / jnp.where(mass > 0, mass, 1.0), dist)
     corr = _categorical(_row_keys(jax.random.fold_in(key, 3), s.row_id, pos)[:, 0], jnp.log(res))
-    return accept, corr, out.cache
+    return _pack(h, draft, accept, corr, dist), out.cache
 
 
-def _advance(s: PpsdState, accept, corr, h1, d1, q1, max_new: int, tcfg: ModelConfig) -> PpsdState:
+def _advance(s: PpsdState, caches, accept, corr, h1, d1, q1, max_new: int, tcfg: ModelConfig) -> PpsdState:
     """The same pure update on every device, from stage 2's decision and stage 1's outputs."""
     active = ~s.done
     steady = s.has_mid
@@ -131,10 +195,9 @@ def _advance(s: PpsdState, accept, corr, h1, d1, q1, max_new: int, tcfg: ModelCo
     # bubble: stage 1 ran `tok`, the pipeline is full again.
     has_mid = ok | ~steady
     w = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
-    base = s.cache.lengths
     step = active.astype(jnp.int32)
     return PpsdState(
-        cache=s.cache.replace(lengths=w(base + steady.astype(jnp.int32), base)), ecache=s.ecache,
+        caches=caches, base=w(s.base + steady.astype(jnp.int32), s.base),
         out=out, n_out=n_out, done=done,
         tok=w(jnp.where(steady, emitted, s.tok), s.tok), has_mid=w(has_mid, s.has_mid),
         h_mid=w(h1.astype(s.h_mid.dtype), s.h_mid), draft=w(d1, s.draft), q=w(q1, s.q), row_id=s.row_id,
@@ -146,18 +209,19 @@ def _advance(s: PpsdState, accept, corr, h1, d1, q1, max_new: int, tcfg: ModelCo
 def _run(tparams, eparams, tokens, lens, key, row_id, *, tcfg, ecfg, exit_layer, max_new, cache_len, sampling,
          kernels, two_device: bool):
     B = tokens.shape[0]
+    D = tcfg.hidden_size
     dtype = tparams["embed"].dtype
     role = jax.lax.axis_index(ROLE_AXIS) if two_device else None
 
-    # Prefill (both devices run it: each needs the prompt in its stage's layers; the first token
-    # is role 1's, sent over, like every decision).
-    cache = M.init_cache(tcfg, B, cache_len, dtype)
-    full = M.forward(tparams, tcfg, tokens, cache, capture=(exit_layer,), kernels=kernels, unroll=1)  # a prompt
-    if ecfg is None:
-        ecache = M.init_cache(tcfg, B, 1, dtype, num_layers=1)  # unused
-    else:
-        _, ecache = EH.head_logits(eparams, ecfg, full.captured[0], M.init_cache(ecfg, B, cache_len, eparams["embed"].dtype),
-                                   kernels=kernels)
+    # Prefill: every device runs the whole prompt through the whole target (each needs the prompt
+    # in its stage's layers) and the exit head; the first token is role 1's, sent over, like every
+    # decision.
+    full = M.forward(tparams, tcfg, tokens, M.init_cache(tcfg, B, cache_len, dtype), capture=(exit_layer,),
+                     kernels=kernels, unroll=1)  # a prompt: scanned
+    ecache = None
+    if ecfg is not None:
+        ecache = M.forward(eparams, ecfg, None, M.init_cache(ecfg, B, cache_len, dtype), hidden_in=full.captured[0],
+                           kernels=kernels, unroll=1).cache
     h = jnp.take_along_axis(full.hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
     logits = M.lm_head(tparams, tcfg, h)
     if sampling.greedy:
@@ -169,43 +233,62 @@ def _run(tparams, eparams, tokens, lens, key, row_id, *, tcfg, ecfg, exit_layer,
         other = jax.lax.ppermute(first, ROLE_AXIS, [(0, 1), (1, 0)])
         first = jnp.where(role == STAGE1_ROLE, other, first)
 
+    # The stages' weights, caches and final norms; on two devices each keeps only its own.
+    S = stage_depth(tcfg, exit_layer)
+    L1, L2 = stage_layers(tparams, tcfg, eparams if ecfg is not None else None, exit_layer)
+
+    def stage_cache(src_k, lo, hi, extra=None):
+        parts = [src_k[lo:hi]] + ([] if extra is None else [extra])
+        used = sum(p.shape[0] for p in parts)
+        parts.append(jnp.zeros((S - used,) + src_k.shape[1:], src_k.dtype))
+        return jnp.concatenate(parts, 0)
+
+    def caches_of(which):
+        k = full.cache.k if which == "k" else full.cache.v
+        ek = None if ecache is None else (ecache.k if which == "k" else ecache.v).astype(k.dtype)
+        return stage_cache(k, 0, exit_layer, ek), stage_cache(k, exit_layer, tcfg.num_layers)
+
+    (k1, k2), (v1, v2) = caches_of("k"), caches_of("v")
+    norm1 = eparams["final_norm"] if ecfg is not None else tparams["final_norm"]
+    sl1, sl2 = stage_sliding(tcfg, exit_layer)
+    scfg = tcfg.replace(num_layers=S, sliding_layers=tuple(a or b for a, b in zip(sl1, sl2)) if tcfg.has_sliding else ())
+    lengths = lens.astype(jnp.int32)
+    stages = []  # (role, params, cache, sliding)
+    for r, layers, k, v, norm, sl in ((STAGE1_ROLE, L1, k1, v1, norm1, sl1), (STAGE2_ROLE, L2, k2, v2, tparams["final_norm"], sl2)):
+        params = {k_: a for k_, a in tparams.items() if k_ not in ("layers", "final_norm")}
+        params.update(layers=M.stack_layers(layers), final_norm=norm)
+        stages.append([r, params, M.KVCache(k=k, v=v, lengths=lengths), jnp.asarray(np.array(sl, bool))])
+    if two_device:  # this device's stage, chosen by its role (no branch: both run the same program)
+        (_, p1, c1, s1), (_, p2, c2, s2) = stages
+        stages = [[role, _pick(role, p1, p2), _pick(role, c1, c2), _pick(role, s1, s2)]]
+    sliding = [st[3] if tcfg.has_sliding else None for st in stages]
+    for st in stages:  # per-layer weight buffers for the ticks, after the prefill
+        st[1] = M.loop_params(st[1], scfg, kernels=kernels)
+
     out = jnp.full((B, max_new), -1, jnp.int32)
     zeros = jnp.zeros((B,), jnp.int32)
     out, n_out, done = emit(tcfg, out, zeros, jnp.zeros((B,), bool), first[:, None], jnp.ones_like(zeros), max_new)
     qV = 1 if sampling.greedy else tcfg.vocab_size
     state = PpsdState(
-        cache=full.cache.replace(lengths=lens.astype(jnp.int32)), ecache=ecache, out=out, n_out=n_out, done=done,
-        tok=first, has_mid=jnp.zeros((B,), bool), h_mid=jnp.zeros((B, tcfg.hidden_size), dtype), draft=zeros,
+        caches=tuple(st[2] for st in stages), base=lengths, out=out, n_out=n_out, done=done,
+        tok=first, has_mid=jnp.zeros((B,), bool), h_mid=jnp.zeros((B, D), dtype), draft=zeros,
         q=jnp.zeros((B, qV), jnp.float32), row_id=row_id, ticks=jnp.ones_like(zeros), drafted=zeros, accepted=zeros,
         bubbles=zeros,
     )
-    tparams = M.loop_params(tparams, tcfg, kernels=kernels)  # per-layer weight buffers for the ticks, after the prefill
-    stage1 = functools.partial(_stage1, tparams, tcfg, eparams, ecfg, exit_layer, sampling, key, kernels)
-    stage2 = functools.partial(_stage2, tparams, tcfg, exit_layer, sampling, key, kernels)
 
     def body(s: PpsdState) -> PpsdState:
-        base = s.cache.lengths
-        if two_device:
-            def as_stage1(s):
-                h1, d1, q1, cache, ecache = stage1(s)
-                return (h1, d1, q1, zeros, zeros), cache, ecache
-
-            def as_stage2(s):
-                accept, corr, cache = stage2(s)
-                return (s.h_mid, zeros, jnp.zeros_like(s.q), accept.astype(jnp.int32), corr), cache, s.ecache
-
-            mine, cache, ecache = jax.lax.cond(role == STAGE1_ROLE, as_stage1, as_stage2, s)
-            # One swap: role 0 sends its stage-1 outputs, role 1 its decision.
+        msgs, caches = [], []
+        for (r, params, _, _), sl, cache in zip(stages, sliding, s.caches):
+            msg, cache = _stage(params, scfg, tcfg, sl, exit_layer, sampling, key, kernels, r, cache, s)
+            msgs.append(msg)
+            caches.append(cache)
+        if two_device:  # one swap: role 0 sends its draft, role 1 its decision
+            mine = msgs[0]
             other = jax.lax.ppermute(mine, ROLE_AXIS, [(0, 1), (1, 0)])
-            is1 = role == STAGE1_ROLE
-            h1, d1, q1 = (jnp.where(is1, a, b) for a, b in zip(mine[:3], other[:3]))
-            accept, corr = (jnp.where(is1, b, a) for a, b in zip(mine[3:], other[3:]))
-            accept = accept.astype(bool)
-        else:
-            h1, d1, q1, cache, ecache = stage1(s)
-            accept, corr, cache = stage2(s.replace(cache=cache.replace(lengths=base)))
-        s = s.replace(cache=cache.replace(lengths=base), ecache=ecache)
-        return _advance(s, accept, corr, h1, d1, q1, max_new, tcfg)
+            msgs = [_pick(role, mine, other), _pick(role, other, mine)]
+        h1, d1, _, _, q1 = _unpack(msgs[0], D)
+        _, _, accept, corr, _ = _unpack(msgs[1], D)
+        return _advance(s, tuple(caches), accept, corr, h1, d1, q1, max_new, tcfg)
 
     s = jax.lax.while_loop(lambda s: still_running(s.done, two_device), body, state)
     return s.out, s.n_out, s.ticks, s.drafted, s.accepted, s.bubbles
@@ -237,6 +320,8 @@ def _two_device_fn(mesh: Mesh, tcfg, ecfg, exit_layer, max_new, cache_len, sampl
 
 def check_ppsd(tcfg: ModelConfig, ecfg: ModelConfig | None, exit_layer: int) -> None:
     EH.check_exit_layer(tcfg, exit_layer)
+    if tcfg.vocab_size > MAX_VOCAB:  # token ids travel as float32 values in the tick's message
+        raise ValueError(f"PPSD supports vocabularies of at most {MAX_VOCAB} tokens, got {tcfg.vocab_size}")
     if ecfg is not None and (ecfg.num_layers != 1 or ecfg.vocab_size != tcfg.vocab_size or ecfg.hidden_size != tcfg.hidden_size):
         raise ValueError(f"the exit head must be one layer of the target's shape (got {ecfg.num_layers} layers, "
                          f"hidden {ecfg.hidden_size} vs {tcfg.hidden_size}, vocab {ecfg.vocab_size} vs {tcfg.vocab_size})")
