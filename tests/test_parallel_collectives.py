@@ -4,8 +4,9 @@ the same collectives in the same order, or one waits in a ppermute its partner n
 XLA rendezvous timeout, then an abort). CPU runs can pass anyway, so this checks the structure of
 the lowered StableHLO instead of running it: no collective inside a `case`/`if` region (a branch
 that one device takes and another skips), and every while loop with collectives in its body has a
-condition that all-reduces (so every device leaves the loop on the same step). Lowering only: no
-compile, no run."""
+condition that all-reduces (over the data groups, so every group leaves the loop on the same step;
+the two roles of a pair agree because both apply one decision, see pearl.still_running). Lowering
+only: no compile, no run; plus the packed exchange (one collective, bit-exact)."""
 
 import jax
 import jax.numpy as jnp
@@ -172,3 +173,27 @@ def test_engines_on_four_data_groups(models, engine):
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 (fake) devices")
     assert collective_problems(_lowered(engine, models, GREEDY, data=4)) == []
+
+
+def test_packed_exchange_is_one_collective_and_bit_exact():
+    """ppermute_packed swaps a pytree of floats (denormals, bf16), ints, bools and None as one
+    collective permute, every bit intact."""
+    tree = {"f": jnp.array([[1.5e-40, -0.0, 3.25]], jnp.float32), "h": jnp.array([[0.1, -2.5]], jnp.bfloat16),
+            "i": jnp.array([[7, -(2 ** 31)]], jnp.int32), "b": jnp.array([[True, False]]), "none": None}
+
+    def step(x):
+        role = jax.lax.axis_index(PE.ROLE_AXIS)
+        mine = {**tree, "i": tree["i"] + role}
+        return PE.ppermute_packed(mine, PE.ROLE_AXIS, [(0, 1), (1, 0)]), x
+
+    fn = jax.jit(jax.shard_map(step, mesh=_mesh(), in_specs=P(PE.DATA_AXIS), out_specs=(P(PE.ROLE_AXIS), P(PE.DATA_AXIS)),
+                               check_vma=False))
+    text = fn.lower(jnp.zeros((2,))).compiler_ir("stablehlo")
+    assert str(text).count("stablehlo.collective_permute") == 1
+    got, _ = fn(jnp.zeros((2,)))
+    assert got["none"] is None
+    got = jax.tree.map(np.asarray, got)  # compare on the host: an XLA:CPU slice would flush the denormal
+    np.testing.assert_array_equal(got["f"][:1].view(np.uint32), np.asarray(tree["f"]).view(np.uint32))
+    np.testing.assert_array_equal(got["h"][:1].view(np.uint16), np.asarray(tree["h"]).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(got["i"]), np.concatenate([tree["i"] + 1, tree["i"]]))  # swapped
+    np.testing.assert_array_equal(got["b"][:1], np.asarray(tree["b"]))

@@ -33,7 +33,8 @@ each step one `ppermute` swaps the two messages (drafted tokens + q, target argm
 only when greedy) and both devices take the identical decision (when sampling, the target
 device's decision, sent over in a second small permute, so float rounding can never split them). Every
 device runs the same collectives in the same order (GPUs deadlock otherwise): none sits inside the
-role `cond`, and the loop predicate is reduced over the mesh (`still_running`). Rows are split over "data". Each
+role `cond`, and each exchange is one collective (`ppermute_packed`); the loop predicate is
+reduced over the data groups (`still_running`). Rows are split over "data". Each
 device carries both caches (the other role's stays untouched): simple, and small next to the
 weights for the models jspec targets. One device: the same step runs both roles one after the
 other (CPU tests, one-GPU users; no overlap then).
@@ -216,18 +217,44 @@ def decide(s: PearlState, d_tok, d_q, t_top, p, sampling: Sampling, gamma: int, 
 
 
 def still_running(done, two_device: bool):
-    """The generation loop's predicate: some row is not done. On a mesh it is reduced over every
-    device, so all devices run the same number of steps and hence the same collectives in the same
-    order, which GPU collectives require (a device that leaves the loop while its partner waits in
-    the step's ppermute hangs both). Without the reduction, agreement would rest on every device
-    recomputing `done` bit for bit: true of the update code today (it reads exchanged integers
-    only), but an invariant no compiler checks; the reduction makes it hold by construction, at
-    the cost of one scalar all-reduce per step. The data groups take the same number of steps too
-    (a group whose rows are done idles: its updates are masked by `done`)."""
+    """The generation loop's predicate: some row is not done. On a mesh it is reduced over the data
+    groups, so all groups run the same number of steps (a group whose rows are done idles: its
+    updates are masked by `done`) and hence the same collectives in the same order, which GPU
+    collectives require (a device that leaves the loop while its partner waits in the step's
+    ppermute hangs both).
+
+    The two roles of a pair need no reduction: each engine computes its decision once (the target
+    device's, or from exchanged integer tokens only) and both devices apply it through the same
+    integer update, so `done` is bit-identical on both roles by construction. That saves a scalar
+    all-reduce between the two devices on every step (none at all on one pair: a data axis of
+    size 1)."""
     running = ~jnp.all(done)
     if two_device:
-        running = jax.lax.pmax(running.astype(jnp.int32), (DATA_AXIS, ROLE_AXIS)) > 0
+        running = jax.lax.pmax(running.astype(jnp.int32), DATA_AXIS) > 0
     return running
+
+
+def ppermute_packed(tree, axis, perm):
+    """`jax.lax.ppermute` of a pytree as one int32 buffer: one collective per exchange (a tuple
+    lowers to one collective permute per leaf, each a separate NCCL launch and wait). Bit-exact:
+    floats travel as their float32 bits, integers and bools as int32 values (None leaves stay)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+        return tree
+    words = []
+    for x in leaves:
+        w = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) if jnp.issubdtype(x.dtype, jnp.floating) \
+            else x.astype(jnp.int32)
+        words.append(w.reshape(-1))
+    buf = jax.lax.ppermute(jnp.concatenate(words), axis, perm)
+    out, at = [], 0
+    for x, w in zip(leaves, words):
+        part = buf[at : at + w.size].reshape(x.shape)
+        at += w.size
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            part = jax.lax.bitcast_convert_type(part, jnp.float32)
+        out.append(part.astype(x.dtype))
+    return jax.tree.unflatten(treedef, out)
 
 
 def _run(tparams, dparams, tokens, lens, key, row_id, *, tcfg, dcfg, gamma, max_new, cache_len, sampling,
@@ -298,7 +325,7 @@ def _run(tparams, dparams, tokens, lens, key, row_id, *, tcfg, dcfg, gamma, max_
 
             mine_tok, mine_p, tcache, dcache = jax.lax.cond(role == DRAFT_ROLE, as_draft, as_target, s)
             msg = (mine_tok, mine_p) if not sampling.greedy else (mine_tok,)
-            other = jax.lax.ppermute(msg, ROLE_AXIS, [(0, 1), (1, 0)])
+            other = ppermute_packed(msg, ROLE_AXIS, [(0, 1), (1, 0)])
             other_tok, other_p = (other[0], other[1]) if not sampling.greedy else (other[0], None)
             is_d = role == DRAFT_ROLE
             d_tok = jnp.where(is_d, mine_tok, other_tok)
@@ -315,7 +342,7 @@ def _run(tparams, dparams, tokens, lens, key, row_id, *, tcfg, dcfg, gamma, max_
             # point (ratios, residual, categorical): the target device's result is sent over so the
             # two devices cannot diverge (greedy decisions compare exchanged integers only).
             def broadcast(a, corr):
-                got = jax.lax.ppermute((a, corr), ROLE_AXIS, [(TARGET_ROLE, DRAFT_ROLE)])
+                got = ppermute_packed((a, corr), ROLE_AXIS, [(TARGET_ROLE, DRAFT_ROLE)])
                 keep = role == TARGET_ROLE
                 return jnp.where(keep, a, got[0]), jnp.where(keep, corr, got[1])
         return decide(s, d_tok, d_q, t_top, p, sampling, gamma, key, max_new, tcfg, broadcast)

@@ -34,7 +34,7 @@ running stage 1 and role 1 stage 2. The two stages are given the same shape, S l
 instructions* on their own weights and cache: no `lax.cond` on the role, which XLA on a GPU
 executes by reading the branch index back to the host every tick. Stage 2 *takes the decision
 itself*: it holds p, and the draft and q arrived with the previous exchange. After each tick one
-collective permute of one packed array swaps (trunk output, new draft, q) from role 0 for
+collective permute of one packed buffer swaps (trunk output, new draft, q) from role 0 for
 (accept bit, correction) from role 1, so the decision is computed once and broadcast, never
 recomputed on the other device: the two devices cannot diverge even if their floating point
 differed. Every device runs the prefill over the whole target (the replicated weights), then
@@ -58,10 +58,10 @@ from ...config import ModelConfig
 from ...decode import emit
 from ...heads import exit_head as EH
 from ...sampling import Sampling, probs
-from .pearl import DATA_AXIS, ROLE_AXIS, ParallelResult, _categorical, _row_keys, _uniform, pearl_mesh, still_running
+from .pearl import (DATA_AXIS, ROLE_AXIS, ParallelResult, _categorical, _row_keys, _uniform, pearl_mesh, ppermute_packed,
+                    still_running)
 
 STAGE1_ROLE, STAGE2_ROLE = 0, 1
-MAX_VOCAB = 1 << 24  # ids are exact in float32 below this
 ppsd_mesh = pearl_mesh  # the same ("data", "role") pairs
 
 
@@ -137,20 +137,10 @@ def _pick(role, a, b):
 # One stage on one tick, and the message it sends
 # ---------------------------------------------------------------------------------------------
 #
-# A message is one float32 row per batch row: [h (D) | draft | accept | correction | q or p (qV)].
-# Stage 1 fills h, draft and q; stage 2 accept and correction; each also computes the other's
-# fields (the same program runs on both devices), which the receiver ignores. One array means
-# one collective permute a tick. Integers travel as float32 values (exact below 2^24).
-
-
-def _pack(h, draft, accept, corr, dist):
-    ints = jnp.stack([draft, accept.astype(jnp.int32), corr], -1).astype(jnp.float32)
-    return jnp.concatenate([h.astype(jnp.float32), ints, dist.astype(jnp.float32)], -1)
-
-
-def _unpack(msg, D: int):
-    ints = msg[:, D : D + 3].astype(jnp.int32)
-    return msg[:, :D], ints[:, 0], ints[:, 1].astype(bool), ints[:, 2], msg[:, D + 3 :]
+# A message is (h [B, D], draft [B], accept [B], correction [B], q or p [B, qV]). Stage 1 fills h,
+# draft and q; stage 2 accept and correction; each also computes the other's fields (the same
+# program runs on both devices), which the receiver ignores. It travels as one buffer
+# (pearl.ppermute_packed): one collective permute a tick.
 
 
 def _stage(params, scfg, tcfg, sliding, exit_layer, sampling, key, kernels, role, cache, s: PpsdState):
@@ -169,8 +159,7 @@ def _stage(params, scfg, tcfg, sliding, exit_layer, sampling, key, kernels, role
     h = out.captured[0][:, 0]
     if sampling.greedy:
         top = jnp.argmax(logits, -1).astype(jnp.int32)
-        msg = _pack(h, top, s.draft == top, top, jnp.zeros((top.shape[0], 1), jnp.float32))
-        return msg, out.cache
+        return (h, top, s.draft == top, top, jnp.zeros((top.shape[0], 1), jnp.float32)), out.cache
     dist = probs(logits, sampling)  # q on stage 1, p on stage 2
     draft = _categorical(_row_keys(jax.random.fold_in(key, 1), s.row_id, (cur + 1)[:, None])[:, 0], jnp.log(dist))
     pos = (s.base + 1)[:, None]  # the position stage 2 tests
@@ -181,7 +170,7 @@ def _stage(params, scfg, tcfg, sliding, exit_layer, sampling, key, kernels, role
     mass = jnp.sum(res, -1, keepdims=True)
     res = jnp.where(mass > 0, res / jnp.where(mass > 0, mass, 1.0), dist)
     corr = _categorical(_row_keys(jax.random.fold_in(key, 3), s.row_id, pos)[:, 0], jnp.log(res))
-    return _pack(h, draft, accept, corr, dist), out.cache
+    return (h, draft, accept, corr, dist), out.cache
 
 
 def _advance(s: PpsdState, caches, accept, corr, h1, d1, q1, max_new: int, tcfg: ModelConfig) -> PpsdState:
@@ -284,10 +273,10 @@ def _run(tparams, eparams, tokens, lens, key, row_id, *, tcfg, ecfg, exit_layer,
             caches.append(cache)
         if two_device:  # one swap: role 0 sends its draft, role 1 its decision
             mine = msgs[0]
-            other = jax.lax.ppermute(mine, ROLE_AXIS, [(0, 1), (1, 0)])
+            other = ppermute_packed(mine, ROLE_AXIS, [(0, 1), (1, 0)])
             msgs = [_pick(role, mine, other), _pick(role, other, mine)]
-        h1, d1, _, _, q1 = _unpack(msgs[0], D)
-        _, _, accept, corr, _ = _unpack(msgs[1], D)
+        h1, d1, _, _, q1 = msgs[0]
+        _, _, accept, corr, _ = msgs[1]
         return _advance(s, tuple(caches), accept, corr, h1, d1, q1, max_new, tcfg)
 
     s = jax.lax.while_loop(lambda s: still_running(s.done, two_device), body, state)
@@ -320,8 +309,6 @@ def _two_device_fn(mesh: Mesh, tcfg, ecfg, exit_layer, max_new, cache_len, sampl
 
 def check_ppsd(tcfg: ModelConfig, ecfg: ModelConfig | None, exit_layer: int) -> None:
     EH.check_exit_layer(tcfg, exit_layer)
-    if tcfg.vocab_size > MAX_VOCAB:  # token ids travel as float32 values in the tick's message
-        raise ValueError(f"PPSD supports vocabularies of at most {MAX_VOCAB} tokens, got {tcfg.vocab_size}")
     if ecfg is not None and (ecfg.num_layers != 1 or ecfg.vocab_size != tcfg.vocab_size or ecfg.hidden_size != tcfg.hidden_size):
         raise ValueError(f"the exit head must be one layer of the target's shape (got {ecfg.num_layers} layers, "
                          f"hidden {ecfg.hidden_size} vs {tcfg.hidden_size}, vocab {ecfg.vocab_size} vs {tcfg.vocab_size})")

@@ -52,7 +52,7 @@ from ...kernels.top_k import top_k
 from ...sampling import Sampling, probs
 from ..verify.chain import accepted_prefix
 from .pearl import (DATA_AXIS, DRAFT_ROLE, ROLE_AXIS, TARGET_ROLE, ParallelResult, _categorical, _row_keys, _uniform,
-                    check_pearl, still_running)
+                    check_pearl, ppermute_packed, still_running)
 
 CUTS = ("none", "confidence", "hrad")
 
@@ -334,7 +334,7 @@ def _run(tparams, dparams, hp, tokens, lens, key, row_id, *, tcfg, dcfg, sb, max
                 return dz + (top, p, pre), tcache, s.dcache
 
             mine, tcache, dcache = jax.lax.cond(role == DRAFT_ROLE, as_draft, as_target, s)
-            other = jax.lax.ppermute(mine, ROLE_AXIS, [(0, 1), (1, 0)])
+            other = ppermute_packed(mine, ROLE_AXIS, [(0, 1), (1, 0)])
             is_d = role == DRAFT_ROLE
             pick = lambda a, b, own: None if a is None else jnp.where(own, a, b)  # noqa: E731
             toks, q_all, conf = (pick(a, b, is_d) for a, b in zip(mine[:3], other[:3]))
@@ -347,7 +347,7 @@ def _run(tparams, dparams, hp, tokens, lens, key, row_id, *, tcfg, dcfg, sb, max
         if two_device:
             # the target device's decision, for both: floating point can never split them
             sent = tuple(x.astype(jnp.int32) for x in decision)
-            got = jax.lax.ppermute(sent, ROLE_AXIS, [(TARGET_ROLE, DRAFT_ROLE)])
+            got = ppermute_packed(sent, ROLE_AXIS, [(TARGET_ROLE, DRAFT_ROLE)])
             a, hit, j, corr, keep = (jnp.where(role == TARGET_ROLE, mine_, got_) for mine_, got_ in zip(sent, got))
             decision = (a, hit.astype(bool), j, corr, keep)
         return _apply(s, toks, q_all, decision, sampling, sb, max_new, tcfg)
