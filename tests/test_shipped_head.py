@@ -1,5 +1,5 @@
 """The EAGLE heads shipped for SmolLM2 (EAGLE-3 and EAGLE-1) load through the preset and keep
-greedy output identical."""
+greedy output identical; a bare `early-exit` loads the shipped exit head."""
 
 import pytest
 
@@ -29,3 +29,16 @@ def test_shipped_eagle_head_is_lossless_and_accepts(target, kind):
     sp = generate(params, cfg, prompts, max_new_tokens=24, drafter=drafter, drafter_params=dparams, k_max=4)
     assert sp.row(0) == ar.row(0)
     assert sp.accepted[0] > 0 and sp.target_calls[0] < ar.target_calls[0]
+
+
+def test_bare_early_exit_loads_the_shipped_exit_head(target):
+    """`early-exit` without an argument is what the preset ships, as for every drafter; `early-exit:E`
+    stays the untrained exit at layer E."""
+    path = shipped_head_path(PRESET, "early-exit")
+    if path is None:
+        pytest.skip("no exit head shipped")
+    cfg, params, _ = target
+    drafter, dparams = build_drafter("early-exit", cfg, params, model_name=PRESET)
+    assert drafter.head is not None and dparams is not None and drafter.exit_layer == 15
+    untrained, none = build_drafter("early-exit:7", cfg, params, model_name=PRESET)
+    assert untrained.head is None and none is None and untrained.exit_layer == 7

@@ -1,7 +1,9 @@
 """Build a drafter (and its weights) from a short spec string, as the CLI and the bench take them.
 
     ngram[:N]          prompt lookup with n-grams of length N..1 (default 3)
-    early-exit[:E]     the target's first E layers + its LM head (default L // 4)
+    early-exit         the exit head shipped with the preset (preset.json "drafters":
+                       {"early-exit": DIR}); without one, early-exit:L//4
+    early-exit:E       the target's first E layers + its own final norm and LM head (untrained)
     early-exit:PATH    the target's first E layers + a trained exit head (heads/exit_head.py;
                        `scripts/train_draft_model.py --exit-layer E` writes PATH, which records E)
     model[:PATH]       an independent draft model (preset, HF dir, GGUF or Orbax dir), or a
@@ -195,6 +197,9 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
     if name == "ngram":
         n = int(arg) if arg else 3
         return NgramDrafter(max_ngram=n), None
+    if name == "early-exit" and arg is None:  # like every drafter: what the preset ships, if anything
+        shipped = shipped_head_path(model_name, "early-exit")
+        arg = None if shipped is None else str(shipped)
     if name == "early-exit" and arg is not None and not arg.isdigit():
         if exit_layer_of(arg) is None:
             raise DrafterError(f"drafter {spec!r}: {arg} is not an exit-head directory")
