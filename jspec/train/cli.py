@@ -68,9 +68,12 @@ def _apply_overrides(recipe, args):
     from .config import Recipe
 
     pick = lambda **kw: {k: v for k, v in kw.items() if v is not None}  # noqa: E731
+    buckets = None
+    if args.seq_len is not None and recipe.train.length_buckets:  # the recipe's buckets, cut to end at --seq-len
+        buckets = tuple(b for b in recipe.train.length_buckets if b < args.seq_len) + (args.seq_len,)
     train = dataclasses.replace(recipe.train, **pick(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
-        warmup_ratio=getattr(args, "warmup_ratio", None)))
+        warmup_ratio=getattr(args, "warmup_ratio", None), length_buckets=buckets))
     data = dataclasses.replace(recipe.data, **pick(num_prompts=args.num_prompts))
     run = dataclasses.replace(recipe.run, **pick(fsdp=args.fsdp, ckpt_every=args.ckpt_every, log_every=args.log_every,
                                                  ckpt_every_s=getattr(args, "ckpt_every_s", None)))
