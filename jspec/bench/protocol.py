@@ -64,7 +64,7 @@ Methods (--methods, comma-separated; all are checked before any runs):
   hf                         transformers generate (greedy) on the same checkpoint
   hf_pld                     transformers prompt-lookup decoding (batch 1 only)
   spec:DRAFTER[:ARG]:POLICY[:OPTION]...
-    DRAFTER[:ARG]            ngram[:N]  early-exit[:E]  model[:PATH]  eagle[:PATH]  eagle3[:PATH]
+    DRAFTER[:ARG]            ngram[:N]  early-exit[:E|:PATH]  model[:PATH]  eagle[:PATH]  eagle3[:PATH]
                              dlm[:PATH] (DiffuSpec; chains only, with static, heuristic or adl)
     POLICY                   a draft-length policy: {policies}
     OPTION   tree            EAGLE-2 dynamic tree (EAGLE heads; EAGLE-2's top_k 10, depth 6, 59 nodes)
@@ -81,11 +81,12 @@ Methods (--methods, comma-separated; all are checked before any runs):
   pearl:DRAFTER[:ARG][:OPTION]...       PEARL: a draft model drafts while the target verifies
   specbranch:DRAFTER[:ARG][:OPTION]...  SpecBranch: PEARL plus branch heads and hybrid draft lengths
   ppsd:DRAFTER[:ARG][:OPTION]...        PPSD: two-stage early-exit pipeline
-    DRAFTER[:ARG]            pearl, specbranch: model[:PATH]; ppsd: early-exit:PATH (an exit head) or early-exit:E
+    DRAFTER[:ARG]            pearl, specbranch: model[:PATH]; ppsd: early-exit[:PATH] (an exit head) or early-exit:E
     OPTION   pairs=N         device pairs, drafter and target on two devices each (default 1; 0: one device)
              gamma=N         window (pearl: default measured, round(t_target / t_draft); specbranch: 4)
              branches=N cut=none|confidence|hrad threshold=X hrad=DIR   specbranch (hrad=DIR implies cut=hrad)
   e.g. pearl:model:DRAFT_DIR  specbranch:model:DRAFT_DIR:branches=3:hrad=HRAD_DIR  ppsd:early-exit:EXIT_DIR:pairs=0
+  Without a PATH, a drafter is the one the preset ships (early-exit: the preset's exit head, else early-exit:L//4).
 """
 
 PARALLEL_METHODS = ("pearl", "specbranch", "ppsd")
