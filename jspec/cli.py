@@ -154,7 +154,7 @@ def _check_engine_args(a) -> None:
         raise UsageError("--branches and --hrad apply only to --engine specbranch")
     if a.engine == "ppsd" and a.gamma is not None:
         raise UsageError("--gamma is PEARL's / SpecBranch's window; ppsd drafts one token a tick")
-    need = "early-exit[:PATH] (a trained exit head; none: the preset's) or early-exit:E" if a.engine == "ppsd" else "model[:PATH] (a draft model)"
+    need = "early-exit:PATH (a trained exit head), early-exit (the preset's) or early-exit:E" if a.engine == "ppsd" else "model[:PATH] (a draft model)"
     if a.drafter is None or a.drafter.split(":")[0] != ("early-exit" if a.engine == "ppsd" else "model"):
         raise UsageError(f"--engine {a.engine} needs --drafter {need}")
     check_drafter_spec(a.drafter)

@@ -55,6 +55,13 @@ ship() {  # priority name path...: tar the paths (relative to $RUN) into 15 MiB 
   note "shipped $name ($(du -sh "$BOX/${prio}_${name}".tar.part* | awk '{print $1}' | tr '\n' ' '))"
 }
 
+finish_head() {  # after train eagle3: log how it ended; a run stopped by its budget exports what it has
+  note "eagle3 training exit $1 ($(tail -n 1 "$RUN/eagle3/metrics.jsonl" 2>/dev/null | cut -c1-160))"
+  [ -f "$RUN/eagle3/eagle/model.safetensors" ] && return
+  timeout 240 bash scripts/device_train_heads.sh train eagle3 90 --export-when-stopped >> "$P/eagle3.log" 2>&1
+  use_unfinished_head
+}
+
 use_unfinished_head() {  # the run still has not finished: go on with its newest intermediate export
   [ -f "$RUN/eagle3/eagle/model.safetensors" ] && return
   local latest
@@ -65,12 +72,7 @@ use_unfinished_head() {  # the run still has not finished: go on with its newest
 lane_head() {
   CUDA_VISIBLE_DEVICES=0,1 timeout $((TRAIN_S + 150)) bash scripts/device_train_heads.sh train eagle3 "$TRAIN_S" \
     ${INIT_HEAD:+--init-head "$INIT_HEAD"} > "$P/eagle3.log" 2>&1
-  note "eagle3 training exit $? ($(tail -n 1 "$RUN/eagle3/metrics.jsonl" 2>/dev/null | cut -c1-160))"
-  if [ ! -f "$RUN/eagle3/eagle/model.safetensors" ]; then  # stopped by its budget: export what it has
-    CUDA_VISIBLE_DEVICES=0,1 timeout 200 bash scripts/device_train_heads.sh train eagle3 90 --export-when-stopped \
-      >> "$P/eagle3.log" 2>&1
-    use_unfinished_head
-  fi
+  CUDA_VISIBLE_DEVICES=0,1 finish_head $?
   CUDA_VISIBLE_DEVICES=0 timeout 200 bash scripts/device_train_heads.sh ldlp 110 > "$P/ldlp.log" 2>&1
   note "ldlp exit $?"
   ship 3 eagle3 eagle3/eagle eagle3/metrics.jsonl eagle3/holdout_metrics.jsonl eagle3/recipe.json \
@@ -188,11 +190,7 @@ run_head1() {
   fi
   timeout $((TRAIN_S + 150)) bash scripts/device_train_heads.sh train eagle3 "$TRAIN_S" \
     --init-head /root/stage/head --lr "${TRAIN_LR:-3e-4}" --warmup-ratio 0.03 > "$P/eagle3.log" 2>&1
-  note "eagle3 training exit $? ($(tail -n 1 "$RUN/eagle3/metrics.jsonl" 2>/dev/null | cut -c1-160))"
-  if [ ! -f "$RUN/eagle3/eagle/model.safetensors" ]; then  # stopped by its budget: export what it has
-    timeout 200 bash scripts/device_train_heads.sh train eagle3 90 --export-when-stopped >> "$P/eagle3.log" 2>&1
-    use_unfinished_head
-  fi
+  finish_head $?
   timeout 200 bash scripts/device_train_heads.sh ldlp 110 > "$P/ldlp.log" 2>&1
   note "ldlp exit $?"
   ship 2 eagle3 eagle3/eagle eagle3/metrics.jsonl eagle3/holdout_metrics.jsonl eagle3/recipe.json \
@@ -271,11 +269,7 @@ run_gemma1() {
   note "distill exit $? $(grep -o '"splits".*' "$RUN/out/distill_summary.json" 2>/dev/null | head -c 300)"
   cp "$RUN/out/distill_summary.json" "$BOX/1_distill_summary.json" 2>/dev/null
   timeout $((TRAIN_S + 240)) bash scripts/device_train_heads.sh train eagle3 "$TRAIN_S" > "$P/eagle3.log" 2>&1
-  note "eagle3 training exit $? ($(tail -n 1 "$RUN/eagle3/metrics.jsonl" 2>/dev/null | cut -c1-160))"
-  if [ ! -f "$RUN/eagle3/eagle/model.safetensors" ]; then  # stopped by its budget: export what it has
-    timeout 240 bash scripts/device_train_heads.sh train eagle3 90 --export-when-stopped >> "$P/eagle3.log" 2>&1
-    use_unfinished_head
-  fi
+  finish_head $?
   ship 2 eagle3 eagle3/eagle eagle3/metrics.jsonl eagle3/holdout_metrics.jsonl eagle3/recipe.json \
     eagle3/data_report.json eagle3/vocab_coverage.json
   mkdir -p "$P/bench"

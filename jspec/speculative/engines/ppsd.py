@@ -226,18 +226,14 @@ def _run(tparams, eparams, tokens, lens, key, row_id, *, tcfg, ecfg, exit_layer,
     S = stage_depth(tcfg, exit_layer)
     L1, L2 = stage_layers(tparams, tcfg, eparams if ecfg is not None else None, exit_layer)
 
-    def stage_cache(src_k, lo, hi, extra=None):
-        parts = [src_k[lo:hi]] + ([] if extra is None else [extra])
-        used = sum(p.shape[0] for p in parts)
-        parts.append(jnp.zeros((S - used,) + src_k.shape[1:], src_k.dtype))
-        return jnp.concatenate(parts, 0)
+    def stage_caches(a, exit_a):
+        """A target cache array [L, ...] (+ the exit head's [1, ...]) -> the two stages' [S, ...]."""
+        def padded(parts):
+            return jnp.concatenate(parts + [jnp.zeros((S - sum(p.shape[0] for p in parts),) + a.shape[1:], a.dtype)])
+        return padded([a[:exit_layer]] + ([] if exit_a is None else [exit_a.astype(a.dtype)])), padded([a[exit_layer:]])
 
-    def caches_of(which):
-        k = full.cache.k if which == "k" else full.cache.v
-        ek = None if ecache is None else (ecache.k if which == "k" else ecache.v).astype(k.dtype)
-        return stage_cache(k, 0, exit_layer, ek), stage_cache(k, exit_layer, tcfg.num_layers)
-
-    (k1, k2), (v1, v2) = caches_of("k"), caches_of("v")
+    k1, k2 = stage_caches(full.cache.k, None if ecache is None else ecache.k)
+    v1, v2 = stage_caches(full.cache.v, None if ecache is None else ecache.v)
     norm1 = eparams["final_norm"] if ecfg is not None else tparams["final_norm"]
     sl1, sl2 = stage_sliding(tcfg, exit_layer)
     scfg = tcfg.replace(num_layers=S, sliding_layers=tuple(a or b for a, b in zip(sl1, sl2)) if tcfg.has_sliding else ())
