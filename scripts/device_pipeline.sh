@@ -259,7 +259,10 @@ run_bench1() {
 #   calls 1-5 (carry .stage/g<i>):                 NPARTS=6 bash scripts/device_pipeline.sh stage .stage/g<i>
 #   call 6 (carry .stage/g5 .stage/gcorpus):       JOB=gemma1 NPARTS=6 CORPUS=.stage/gcorpus bash scripts/device_pipeline.sh start .stage/g5
 #   then `wait` calls. Distill DISTILL_S, train TRAIN_S (recipe training/gemma3-eagle3-corpus.json),
-# then MT-Bench at batch 1: AR, the new head's chain (K = 6) and static tree.
+# then MT-Bench at batch 1: AR, the new head's chain (K = 6) and static tree; then the exact chain
+# acceptance walk (scripts/acceptance_by_category.py) on MT-Bench and the chit-chat hold-out.
+# AB=1 trains a control head at the same time on the same GPU and data, with the recipe's
+# head.input_scale set to "none" (the published EAGLE-3 fc), and walks it too.
 run_gemma1() {
   cd "$SRC" || exit 1
   export PYTHONPATH="$SRC:/root/stage/site" OUT=$RUN/out JSPEC_TARGET=gemma3-270m \
@@ -268,17 +271,38 @@ run_gemma1() {
   timeout $((DISTILL_S + 240)) bash scripts/device_train_heads.sh distill "$DISTILL_S" > "$P/distill.log" 2>&1
   note "distill exit $? $(grep -o '"splits".*' "$RUN/out/distill_summary.json" 2>/dev/null | head -c 300)"
   cp "$RUN/out/distill_summary.json" "$BOX/1_distill_summary.json" 2>/dev/null
+  local heads=eagle3
+  if [ "${AB:-0}" = 1 ]; then  # the two runs share the GPU: each gets under half its memory
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); r['head']['input_scale']='none'; json.dump(r,open(sys.argv[2],'w'),indent=1)" \
+      "$JSPEC_RECIPE_EAGLE3" "$RUN/recipe_none.json"
+    timeout $((TRAIN_S + 240)) python3 -m jspec.cli train-head --target gemma3-270m --recipe "$RUN/recipe_none.json" \
+      --data "$RUN/data" --out "$RUN/eagle3_none" --fit-steps-to-budget --time-budget-s "$TRAIN_S" --no-progress \
+      > "$P/eagle3_none.log" 2>&1 &
+    heads="eagle3 eagle3_none"
+  fi
   timeout $((TRAIN_S + 240)) bash scripts/device_train_heads.sh train eagle3 "$TRAIN_S" > "$P/eagle3.log" 2>&1
   finish_head $?
+  wait
+  unset XLA_PYTHON_CLIENT_MEM_FRACTION
   ship 2 eagle3 eagle3/eagle eagle3/metrics.jsonl eagle3/holdout_metrics.jsonl eagle3/recipe.json \
     eagle3/data_report.json eagle3/vocab_coverage.json
+  [ -d "$RUN/eagle3_none" ] && ship 3 eagle3_none_logs eagle3_none/metrics.jsonl eagle3_none/holdout_metrics.jsonl
   mkdir -p "$P/bench"
   local head=$RUN/eagle3/eagle
   timeout 420 python3 -m jspec.cli bench --model gemma3-270m --tasks mt_bench --max-new-tokens 256 --batch 1 \
     --dtype bfloat16 --methods "ar,spec:eagle3:$head:static:k=6,spec:eagle3:$head:static:tree" \
     --out gemma_head_b1 --no-plots --benchmarks-md "$P/bench/gemma_head_b1.md" > "$P/bench/gemma_head_b1.log" 2>&1
   note "bench gemma_head_b1 exit $?"
-  tar -C "$SRC" -czf "$BOX/1_bench.tgz" models/gemma3-270m/bench "$P/bench" 2>/dev/null
+  tar -C "$SRC" -czf "$BOX/4_bench.tgz" models/gemma3-270m/bench "$P/bench" 2>/dev/null
+  for h in $heads; do
+    [ -f "$RUN/$h/eagle/model.safetensors" ] || continue
+    timeout 240 python3 scripts/acceptance_by_category.py --model gemma3-270m --drafter "eagle3:$RUN/$h/eagle" \
+      --tasks mt_bench,chitchat --n-prompts 80 --k 1,2,4,6,8 --batch 80 --dtype bfloat16 --check 2 \
+      --out "$P/bench/walk_$h.json" > "$P/bench/walk_$h.log" 2>&1
+    note "walk $h exit $? $(tail -n 3 "$P/bench/walk_$h.log" | head -c 400)"
+  done
+  tar -C "$SRC" -czf "$BOX/5_walks.tgz" "$P/bench" 2>/dev/null
   note "pipeline done"
   touch "$P/done"
 }

@@ -291,3 +291,26 @@ def test_seq_len_override_cuts_the_recipes_length_buckets():
     assert train.seq_len == 400 and train.length_buckets == (256, 384, 400)
     args.seq_len = None
     assert _apply_overrides(recipe, args).train.length_buckets == (256, 384, 512, 640)
+
+
+def test_input_scale_rms_is_measured_trained_and_folded_on_export(data_dir, tmp_path):
+    """head.input_scale "rms": fc_in_scale (powers of two, one per captured layer) is measured on
+    the first rows, kept fixed by training, and folded into fc on export, exactly."""
+    from jspec.checkpoint.eagle_format import load_eagle_head, save_eagle_head
+    from jspec.model import forward, init_cache
+    from jspec.train.trainer import capture_rms
+
+    target = {k: (v * 64.0 if k == "embed" else v) for k, v in _target().items()}  # a huge residual stream
+    res = train(HCFG3, TC3, target, data_dir, str(tmp_path / "run"), run=RUN, mesh=_mesh8(), head_params=_head(HCFG3),
+                input_scale="rms", stop_at=2, progress=False)
+    scale = np.asarray(res.head_params["fc_in_scale"])
+    rows = ShardedLoader(data_dir, BATCH, TC3.seed, 0, 1, seq_len_override=SEQ).batch(0)
+    want = H.capture_scales(capture_rms(HCFG3, target, rows))
+    assert (want < 1 / 8).all() and np.array_equal(np.log2(want), np.round(np.log2(want)))
+    np.testing.assert_array_equal(scale, np.repeat(want, TARGET.hidden_size))
+    save_eagle_head(str(tmp_path / "eagle"), HCFG3, res.head_params, dtype="float32")
+    _, loaded = load_eagle_head(str(tmp_path / "eagle"), TARGET)
+    assert "fc_in_scale" not in loaded
+    out = forward(target, TARGET, rows["tokens"][:2], init_cache(TARGET, 2, SEQ), capture=HCFG3.capture_layers)
+    np.testing.assert_array_equal(np.asarray(H.fuse_captured(loaded, out.captured)),
+                                  np.asarray(H.fuse_captured(res.head_params, out.captured)))

@@ -43,7 +43,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from ..config import ModelConfig
-from ..heads.eagle import HeadConfig, default_capture_layers, draft_vocab_maps, head_layer_config
+from ..heads.eagle import HeadConfig, default_capture_layers, draft_vocab_maps, fold_capture_scales, head_layer_config
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -108,7 +108,9 @@ def _layer_prefix(hcfg: HeadConfig) -> str:
 
 
 def eagle_state_dict(hcfg: HeadConfig, head_params: dict, dtype=None) -> dict[str, np.ndarray]:
-    """jspec head params -> EAGLE tensor names (numpy; floats cast to `dtype` when given)."""
+    """jspec head params -> EAGLE tensor names (numpy; floats cast to `dtype` when given). A
+    training-time fc_in_scale is folded into fc.weight, which the format can hold."""
+    head_params = fold_capture_scales(head_params)
     lc = head_layer_config(hcfg)
     p = {k: np.asarray(v) for k, v in head_params["layer"].items()}
     q, kv = lc.q_size, lc.kv_size

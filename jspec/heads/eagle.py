@@ -30,9 +30,14 @@ Parameter layout (plain dict; linear weights are [in, out]):
     d2t           [Vd] int32   EAGLE-3 with a reduced vocab: the ABSOLUTE target id of each draft
                                id (the EAGLE file format stores offsets; eagle_format converts)
     t2d           [V]  bool    EAGLE-3 with a reduced vocab: which target ids are in the draft vocab
+    fc_in_scale   [3D] float32 EAGLE-3, optional: a fixed multiplier of the captured layer inputs
+                               before the fc (powers of two, one per captured layer), so a target
+                               whose residual stream is huge (Gemma-3: token RMS in the hundreds)
+                               trains like one whose is O(1). Exports fold it into fc (exact for
+                               powers of two); a loaded head has none.
 
-`d2t` and `t2d` are integer/bool leaves: training optimises only the floating leaves
-(`split_trainable`).
+`d2t`, `t2d` and `fc_in_scale` are fixed leaves: training optimises only the other floating
+leaves (`split_trainable`).
 
 The head layer is Llama-style whatever the target family (SwiGLU, plain rope with the target's
 global theta and scaling, head_dim**-0.5 scaling, no q/k norms, no sliding window), matching what
@@ -69,6 +74,7 @@ from ..model import (
 )
 
 HEAD_KINDS = ("eagle1", "eagle3")
+FIXED_LEAVES = ("d2t", "t2d", "fc_in_scale")  # not trained (split_trainable)
 
 
 @dataclass(frozen=True)
@@ -226,7 +232,7 @@ def with_draft_vocab(hcfg: HeadConfig, head_params: dict, counts) -> dict:
 
 def split_trainable(head_params: dict) -> tuple[dict, dict]:
     """(floating leaves to optimise, fixed integer/bool leaves such as d2t / t2d)."""
-    fixed = {k: head_params[k] for k in ("d2t", "t2d") if k in head_params}
+    fixed = {k: head_params[k] for k in FIXED_LEAVES if k in head_params}
     return {k: v for k, v in head_params.items() if k not in fixed}, fixed
 
 
@@ -256,9 +262,42 @@ def head_features(hcfg: HeadConfig, head_params: dict, target_out: ForwardOut) -
 
 
 def fuse_captured(head_params: dict, captured) -> jax.Array:
-    """EAGLE-3's fc over the concatenated (low, mid, high) layer inputs: 3D -> D."""
+    """EAGLE-3's fc over the concatenated (low, mid, high) layer inputs: 3D -> D (times the
+    fixed fc_in_scale first, when the head has one)."""
     w = head_params["fc"]
-    return jnp.concatenate([c.astype(w.dtype) for c in captured], axis=-1) @ w
+    x = jnp.concatenate([c.astype(w.dtype) for c in captured], axis=-1)
+    if "fc_in_scale" in head_params:  # powers of two: the product is exact in any float format
+        x = x * head_params["fc_in_scale"].astype(w.dtype)
+    return x @ w
+
+
+def capture_scales(rms_per_layer) -> np.ndarray:
+    """fc_in_scale values [n] for captured layers whose typical token RMS is `rms_per_layer`: the
+    power of two nearest 1 / rms, so each layer reaches the fc at RMS within a factor sqrt(2) of
+    one (what init_head's fan-in scaling of fc assumes)."""
+    rms = np.maximum(np.asarray(rms_per_layer, np.float64), 1e-30)
+    return np.exp2(-np.round(np.log2(rms))).astype(np.float32)
+
+
+def with_capture_scales(hcfg: HeadConfig, head_params: dict, scales) -> dict:
+    """Install fc_in_scale from one scale per captured layer (EAGLE-3 only)."""
+    if hcfg.kind != "eagle3":
+        raise ValueError("fc_in_scale applies to EAGLE-3 heads (EAGLE-1 reads the normed final hidden)")
+    scales = np.asarray(scales, np.float32)
+    if scales.shape != (len(hcfg.capture_layers),):
+        raise ValueError(f"need one scale per captured layer ({len(hcfg.capture_layers)}), got {scales.shape}")
+    return {**head_params, "fc_in_scale": jnp.asarray(np.repeat(scales, hcfg.hidden_size))}
+
+
+def fold_capture_scales(head_params: dict) -> dict:
+    """The same head without fc_in_scale: fc's input rows multiplied by it (what the EAGLE file
+    format can hold; exact when the scales are powers of two)."""
+    if "fc_in_scale" not in head_params:
+        return head_params
+    out = {k: v for k, v in head_params.items() if k != "fc_in_scale"}
+    fc = np.asarray(head_params["fc"])
+    out["fc"] = (fc.astype(np.float32) * np.asarray(head_params["fc_in_scale"], np.float32)[:, None]).astype(fc.dtype)
+    return out
 
 
 def _attention_input(hcfg: HeadConfig, head_params: dict, embeds, feats):

@@ -199,6 +199,7 @@ def train_from_args(args: argparse.Namespace):
     result = train(hcfg, recipe.train, params, data_dir, out, run=recipe.run, resume=args.resume,
                    stop_at=args.stop_at, progress=progress, deadline=deadline,
                    fit_to_deadline=getattr(args, "fit_steps_to_budget", False), lm_head_init=recipe.head.lm_head_init,
+                   input_scale=recipe.head.input_scale,
                    head_params=init_params, warm_start=init_params is not None)
     if first_host and hcfg.reduced_vocab:
         _write_vocab_report(out, data_dir, cfg, result.head_params)

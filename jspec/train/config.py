@@ -110,10 +110,20 @@ class HeadSpec:
     # EAGLE-3's own LM head: "target" = the target's output-embedding rows of the draft vocabulary
     # (through d2t) and the target's final norm, "random" = N(0, 0.02^2) and ones
     lm_head_init: str = "random"
+    # EAGLE-3's captured layer inputs reach the fc as they are ("none", the published head), or
+    # multiplied by a fixed power of two per layer measured on the first batch so each has token
+    # RMS near one ("rms"; exports fold it into fc). Gemma-3's residual stream has token RMS in the
+    # hundreds: unscaled, the fused feature dwarfs what the head's layer adds to it, and Adam's
+    # per-weight steps move the fc's output ~40x faster than on SmolLM2.
+    input_scale: str = "none"
 
     def __post_init__(self):
         if self.lm_head_init not in ("random", "target"):
             raise ValueError(f"head.lm_head_init must be 'random' or 'target', got {self.lm_head_init!r}")
+        if self.input_scale not in ("none", "rms"):
+            raise ValueError(f"head.input_scale must be 'none' or 'rms', got {self.input_scale!r}")
+        if self.input_scale == "rms" and self.kind != "eagle3":
+            raise ValueError("head.input_scale 'rms' applies to eagle3 heads (EAGLE-1 reads the normed final hidden)")
 
 
 @dataclass(frozen=True)

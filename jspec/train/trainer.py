@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from ..heads import eagle as H
-from ..model import cast_params
+from ..model import cast_params, forward, init_cache
 from . import step as S
 from .config import RunConfig, TrainConfig
 from .data import ShardedLoader, token_counts
@@ -117,6 +117,20 @@ class MetricsLog:
         return row
 
 
+def capture_rms(hcfg: H.HeadConfig, target_params: dict, batch: dict, rows: int = 8) -> np.ndarray:
+    """Median token RMS of each captured layer input over the first `rows` rows of a batch, real
+    positions after the first only (the first token is an attention sink whose activations are
+    outsized in most models)."""
+    tokens = batch["tokens"][:rows]
+    B, T = tokens.shape
+    cache = init_cache(hcfg.target, B, T, target_params["embed"].dtype)
+    out = forward(target_params, hcfg.target, jnp.asarray(tokens), cache, capture=hcfg.capture_layers)
+    t = np.arange(T)[None]
+    real = (t >= 1) & (t < np.asarray(batch["lengths"][:rows])[:, None])
+    rms = [np.sqrt(np.mean(np.square(np.asarray(c, np.float32)), -1))[real] for c in out.captured]
+    return np.asarray([np.median(r) for r in rms], np.float64)
+
+
 def holdout_evaluator(hcfg: H.HeadConfig, tc: TrainConfig, run: RunConfig, mesh: Mesh, data_dir: str,
                       out_dir: str | None, log_fn):
     """A function (step, state, fixed, target_params) that appends the mean metrics of the same
@@ -175,6 +189,7 @@ def train(
     deadline: float | None = None,
     fit_to_deadline: bool = False,
     lm_head_init: str = "random",
+    input_scale: str = "none",
     warm_start: bool = False,
     log_fn=print,
 ) -> TrainResult:
@@ -203,10 +218,21 @@ def train(
         head_params = H.with_draft_vocab(hcfg, head_params, token_counts(data_dir, hcfg.target.vocab_size))
     if lm_head_init == "target" and not warm_start:
         head_params = init_lm_head_from_target(hcfg, jax.device_get(head_params), jax.device_get(target_params))
+    loader = ShardedLoader(data_dir, tc.batch_size, tc.seed, jax.process_index(), jax.process_count(),
+                           seq_len_override=tc.seq_len, loop_cut=tc.loop_cut,
+                           length_buckets=tc.length_buckets)
+    compute_target = cast_params(target_params, jnp.dtype(tc.compute_dtype))
+    if input_scale == "rms" and not warm_start:  # a resumed run then restores the same leaf
+        first_rows = ShardedLoader(data_dir, tc.batch_size, tc.seed, 0, 1, seq_len_override=tc.seq_len,
+                                   loop_cut=tc.loop_cut, length_buckets=tc.length_buckets).batch(0)
+        rms = capture_rms(hcfg, compute_target, first_rows)  # every host measures the same rows
+        head_params = H.with_capture_scales(hcfg, head_params, H.capture_scales(rms))
+        log_fn(f"captured layers {hcfg.capture_layers}: token RMS {np.round(rms, 1).tolist()}, "
+               f"fc_in_scale {H.capture_scales(rms).tolist()}")
     trainable, fixed = H.split_trainable(head_params)
     state = S.place(mesh, S.init_state(tc, trainable))
     fixed = S.place_replicated(mesh, fixed)
-    target_params = S.place(mesh, cast_params(target_params, jnp.dtype(tc.compute_dtype)))
+    target_params = S.place(mesh, compute_target)
 
     ckpt = Checkpointer(os.path.join(out_dir, "checkpoints"), run.keep_checkpoints)
     fitted = False
@@ -215,9 +241,6 @@ def train(
         assert meta["data_position"] == int(state["step"]), "checkpoint data position != step"
         fitted = bool(meta.get("total_fitted"))
 
-    loader = ShardedLoader(data_dir, tc.batch_size, tc.seed, jax.process_index(), jax.process_count(),
-                           seq_len_override=tc.seq_len, loop_cut=tc.loop_cut,
-                           length_buckets=tc.length_buckets)
     evaluate = holdout_evaluator(hcfg, tc, run, mesh, data_dir, out_dir if first_host else None, log_fn)
     start = int(state["step"])
     total = int(state["total_steps"])
