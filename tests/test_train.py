@@ -314,3 +314,18 @@ def test_input_scale_rms_is_measured_trained_and_folded_on_export(data_dir, tmp_
     out = forward(target, TARGET, rows["tokens"][:2], init_cache(TARGET, 2, SEQ), capture=HCFG3.capture_layers)
     np.testing.assert_array_equal(np.asarray(H.fuse_captured(loaded, out.captured)),
                                   np.asarray(H.fuse_captured(res.head_params, out.captured)))
+
+
+def test_target_lm_head_init_caps_the_logit_temperature():
+    """lm_head_init "target": the target's rows and final norm, the norm scaled down only where a
+    random unit-RMS head output would get logits sharper than TARGET_INIT_MAX_LOGIT_STD."""
+    from jspec.train.vocab import TARGET_INIT_MAX_LOGIT_STD, init_lm_head_from_target, random_output_logit_std
+
+    target, head = _target(), _head(HCFG3)
+    gentle = init_lm_head_from_target(HCFG3, head, target)
+    lm = np.asarray(gentle["lm_head"])
+    np.testing.assert_array_equal(np.asarray(gentle["final_norm"]), np.asarray(target["final_norm"]))
+    assert random_output_logit_std(np.asarray(gentle["final_norm"]), lm) < TARGET_INIT_MAX_LOGIT_STD
+    sharp = init_lm_head_from_target(HCFG3, head, {**target, "final_norm": np.asarray(target["final_norm"]) * 1e3})
+    assert random_output_logit_std(np.asarray(sharp["final_norm"]), lm) == pytest.approx(TARGET_INIT_MAX_LOGIT_STD, rel=1e-4)
+    np.testing.assert_array_equal(np.asarray(sharp["lm_head"]), lm)

@@ -73,15 +73,33 @@ def target_lm_weight(target_params: dict, target_cfg) -> np.ndarray:
     return np.asarray(target_params["lm_head"], np.float32)
 
 
+# Largest standard deviation of the logits a target-initialised LM head gives a random head output
+# of unit RMS. SmolLM2-135M's own final norm and LM head give about 6 (kept as they are); Gemma-3-
+# 270M's give 52 (final-norm weights up to 301), whose first training steps then see a cross-
+# entropy near 180.
+TARGET_INIT_MAX_LOGIT_STD = 8.0
+
+
+def random_output_logit_std(final_norm: np.ndarray, lm_weight: np.ndarray) -> float:
+    """Standard deviation of (h * final_norm) @ lm_weight over h ~ N(0, I), averaged over tokens:
+    sqrt(mean_j sum_i final_norm_i^2 W_ij^2)."""
+    return float(np.sqrt(np.mean(np.square(final_norm.astype(np.float64)) @ np.square(lm_weight.astype(np.float64)))))
+
+
 def init_lm_head_from_target(hcfg: H.HeadConfig, head_params: dict, target_params: dict) -> dict:
     """EAGLE-3 head whose lm_head is the target's output rows of the draft vocabulary (through
-    d2t) and whose final norm is the target's: a head output equal to the target's pre-norm hidden
-    state then drafts exactly the target's distribution restricted to the draft vocabulary. The
-    training starts from the target's own token geometry instead of noise."""
+    d2t) and whose final norm is the target's: a head output along the target's pre-norm hidden
+    state then ranks tokens exactly as the target does over the draft vocabulary. The training
+    starts from the target's own token geometry instead of noise.
+
+    The final norm is scaled down where the target's would make a random head output's logits
+    sharper than TARGET_INIT_MAX_LOGIT_STD: the ranking is unchanged, only the temperature."""
     if hcfg.kind != "eagle3":
         return head_params
     w = target_lm_weight(target_params, hcfg.target)
     ids = np.asarray(head_params["d2t"]) if hcfg.reduced_vocab else np.arange(hcfg.target.vocab_size)
     dtype = np.asarray(head_params["lm_head"]).dtype
-    return {**head_params, "lm_head": w[:, ids].astype(dtype),
-            "final_norm": np.asarray(target_params["final_norm"], np.float32).astype(dtype)}
+    lm = w[:, ids]
+    norm = np.asarray(target_params["final_norm"], np.float32)
+    norm = norm * min(1.0, TARGET_INIT_MAX_LOGIT_STD / random_output_logit_std(norm, lm))
+    return {**head_params, "lm_head": lm.astype(dtype), "final_norm": norm.astype(dtype)}
