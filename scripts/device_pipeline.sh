@@ -264,7 +264,9 @@ run_bench1() {
 # (BENCH=1, the default) MT-Bench at batch 1: AR, the new head's chain (K = 6) and static tree; then
 # the exact chain acceptance walk (scripts/acceptance_by_category.py) on all 80 MT-Bench questions.
 # AB=1 trains a control head at the same time on the same GPU and data, with the recipe's
-# head.input_scale set the other way ("none" <-> "rms"), and walks it too. TRAIN_ARGS: extra
+# head.input_scale set the other way ("none" <-> "rms"), and walks it too. Each run fits its own
+# step count to TRAIN_S from its own timing (the two share the GPU unevenly while compiling):
+# compare the two at equal steps (holdout_metrics.jsonl), not only at their ends. TRAIN_ARGS: extra
 # train-head flags for both runs (e.g. "--batch-size 32" so two fit one GPU).
 run_gemma1() {
   cd "$SRC" || exit 1
