@@ -43,7 +43,13 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from ..config import ModelConfig
-from ..heads.eagle import HeadConfig, default_capture_layers, draft_vocab_maps, fold_capture_scales, head_layer_config
+from ..heads.eagle import (
+    HeadConfig,
+    default_capture_layers,
+    draft_vocab_maps,
+    fold_capture_scales,
+    head_layer_config,
+)
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"

@@ -231,7 +231,7 @@ def with_draft_vocab(hcfg: HeadConfig, head_params: dict, counts) -> dict:
 
 
 def split_trainable(head_params: dict) -> tuple[dict, dict]:
-    """(floating leaves to optimise, fixed integer/bool leaves such as d2t / t2d)."""
+    """(floating leaves to optimise, the fixed leaves: FIXED_LEAVES it has)."""
     fixed = {k: head_params[k] for k in FIXED_LEAVES if k in head_params}
     return {k: v for k, v in head_params.items() if k not in fixed}, fixed
 

@@ -226,9 +226,10 @@ def train(
         first_rows = ShardedLoader(data_dir, tc.batch_size, tc.seed, 0, 1, seq_len_override=tc.seq_len,
                                    loop_cut=tc.loop_cut, length_buckets=tc.length_buckets).batch(0)
         rms = capture_rms(hcfg, compute_target, first_rows)  # every host measures the same rows
-        head_params = H.with_capture_scales(hcfg, head_params, H.capture_scales(rms))
+        scales = H.capture_scales(rms)
+        head_params = H.with_capture_scales(hcfg, head_params, scales)
         log_fn(f"captured layers {hcfg.capture_layers}: token RMS {np.round(rms, 1).tolist()}, "
-               f"fc_in_scale {H.capture_scales(rms).tolist()}")
+               f"fc_in_scale {scales.tolist()}")
     trainable, fixed = H.split_trainable(head_params)
     state = S.place(mesh, S.init_state(tc, trainable))
     fixed = S.place_replicated(mesh, fixed)
