@@ -330,3 +330,19 @@ def test_target_lm_head_init_caps_the_logit_temperature():
     sharp_std = random_output_logit_std(np.asarray(sharp["final_norm"]), lm)
     assert sharp_std == pytest.approx(TARGET_INIT_MAX_LOGIT_STD, rel=1e-4)
     np.testing.assert_array_equal(np.asarray(sharp["lm_head"]), lm)
+
+
+def test_warm_start_with_input_scale_keeps_the_head_function(straight_run, data_dir, tmp_path):
+    """--init-head of an exported head (scale folded into fc) under input_scale "rms": the scale is
+    measured again and unfolded out of fc, so the head computes the same features it did."""
+    from jspec.model import forward, init_cache
+
+    _, full = straight_run
+    head = jax.device_get(full.head_params)
+    res = train(HCFG3, TC3, _target(), data_dir, str(tmp_path), run=RUN, mesh=_mesh1(), head_params=head,
+                warm_start=True, input_scale="rms", stop_at=0, progress=False)
+    assert "fc_in_scale" in res.head_params
+    rows = ShardedLoader(data_dir, BATCH, TC3.seed, 0, 1, seq_len_override=SEQ).batch(0)
+    out = forward(_target(), TARGET, rows["tokens"][:2], init_cache(TARGET, 2, SEQ), capture=HCFG3.capture_layers)
+    np.testing.assert_allclose(np.asarray(H.fuse_captured(res.head_params, out.captured)),
+                               np.asarray(H.fuse_captured(head, out.captured)), rtol=1e-6, atol=1e-6)

@@ -222,11 +222,13 @@ def train(
                            seq_len_override=tc.seq_len, loop_cut=tc.loop_cut,
                            length_buckets=tc.length_buckets)
     compute_target = cast_params(target_params, jnp.dtype(tc.compute_dtype))
-    if input_scale == "rms" and not warm_start:  # a resumed run then restores the same leaf
+    if input_scale == "rms" and "fc_in_scale" not in head_params:  # a resumed run restores the same leaf
         first_rows = ShardedLoader(data_dir, tc.batch_size, tc.seed, 0, 1, seq_len_override=tc.seq_len,
                                    loop_cut=tc.loop_cut, length_buckets=tc.length_buckets).batch(0)
         rms = capture_rms(hcfg, compute_target, first_rows)  # every host measures the same rows
         scales = H.capture_scales(rms)
+        if warm_start:  # an exported head has the scale folded into fc: unfold it (exact), same function
+            head_params = H.fold_capture_scales(H.with_capture_scales(hcfg, head_params, 1.0 / scales))
         head_params = H.with_capture_scales(hcfg, head_params, scales)
         log_fn(f"captured layers {hcfg.capture_layers}: token RMS {np.round(rms, 1).tolist()}, "
                f"fc_in_scale {scales.tolist()}")
