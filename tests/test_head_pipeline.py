@@ -180,3 +180,45 @@ def test_merge_data_joins_datasets_and_maps_sources(tmp_path, capsys):
     assert main(["merge-data", "--out", str(tmp_path / "ac"), str(tmp_path / "a"), str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "already holds a dataset" in err[0] and "vocab_size" in err[1]
+
+
+def test_rows_stop_inside_loops_as_prefixes_of_the_whole_answers(pipeline):
+    """DistillConfig.stop_loops_after: a row that loops is finished at the end of the chunk where
+    the loop rule first cuts it, so its stored answer is the unstopped answer's prefix, at least
+    `keep` tokens into the loop and at most one chunk more; rows that do not loop are untouched."""
+    target, corpus = pipeline["target"], pipeline["corpus"]
+    dc = D.DistillConfig(rows_per_device=2, refill_per_device=1, chunk_steps=4, max_new_tokens=40)
+    mesh = D.data_mesh(jax.devices()[:2])
+    engine = D.SlotEngine(jax.device_put(target), TARGET, mesh, dc, cache_len=D.cache_len_for(64, 40), max_new=40)
+    jobs = [D.Job(i, corpus.ids(i), 0.0, 40) for i in range(12) if len(corpus.ids(i)) <= 64]
+    rule = S.LoopCut(ngram=2, run=1, keep=2)  # any repeated bigram: a random tiny target rarely loops
+
+    def answers(**kw):
+        got = {}
+        stats = engine.run(jobs, lambda job, resp: got.__setitem__(job.item, resp), stop_refill_at=float("inf"),
+                           progress=False, **kw)
+        return got, stats
+
+    whole, _ = answers()
+    stopped, stats = answers(stop_loops=rule)
+    assert stats.loop_stopped > 0 and stats.rows == len(jobs)
+    for item, resp in stopped.items():
+        full = whole[item]
+        assert resp == full[: len(resp)]
+        if len(resp) < len(full):  # stopped: the rule cuts it, and it did not cut one chunk earlier
+            assert rule.cut(np.asarray(resp)) < len(resp)
+            assert rule.cut(np.asarray(resp[: len(resp) - dc.chunk_steps])) == len(resp) - dc.chunk_steps
+    assert D.DistillConfig(stop_loops_after=64).loop_stop() == S.LoopCut(keep=64)
+    assert D.DistillConfig().loop_stop() is None
+
+
+def test_training_refuses_to_keep_more_loop_than_the_data_holds():
+    meta = {"distill": {"stop_loops_after": 64}}
+    S.check_loop_cut(meta, S.LoopCut(keep=64))
+    S.check_loop_cut({"distill": {}}, S.LoopCut(run=0))  # whole rows: any cut
+    for wrong in (S.LoopCut(keep=96), S.LoopCut(run=0), S.LoopCut(ngram=4)):
+        with pytest.raises(ValueError, match="keep at most 64"):
+            S.check_loop_cut(meta, wrong)
+    merged = {"merged_from": [{"distill": {"stop_loops_after": 0}}, {"distill": {"stop_loops_after": 48}}]}
+    with pytest.raises(ValueError, match="stop 48 tokens"):
+        S.check_loop_cut(merged, S.LoopCut(keep=64))

@@ -23,6 +23,8 @@ import os
 import time
 from pathlib import Path
 
+from ..errors import UsageError
+
 _T0 = time.perf_counter()  # the time budget counts from when the command started
 
 
@@ -178,6 +180,13 @@ def train_from_args(args: argparse.Namespace):
     first_host = jax.process_index() == 0
     progress = not args.no_progress
     v2_data = _is_v2(data_dir)  # distilled by `jspec distill`: no tokenizer needed here
+    if v2_data:
+        from .shards import check_loop_cut, read_meta
+
+        try:
+            check_loop_cut(read_meta(data_dir), recipe.train.loop_cut)
+        except ValueError as e:
+            raise UsageError(f"{data_dir}: {e}") from None
     cfg, params, tokenizer = resolve_model(args.target, tokenizer=False) if v2_data else resolve_model(args.target)
     if not v2_data and not _uses_chat(args.target, tokenizer):
         recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, chat_template=False))

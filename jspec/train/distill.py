@@ -21,8 +21,9 @@ Work, in order, each part resumable:
     2. self-instruct: the target writes prompts itself from `self_instruct_seeds` (code, math,
        reasoning, writing, ...) sampled at T=1; cleaned, deduplicated, checked against the
        evaluation hashes, saved to selfprompts.json (a resumed run reuses them)
-    3. wave 0: every standalone prompt (corpus + self-written), shuffled, then sorted by length
-       within windows of 8 batches (short prefill buckets, a representative mix at any stop)
+    3. wave 0: every standalone prompt (corpus + self-written), in an order shuffled by `seed`
+       (runs with other seeds reach other prompts first), then sorted by length within windows of
+       8 batches (short prefill buckets, a representative mix at any stop)
     4. continuations: a later human turn asked after its parent's prompt and the target's own
        answer to it (built from the parent's stored row), for parents answered with EOS; their
        longer prompts get their own cache length
@@ -57,7 +58,7 @@ from ..config import ModelConfig
 from ..decode import bucket, emit, prefill
 from ..presets import list_presets, load_preset, resolve_model
 from . import corpus as C
-from .shards import RowWriter, load_rows, read_meta, row_tokens, shard_files
+from .shards import LoopCut, RowWriter, load_rows, read_meta, row_tokens, shard_files
 
 SELF_SOURCE = "self_instruct"
 DATA_SOURCES = tuple(C.SOURCES) + (SELF_SOURCE,) + tuple(f"eval_{t}" for t in C.EVAL_TASKS)
@@ -87,6 +88,12 @@ class DistillConfig:
     # subset), e.g. "chitchat=16000": chit-chat is 70% of the corpus, and the target answers most
     # chit-chat with a loop, so uncapped it crowds out the instructions a head is used on
     source_caps: str = ""
+    # stop a row once it has written this many tokens past the start of a loop (LoopCut's rule: a
+    # run of 32 positions whose 8-gram occurred earlier); 0 = write every row to EOS or its limit.
+    # Training cuts loops loop_cut_keep tokens after their start anyway, so generating on past that
+    # only burns time: a Gemma-3-270M distillation spent about 60% of its tokens inside loops it
+    # then dropped. Must be >= the training recipe's loop_cut_keep (checked at train-head).
+    stop_loops_after: int = 0
 
     def __post_init__(self):
         if self.rows_per_device < 1 or not 1 <= self.refill_per_device <= self.rows_per_device:
@@ -95,6 +102,8 @@ class DistillConfig:
             raise ValueError("max_new_tokens and chunk_steps must be >= 1")
         if not 0.0 <= self.sample_share <= 1.0 or not 0.0 <= self.continuation_share < 1.0:
             raise ValueError("sample_share must be in [0, 1] and continuation_share in [0, 1)")
+        if self.stop_loops_after < 0:
+            raise ValueError(f"stop_loops_after must be >= 0 (0 = off), got {self.stop_loops_after}")
         self.caps()  # validated here, before any model loads
 
     def caps(self) -> dict[str, int]:
@@ -106,6 +115,10 @@ class DistillConfig:
                 raise ValueError(f"source_caps entry {part!r}: expected SOURCE=N with SOURCE one of {', '.join(C.SOURCES)}")
             caps[name] = int(n)
         return caps
+
+    def loop_stop(self) -> LoopCut | None:
+        """When a training row stops at a loop (None: never)."""
+        return LoopCut(keep=self.stop_loops_after) if self.stop_loops_after else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,14 +351,16 @@ class EngineStats:
     tokens: int = 0
     seconds: float = 0.0
     chunks: int = 0
+    loop_stopped: int = 0  # rows stopped inside a loop (DistillConfig.stop_loops_after)
     occupancy_sum: float = 0.0
     chunk_seconds: float = 0.0  # EMA of one chunk's wall time
 
     def line(self, n_devices: int) -> str:
         tps = self.tokens / max(self.seconds, 1e-9)
         occ = self.occupancy_sum / max(self.chunks, 1)
+        looped = f", {self.loop_stopped:,} rows stopped in a loop" if self.loop_stopped else ""
         return (f"{self.rows:,} rows, {self.tokens:,} tokens in {self.seconds:.1f}s: {tps:,.0f} tokens/s, "
-                f"{tps / n_devices:,.0f} tokens/s per device ({n_devices} devices), slot occupancy {occ:.0%}")
+                f"{tps / n_devices:,.0f} tokens/s per device ({n_devices} devices), slot occupancy {occ:.0%}{looped}")
 
 
 class SlotEngine:
@@ -384,10 +399,13 @@ class SlotEngine:
         return [jax.device_put(a, self.rows_sharding) for a in arrays]
 
     def run(self, jobs: list[Job], on_done: Callable[[Job, list[int]], None], *, stop_refill_at: float,
-            deadline: float = math.inf, progress: bool = True, desc: str = "distill") -> EngineStats:
+            deadline: float = math.inf, progress: bool = True, desc: str = "distill",
+            stop_loops: LoopCut | None = None) -> EngineStats:
         """Answer `jobs` in order. Refilling stops when they run out, when the clock passes
         stop_refill_at, or when the rows in flight would no longer finish before `deadline`
-        (measured chunk time); rows in flight then finish. Calls on_done(job, response tokens)."""
+        (measured chunk time); rows in flight then finish. Calls on_done(job, response tokens).
+        stop_loops: a row whose response LoopCut would cut is finished at the chunk's end (its
+        slot refilled), so loops cost at most `keep` + chunk_steps tokens instead of max_new."""
         from tqdm import tqdm
 
         stats = EngineStats()
@@ -426,8 +444,18 @@ class SlotEngine:
                 slots = self._fn("decode")(self.params, self.key, slots)
                 done, n_out = (np.asarray(x) for x in jax.device_get((slots.done, slots.n_out)))
                 finished = [b for b, h in enumerate(held) if h is not None and done[b]]
-                if finished:
+                out = None
+                if stop_loops is not None:
                     out = np.asarray(jax.device_get(slots.out))
+                    looped = self._looping_rows(stop_loops, out, n_out, done, held)
+                    if looped:
+                        mask = np.zeros(len(held), bool)
+                        mask[looped] = True
+                        slots = slots.replace(done=slots.done | self._put(mask)[0])
+                        finished += looped
+                        stats.loop_stopped += len(looped)
+                if finished:
+                    out = np.asarray(jax.device_get(slots.out)) if out is None else out
                     for b in finished:
                         job = held[b]
                         response = out[b, : n_out[b]].tolist()
@@ -453,6 +481,14 @@ class SlotEngine:
             bar.close()
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    @staticmethod
+    def _looping_rows(stop_loops: LoopCut, out: np.ndarray, n_out: np.ndarray, done: np.ndarray, held) -> list[int]:
+        """Rows in flight that have written more than stop_loops.keep tokens of a loop."""
+        shortest = stop_loops.ngram + stop_loops.run - 1 + stop_loops.keep  # no cut below this
+        return [b for b, h in enumerate(held)
+                if h is not None and not done[b] and n_out[b] > shortest
+                and stop_loops.cut(out[b, : n_out[b]]) < n_out[b]]
 
     def _refill(self, slots: Slots, group, held) -> Slots:
         n_dev, B, R = self.n_dev, self.B, self.R
@@ -610,11 +646,12 @@ def distill(params, cfg: ModelConfig, tokenizer, corpus: C.Corpus, out_dir: str,
         if not jobs:
             return
         source_of = source_of or (lambda job: int(job.payload))
+        # evaluation references are written whole: they are the target's answers as they are
         stats = engine.run(jobs, record(split, source_of), stop_refill_at=until, deadline=deadline - 5.0,
-                           progress=progress, desc=name)
+                           progress=progress, desc=name, stop_loops=dc.loop_stop() if split == "train" else None)
         writer.flush()
         summary["waves"][name] = {"jobs": len(jobs), "rows": stats.rows, "tokens": stats.tokens,
-                                  "seconds": round(stats.seconds, 1),
+                                  "loop_stopped": stats.loop_stopped, "seconds": round(stats.seconds, 1),
                                   "tokens_per_s_per_device": round(stats.tokens / max(stats.seconds, 1e-9) / n_dev)}
         log(f"{name}: {stats.line(n_dev)}")
 
@@ -651,7 +688,10 @@ def distill(params, cfg: ModelConfig, tokenizer, corpus: C.Corpus, out_dir: str,
     for name, cap in dc.caps().items():  # the same seeded subset on every resumed run and host
         ids = np.flatnonzero((corpus.parent < 0) & (corpus.source == C.SOURCES.index(name)))
         allowed[np.random.default_rng([dc.seed, 7]).permutation(ids)[cap:]] = False
-    standalone = [i for i in np.flatnonzero(allowed) if int(i) not in done]
+    # in a seeded order: runs with other seeds (other machines, other days) answer mostly other
+    # prompts instead of the corpus's first ones again; a resumed run keeps its seed's order
+    order = np.random.default_rng([dc.seed, 11]).permutation(np.flatnonzero(allowed))
+    standalone = [i for i in order if int(i) not in done]
     if max_prompts is not None:
         standalone = standalone[:max_prompts]
     jobs = [Job(int(i), corpus.ids(int(i)), float(temps[i]), dc.max_new_tokens, int(corpus.source[i]))

@@ -238,6 +238,22 @@ class LoopCut:
 NO_LOOP_CUT = LoopCut(run=0)
 
 
+def check_loop_cut(meta: dict, loop_cut: LoopCut) -> None:
+    """A dataset whose distillation stopped rows inside loops (DistillConfig.stop_loops_after, with
+    LoopCut's default ngram and run) holds at most that many loop tokens per row: training must cut
+    loops by the same rule and keep no more of them, or it would learn that loops end early."""
+    runs = [meta] + list(meta.get("merged_from", []))
+    afters = {int(r.get("distill", {}).get("stop_loops_after", 0) or 0) for r in runs} - {0}
+    if not afters:
+        return
+    after, default = min(afters), LoopCut()
+    same_rule = loop_cut.run and (loop_cut.ngram, loop_cut.run) == (default.ngram, default.run)
+    if not same_rule or loop_cut.keep > after:
+        raise ValueError(f"the dataset's rows stop {after} tokens into a loop (distill stop_loops_after); the recipe's "
+                         f"loop cut (ngram {loop_cut.ngram}, run {loop_cut.run}, keep {loop_cut.keep}) must use ngram "
+                         f"{default.ngram}, run {default.run} and keep at most {after}")
+
+
 def check_length_buckets(buckets, seq_len: int) -> None:
     """Batch lengths for length-bucketed loading must increase and end at the sequence length."""
     if buckets and (list(buckets) != sorted(set(buckets)) or buckets[-1] != seq_len):
