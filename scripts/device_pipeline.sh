@@ -229,8 +229,9 @@ run_bench1() {
 # samples other rows), ship the distilled shards home (1_data.tar.part*: unpack them here under
 # .stage/<dir>/data_prev/<name>/ and `stage .stage/<dir>` on a later machine, which merges them with
 # what it distils, `jspec merge-data`, and trains on the union), train TRAIN_S, then (BENCH=1, the
-# default) MT-Bench at batch 1: AR, the new head's chain (K = 6) and static tree; then the exact chain
-# acceptance walk (scripts/acceptance_by_category.py) on all 80 MT-Bench questions.
+# default) MT-Bench at batch 1: AR, the new head's chain (K = 6) and static tree; then (WALK=1, the
+# default) the exact chain acceptance walk (scripts/acceptance_by_category.py) on all 80 MT-Bench
+# questions.
 # A head staged before `start` (`stage .stage/head`, a folder holding the exported head) is trained on
 # (train-head --init-head: its vocabulary kept, lr TRAIN_LR, default 3e-4, 3% warm-up) and benched
 # beside the new one (its walk is on its model card); a staged head that ships an LDLP predictor
@@ -299,6 +300,7 @@ run_onegpu() {
   for h in $heads; do
     [ -f "$RUN/$h/eagle/model.safetensors" ] && walked="$walked $h:$RUN/$h/eagle"
   done
+  [ "${WALK:-1}" = 1 ] || walked=""  # WALK=0: no acceptance walk (the bench's rows only)
   for pair in $walked; do
     local name=${pair%%:*} dir=${pair#*:}
     timeout 200 python3 scripts/acceptance_by_category.py --model "$target" --drafter "eagle3:$dir" \
