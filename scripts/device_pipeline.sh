@@ -64,6 +64,7 @@ use_unfinished_head() {  # the run still has not finished: go on with its newest
   [ -f "$RUN/eagle3/eagle/model.safetensors" ] && return
   local latest
   latest=$(ls -d "$RUN"/eagle3/eagle-step* 2>/dev/null | sort -V | tail -n 1)
+  case $latest in *-step0) note "the training run stopped before its first step: no head"; return ;; esac
   [ -n "$latest" ] && ln -sfn "$latest" "$RUN/eagle3/eagle" && note "using the unfinished head $latest"
 }
 
@@ -240,7 +241,10 @@ run_bench1() {
 # head.input_scale set the other way ("none" <-> "rms"), and walks it too. Each run fits its own
 # step count to TRAIN_S from its own timing (the two share the GPU unevenly while compiling):
 # compare the two at equal steps (holdout_metrics.jsonl), not only at their ends. TRAIN_ARGS: extra
-# train-head flags for both runs (e.g. "--batch-size 32" so two fit one GPU).
+# train-head flags for both runs (e.g. "--batch-size 32" so two fit one GPU). TRAIN_S includes
+# start-up and compiling the four step shapes: SmolLM2 at 64 rows on one H200, with no compilation
+# cache yet, used all of 390 s and trained no step (give it 600); Gemma at 32 rows fitted 2,122
+# steps into 390 s.
 run_onegpu() {
   cd "$SRC" || exit 1
   local target=${HEAD_TARGET:-gemma3-270m}

@@ -485,7 +485,9 @@ class SlotEngine:
     @staticmethod
     def _looping_rows(stop_loops: LoopCut, out: np.ndarray, n_out: np.ndarray, done: np.ndarray, held) -> list[int]:
         """Rows in flight that have written more than stop_loops.keep tokens of a loop."""
-        shortest = stop_loops.ngram + stop_loops.run - 1 + stop_loops.keep  # no cut below this
+        # a loop starts at index >= ngram (its first repeated n-gram ends there at the earliest) and
+        # is seen after `run` repeated positions: no response this short can be cut
+        shortest = stop_loops.ngram + max(stop_loops.run - 1, stop_loops.keep)
         return [b for b, h in enumerate(held)
                 if h is not None and not done[b] and n_out[b] > shortest
                 and stop_loops.cut(out[b, : n_out[b]]) < n_out[b]]

@@ -302,7 +302,11 @@ def train(
                 t_ckpt = time.perf_counter()
         if stopped and ckpt.latest_step() != step:
             ckpt.save(step, state, fixed, {**meta, "data_position": step, "total_fitted": fitted})
-        if stopped:
+        if stopped and step == start:  # the budget went to start-up and compilation
+            log_fn(f"stopped by the time budget before step {start + 1}: start-up and compiling the "
+                   f"{len(tc.length_buckets) or 1} step shapes took it all; give a larger time budget "
+                   f"(a resumed run reuses $JAX_COMPILATION_CACHE_DIR)")
+        elif stopped:
             log_fn(f"stopped by the time budget at step {step} of {total}; resume continues from here")
     finally:
         log.flush()
