@@ -227,7 +227,7 @@ run_bench1() {
 # carrying .stage/p1 and .stage/corpus.) Then `wait` calls.
 #
 # Distill DISTILL_S (seed DISTILL_SEED, default the recipe's: another seed answers other prompts and
-# samples other rows), ship the distilled shards home (1_data.tar.part*: unpack them here under
+# samples other rows), ship the distilled shards home (3_data.tar.part*: unpack them here under
 # .stage/<dir>/data_prev/<name>/ and `stage .stage/<dir>` on a later machine, which merges them with
 # what it distils, `jspec merge-data`, and trains on the union), train TRAIN_S, then (BENCH=1, the
 # default) MT-Bench at batch 1: AR, the new head's chain (K = 6) and static tree; then (WALK=1, the

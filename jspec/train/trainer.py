@@ -305,7 +305,7 @@ def train(
         if stopped and step == start:  # the budget went to start-up and compilation
             log_fn(f"stopped by the time budget before step {start + 1}: start-up and compiling the "
                    f"{len(tc.length_buckets) or 1} step shapes took it all; give a larger time budget "
-                   f"(a resumed run reuses $JAX_COMPILATION_CACHE_DIR)")
+                   f"(with $JAX_COMPILATION_CACHE_DIR set, a rerun reuses the compiled steps)")
         elif stopped:
             log_fn(f"stopped by the time budget at step {step} of {total}; resume continues from here")
     finally:
