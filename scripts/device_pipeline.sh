@@ -227,10 +227,13 @@ run_bench1() {
 # carrying .stage/p1 and .stage/corpus.) Then `wait` calls.
 #
 # Distill DISTILL_S (seed DISTILL_SEED, default the recipe's: another seed answers other prompts and
-# samples other rows), ship the distilled shards home (3_data.tar.part*: unpack them here under
+# samples other rows; DISTILL_ARGS: more `jspec distill` flags, e.g. "--sample-share 1.0" so a second
+# machine's rows are all sampled, not the greedy rows the first already holds), ship the distilled shards home (3_data.tar.part*: unpack them here under
 # .stage/<dir>/data_prev/<name>/ and `stage .stage/<dir>` on a later machine, which merges them with
 # what it distils, `jspec merge-data`, and trains on the union), train TRAIN_S, then (BENCH=1, the
-# default) MT-Bench at batch 1: AR, the new head's chain (K = 6) and static tree; then (WALK=1, the
+# default) MT-Bench at batch 1: AR, the new head's chain (K = 6), static tree and (when its LDLP
+# predictor was retrained) --policy ldlp, and (HUMANEVAL=1, the default) AR and the tree on all 164
+# HumanEval prompts; then (WALK=1, the
 # default) the exact chain acceptance walk (scripts/acceptance_by_category.py) on all 80 MT-Bench
 # questions.
 # A head staged before `start` (`stage .stage/head`, a folder holding the exported head) is trained on
@@ -243,8 +246,10 @@ run_bench1() {
 # compare the two at equal steps (holdout_metrics.jsonl), not only at their ends. TRAIN_ARGS: extra
 # train-head flags for both runs (e.g. "--batch-size 32" so two fit one GPU). TRAIN_S includes
 # start-up and compiling the four step shapes: SmolLM2 at 64 rows on one H200, with no compilation
-# cache yet, used all of 390 s and trained no step (give it 600); Gemma at 32 rows fitted 2,122
-# steps into 390 s.
+# cache yet, used all of 390 s and trained no step; Gemma at 32 rows fitted 2,122 steps into 390 s.
+# So when data from an earlier machine is staged (data_prev), a prewarm run (PREWARM=1, the default)
+# compiles the same training steps on it while the target distils, and the training run loads them
+# from the compilation cache.
 run_onegpu() {
   cd "$SRC" || exit 1
   local target=${HEAD_TARGET:-gemma3-270m}
@@ -252,8 +257,25 @@ run_onegpu() {
   [ "$target" = smollm2-135m-instruct ] && recipe=training/smollm2-eagle3-corpus.json
   export PYTHONPATH="$SRC:/root/stage/site" OUT=$RUN/out JSPEC_TARGET=$target JSPEC_RECIPE_EAGLE3=$recipe
   note "onegpu ($target) start on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
+  local init=() old=""
+  if [ -f /root/stage/head/model.safetensors ]; then
+    init=(--init-head /root/stage/head --lr "${TRAIN_LR:-3e-4}" --warmup-ratio 0.03)
+    old=/root/stage/head
+  fi
+  local prev
+  prev=$(ls -d /root/stage/data_prev/*/ 2>/dev/null | head -n 1)
+  if [ -n "$prev" ] && [ "${PREWARM:-1}" = 1 ]; then
+    # Compile the training steps while the target distils: the same recipe, head and flags on the
+    # staged data give the same programs, so the training run below finds them in the compilation
+    # cache (SmolLM2's four step shapes took over 390 s to compile on an H200, most of it autotuning).
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.6  # distill's share; the prewarm allocates as it goes
+    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout 900 \
+      python3 -m jspec.cli train-head --target "$target" --recipe "$recipe" --data "$prev" --out "$RUN/prewarm" \
+      --stop-at 0 --no-progress "${init[@]}" ${TRAIN_ARGS:-} > "$P/prewarm.log" 2>&1 &
+    local prewarm_pid=$!
+  fi
   timeout $((DISTILL_S + 240)) bash scripts/device_train_heads.sh distill "$DISTILL_S" \
-    ${DISTILL_SEED:+--seed "$DISTILL_SEED"} > "$P/distill.log" 2>&1
+    ${DISTILL_SEED:+--seed "$DISTILL_SEED"} ${DISTILL_ARGS:-} > "$P/distill.log" 2>&1
   note "distill exit $? $(grep -o '"splits".*' "$RUN/out/distill_summary.json" 2>/dev/null | head -c 300)"
   cp "$RUN/out/distill_summary.json" "$BOX/1_distill_summary.json" 2>/dev/null
   ship 3 data data  # the distilled shards come home: a later machine trains on them too
@@ -262,10 +284,10 @@ run_onegpu() {
     note "merge-data exit $? $(tail -n 1 "$P/merge.log")"
     [ -f "$RUN/data_all/meta.json" ] && export JSPEC_TRAIN_DATA=$RUN/data_all
   fi
-  local init=() old=""
-  if [ -f /root/stage/head/model.safetensors ]; then
-    init=(--init-head /root/stage/head --lr "${TRAIN_LR:-3e-4}" --warmup-ratio 0.03)
-    old=/root/stage/head
+  if [ -n "${prewarm_pid:-}" ]; then
+    wait "$prewarm_pid"
+    note "prewarm exit $? ($(grep -c . "$P/prewarm.log") log lines)"
+    unset XLA_PYTHON_CLIENT_MEM_FRACTION
   fi
   local heads=eagle3
   if [ "${AB:-0}" = 1 ]; then  # the two runs share the GPU: each gets under half its memory
@@ -293,11 +315,18 @@ run_onegpu() {
   local head=$RUN/eagle3/eagle
   if [ "${BENCH:-1}" = 1 ]; then
     local methods="ar,spec:eagle3:$head:static:k=6,spec:eagle3:$head:static:tree"
+    [ -f "$head/ldlp.safetensors" ] && methods="$methods,spec:eagle3:$head:ldlp"
     [ -n "$old" ] && methods="$methods,spec:eagle3:$old:static:k=6"
     timeout 360 python3 -m jspec.cli bench --model "$target" --tasks mt_bench --max-new-tokens 256 --batch 1 \
       --dtype bfloat16 --methods "$methods" \
       --out head_b1 --no-plots --benchmarks-md "$P/bench/head_b1.md" > "$P/bench/head_b1.log" 2>&1
     note "bench head_b1 exit $?"
+    if [ "${HUMANEVAL:-1}" = 1 ]; then  # the issue's other bar: the tree on all 164 HumanEval prompts
+      timeout 300 python3 -m jspec.cli bench --model "$target" --tasks humaneval --max-new-tokens 256 --batch 1 \
+        --dtype bfloat16 --methods "ar,spec:eagle3:$head:static:tree" \
+        --out head_humaneval_b1 --no-plots --benchmarks-md "$P/bench/head_humaneval_b1.md" > "$P/bench/head_humaneval_b1.log" 2>&1
+      note "bench head_humaneval_b1 exit $?"
+    fi
     tar -C "$SRC" -czf "$BOX/5_bench.tgz" "models/$target/bench" "$P/bench" 2>/dev/null
   fi
   local walked=""
