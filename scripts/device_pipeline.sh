@@ -227,15 +227,15 @@ run_bench1() {
 # carrying .stage/p1 and .stage/corpus.) Then `wait` calls.
 #
 # Distill DISTILL_S (seed DISTILL_SEED, default the recipe's: another seed answers other prompts and
-# samples other rows; DISTILL_ARGS: more `jspec distill` flags, e.g. "--sample-share 1.0" so a second
-# machine's rows are all sampled, not the greedy rows the first already holds), ship the distilled shards home (3_data.tar.part*: unpack them here under
-# .stage/<dir>/data_prev/<name>/ and `stage .stage/<dir>` on a later machine, which merges them with
-# what it distils, `jspec merge-data`, and trains on the union), train TRAIN_S, then (BENCH=1, the
-# default) MT-Bench at batch 1: AR, the new head's chain (K = 6), static tree and (when its LDLP
-# predictor was retrained) --policy ldlp, and (HUMANEVAL=1, the default) AR and the tree on all 164
-# HumanEval prompts; then (WALK=1, the
-# default) the exact chain acceptance walk (scripts/acceptance_by_category.py) on all 80 MT-Bench
-# questions.
+# samples other rows; DISTILL_ARGS: more `jspec distill` flags, e.g. "--sample-share 1.0" so a
+# second machine's rows are all sampled, not the greedy rows the first already holds), ship the
+# distilled shards home (3_data.tar.part*: unpack them here under .stage/<dir>/data_prev/<name>/ and
+# `stage .stage/<dir>` on a later machine, which merges them with what it distils, `jspec
+# merge-data`, and trains on the union), train TRAIN_S, then (BENCH=1, the default) MT-Bench at
+# batch 1: AR, the new head's chain (K = 6), static tree and (when its LDLP predictor was retrained)
+# --policy ldlp, and (HUMANEVAL=1, the default) AR and the tree on all 164 HumanEval prompts; then
+# (WALK=1, the default) the exact chain acceptance walk (scripts/acceptance_by_category.py) on all
+# 80 MT-Bench questions.
 # A head staged before `start` (`stage .stage/head`, a folder holding the exported head) is trained on
 # (train-head --init-head: its vocabulary kept, lr TRAIN_LR, default 3e-4, 3% warm-up) and benched
 # beside the new one (its walk is on its model card); a staged head that ships an LDLP predictor
