@@ -43,21 +43,21 @@ from flax import struct
 
 from .config import ModelConfig, rope_inv_freq
 from .kernels import decode_attention as fused_attn
-from .kernels import projections as fused_proj
+from .kernels import matvec as MV
 
 NEG_INF = -1e30  # finite, so fully-masked rows never produce NaN
 
 # How `forward` runs a layer (all compute the same function; "xla" is the reference):
 #   "xla"     portable einsum attention + XLA matmuls (CPU, TPU, meshes, prefill, every family);
 #   "pallas"  one fused Pallas/Triton kernel per layer for rope + cache write + attention, for blocks
-#             of up to fused_attn.MAX_BLOCK tokens (decode, chain and tree verify); XLA matmuls.
-#             Calls or families it doesn't cover fall back to "xla";
-#   "pallas_fused"  "pallas" plus one kernel per projection with its norm / activation / residual
-#             fused (5 kernels a layer). Fewer launches, but its matrix-vector kernels are still slower
-#             than XLA's on an H200 (1.10 vs 1.04 ms a step at batch 1, best blocks tried): opt-in;
+#             of up to fused_attn.MAX_BLOCK tokens (decode, chain and tree verify), and the
+#             bandwidth-bound matvec kernel (kernels/matvec.py) for every projection and the LM head
+#             of up to matvec.MAX_ROWS rows whose shape its tuning table (or rule) gives it; it reads
+#             stacked weights in place by layer index. Calls or families it doesn't cover fall back
+#             to "xla";
 #   "cudnn"   cuDNN flash attention (jax.nn.dot_product_attention) inside the "xla" layer.
 # Off GPU the Pallas kernels run in interpret mode (slow; what the CPU tests check them with).
-KERNEL_IMPLS = ("xla", "pallas", "pallas_fused", "cudnn")
+KERNEL_IMPLS = ("xla", "pallas", "cudnn")
 
 
 _PER_DEVICE_PROGRAM = contextvars.ContextVar("jspec_per_device_program", default=False)
@@ -104,9 +104,28 @@ def fused_attention_supported(cfg: ModelConfig, T: int, new_mask: jax.Array | No
     )
 
 
-def fused_projections_supported(cfg: ModelConfig, rows: int) -> bool:
-    """Whether the fused norm+matmul kernels handle a layer of `rows` = batch x tokens rows."""
-    return rows <= fused_proj.MAX_ROWS and not cfg.sandwich_norm
+def matvec_blocks(rows: int, K: int, N: int, *, transposed: bool = False, dtype=jnp.bfloat16, in_place=False):
+    """Blocks for the matvec kernel on a product of `rows` rows, or None where XLA's dot serves
+    (kernels/matvec.py's pick_blocks; `in_place`: one layer of stacked weights)."""
+    return MV.pick_blocks(rows, K, N, transposed=transposed, dtype=dtype, in_place=in_place)
+
+
+def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, out_dtype=None, kernels: str | None = None):
+    """x [..., K] @ w [K, N] (or @ w.T for w [N, K] when `transposed`) in out_dtype (default x's).
+
+    Inference products of few rows go to the matvec kernel when `kernels` (default
+    `default_kernels()`) is "pallas" and the shape is one it serves; everything else, and anything
+    differentiated (the kernel has no VJP), is XLA's dot."""
+    rows = int(np.prod(x.shape[:-1]))
+    N = w.shape[-2] if transposed else w.shape[-1]
+    blocks = None
+    if (kernels or default_kernels()) == "pallas":
+        blocks = matvec_blocks(rows, x.shape[-1], N, transposed=transposed, dtype=w.dtype)
+    if blocks is not None:
+        return MV.matvec(x, w, transposed=transposed, blocks=blocks, out_dtype=out_dtype,
+                         interpret=jax.default_backend() != "gpu")
+    w = w.T if transposed else w
+    return x @ w if out_dtype is None else jnp.dot(x, w, preferred_element_type=out_dtype)
 
 
 @struct.dataclass
@@ -326,35 +345,49 @@ def forward(
         layer_params = jax.tree.map(lambda a: a[lo:hi], params["layers"])
     else:
         layer_params = params["layers"]
-    def project_qkv(h, p):  # [B, T, q_size + 2 * kv_size], before rope
-        qkv = rms_norm(h, p["attn_norm"], cfg.rms_norm_eps) @ p["wqkv"]
+    def dot(x, p, name):  # the portable product; `mm` below may replace it by the matvec kernel
+        return x @ p[name]
+
+    def project_qkv(h, p, mm=dot):  # [B, T, q_size + 2 * kv_size], before rope
+        qkv = mm(rms_norm(h, p["attn_norm"], cfg.rms_norm_eps), p, "wqkv")
         return qkv + p["bqkv"] if cfg.attention_bias else qkv
 
-    def attn_out_and_mlp(h, o, p):  # o [B, T, q_size] -> next hidden state
-        o = o @ p["wo"]
+    def attn_out_and_mlp(h, o, p, mm=dot):  # o [B, T, q_size] -> next hidden state
+        o = mm(o, p, "wo")
         if cfg.sandwich_norm:
             o = rms_norm(o, p["post_attn_norm"], cfg.rms_norm_eps)
         h = h + o
         m = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
-        gu = m @ p["w_gate_up"]
+        gu = mm(m, p, "w_gate_up")
         F = gu.shape[-1] // 2
-        m = (_activation(cfg, gu[..., :F]) * gu[..., F:]) @ p["w_down"]
+        m = mm(_activation(cfg, gu[..., :F]) * gu[..., F:], p, "w_down")
         if cfg.sandwich_norm:
             m = rms_norm(m, p["post_mlp_norm"], cfg.rms_norm_eps)
         return h + m
 
-    if impl in ("pallas", "pallas_fused") and fused_attention_supported(cfg, T, new_mask):
+    if impl == "pallas" and fused_attention_supported(cfg, T, new_mask):
         # The whole stacked cache rides in the scan carry and the kernel updates it in place: no
         # per-layer cache slices, no scatters, no stacking of per-layer outputs.
         half = hd // 2
         cos_h, sin_h = cos_g[..., :half], sin_g[..., :half]  # rotate-half tables repeat the halves
         interpret = jax.default_backend() != "gpu"
-        M = B * T
-        # The projection kernels index the stacked weights by layer themselves: the scan then
-        # carries no weights, so XLA slices none.
-        fused_mats = impl == "pallas_fused" and fused_projections_supported(cfg, M)
+        rows = B * T
         W = params["layers"]
-        proj = functools.partial(fused_proj.fused_projection, interpret=interpret)
+        big = ("wqkv", "wo", "w_gate_up", "w_down")
+        # Products the matvec kernel takes (by shape); it indexes stacked weights by layer itself,
+        # so the scan then carries only the small per-layer leaves and XLA slices no big weight.
+        shapes = {n: (W[0] if per_layer else W)[n].shape[-2:] for n in big}
+        blocks = {n: matvec_blocks(rows, *shapes[n], dtype=dtype, in_place=not per_layer) for n in big}
+        in_place = {n for n in big if blocks[n] is not None and not per_layer}
+
+        def layer_mm(li):
+            def mm(x, p, name):
+                if blocks[name] is None:
+                    return x @ p[name]
+                w = W[name] if name in in_place else p[name]
+                return MV.matvec(x, w, layer=li if name in in_place else None, blocks=blocks[name],
+                                 interpret=interpret)
+            return mm
 
         def attend(qkv, kc, vc, li):
             o, kc, vc = fused_attn.fused_block_attention(
@@ -371,25 +404,13 @@ def forward(
 
         def fused_layer(carry, xs):
             h, kc, vc = carry
-            if fused_mats:
-                li = xs
-                x2 = h.reshape(M, cfg.hidden_size)
-                qkv = proj(x2, W["wqkv"], li, norm=W["attn_norm"], eps=cfg.rms_norm_eps, bias=W.get("bqkv"))
-                qkv = qkv.reshape(B, T, -1)
-                if cfg.qk_norm:
-                    qkv = qk_normed(qkv, {"q_norm": W["q_norm"][li], "k_norm": W["k_norm"][li]})
-                o, kc, vc = attend(qkv, kc, vc, li)
-                h1 = proj(o.reshape(M, cfg.q_size), W["wo"], li, residual=x2)
-                a = proj(h1, W["w_gate_up"], li, norm=W["mlp_norm"], eps=cfg.rms_norm_eps, gated=True,
-                         activation=cfg.mlp_activation)
-                h_next = proj(a, W["w_down"], li, residual=h1).reshape(B, T, cfg.hidden_size)
-            else:
-                p, li = xs
-                qkv = project_qkv(h, p)
-                if cfg.qk_norm:
-                    qkv = qk_normed(qkv, p)
-                o, kc, vc = attend(qkv, kc, vc, li)
-                h_next = attn_out_and_mlp(h, o, p)
+            p, li = xs
+            mm = layer_mm(li)
+            qkv = project_qkv(h, p, mm)
+            if cfg.qk_norm:
+                qkv = qk_normed(qkv, p)
+            o, kc, vc = attend(qkv, kc, vc, li)
+            h_next = attn_out_and_mlp(h, o, p, mm)
             return (h_next, kc, vc), (h if capture else None)
 
         if per_layer:  # unrolled over each layer's own buffers: no weight slices to copy
@@ -400,8 +421,8 @@ def forward(
             x, k_all, v_all = carry
         else:
             layer_ids = jnp.arange(lo, hi, dtype=jnp.int32)
-            xs = layer_ids if fused_mats else (layer_params, layer_ids)
-            (x, k_all, v_all), h_ins = jax.lax.scan(fused_layer, (x, cache.k, cache.v), xs,
+            scanned = {n: a for n, a in layer_params.items() if n not in in_place}
+            (x, k_all, v_all), h_ins = jax.lax.scan(fused_layer, (x, cache.k, cache.v), (scanned, layer_ids),
                                                      unroll=True if unroll is None else unroll)
         hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) if final_norm else x
         captured = tuple(h_ins[i - lo] for i in capture) if capture else ()
@@ -499,10 +520,11 @@ def loop_params(params: dict, cfg: ModelConfig, *, unroll=None, kernels: str | N
     return {**params, "layers": tuple(jax.tree.map(lambda a: a[i], layers) for i in range(cfg.num_layers))}
 
 
-def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """Logits in float32 from final-normed hidden states [..., D]."""
-    w = params["embed"].T if cfg.tie_word_embeddings or "lm_head" not in params else params["lm_head"]
-    logits = jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array, *, kernels: str | None = None) -> jax.Array:
+    """Logits in float32 from final-normed hidden states [..., D] (`kernels` as in `forward`)."""
+    tied = cfg.tie_word_embeddings or "lm_head" not in params
+    w = params["embed"] if tied else params["lm_head"]  # [V, D] read transposed, or [D, V]
+    logits = matmul(hidden, w, transposed=tied, out_dtype=jnp.float32, kernels=kernels)
     if cfg.final_logit_softcap:
         logits = jnp.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
     return logits

@@ -1,8 +1,8 @@
 """Profile jspec's jitted decode and verify forwards on a model of SmolLM2-135M's shape (random weights).
 
 Side by side in one process, for each layer implementation (model.KERNEL_IMPLS: the portable "xla"
-einsum path, "pallas" = fused attention kernel + XLA matmuls, "pallas_fused" = + fused projection
-kernels, "cudnn" attention):
+einsum path, "pallas" = fused attention kernel + the matvec kernel for few-row products (set
+JSPEC_MATMUL=xla for XLA's dots), "cudnn" attention):
   * kernels: the kernel count of a decode step, read from the compiled HLO (the layer scan's while
     body, found by its trip count, is the per-layer count), with the layer body's op list;
   * decode: the AR decode step (forward + LM head + argmax + cursor advance) timed inside one jitted
@@ -15,7 +15,6 @@ kernels, "cudnn" attention):
   * verify: the verify forward's cost as a function of block size T (1 .. 64, and a 60-node tree)
     per batch: forward of T tokens + LM head on all of them + argmax, cursor not moved (verify_us,
     and vs_T1 = verify(T) / verify(1), where verify(1) is an AR step);
-  * --proj-blocks: pallas_fused decode steps at batch 1 for several projection block shapes.
 Prints each row as it is measured; writes JSON (rewritten after every row, so a killed run keeps
 what it measured) and each variant's compiled decode HLO to $OUT when set. --quick = kernels and
 the batch-1 decode step only (for XLA-flag variants, which need a process each).
@@ -247,12 +246,11 @@ def attempt(rows, fn, *a, **kw):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--impls", default="xla,pallas,pallas_fused,cudnn")
+    ap.add_argument("--impls", default="xla,pallas,cudnn")
     ap.add_argument("--sections", default="kernels,decode,compare,generate,layers,verify")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--verify-impls", default="xla,pallas")
     ap.add_argument("--verify-n", type=int, default=50, help="forwards per timed verify loop")
-    ap.add_argument("--proj-blocks", default="", help="';'-separated bn,bk,warps,stages of pallas_fused to time at batch 1")
     ap.add_argument("--quick", action="store_true", help="= --sections kernels,decode --batches 1")
     ap.add_argument("--tag", default="", help="suffix of the JSON file (e.g. the XLA flags)")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke test of this script)")
@@ -303,11 +301,6 @@ def main():
         for impl in a.verify_impls.split(","):
             for batch in batches:
                 attempt(rows, verify_sweep, params, cfg, impl, batch, n=a.verify_n)
-    for blocks in filter(None, a.proj_blocks.split(";")):
-        os.environ["JSPEC_PROJ_BLOCKS"] = blocks  # read at trace time; make_decode traces afresh
-        attempt(rows, lambda p, c, i, b: dict(kind="decode_step", impl=i, batch=1, proj_blocks=b, committed=COMMITTED,
-                                              ms_per_step=round(step_ms(p, c, i, 1), 4)), params, cfg, "pallas_fused", blocks)
-        del os.environ["JSPEC_PROJ_BLOCKS"]
     print(f"card: {card}, jax {jax.__version__}, dtype {jnp.dtype(dtype).name}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
     for r in rows:
         print({k: v for k, v in r.items() if k != "layer_body_ops"})

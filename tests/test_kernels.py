@@ -51,7 +51,12 @@ def _forward(params, cfg, toks, cache, impl, **kw):
     return f(params, toks, cache)
 
 
-def test_fast_paths_match_einsum():
+@pytest.mark.parametrize("matmul", ["xla", "matvec"])
+def test_fast_paths_match_einsum(matmul, monkeypatch):
+    """Fused attention with XLA's products, then with the matvec kernel on every projection and the
+    LM head (JSPEC_MATMUL=matvec forces it on these small matrices), on stacked weights (read in
+    place by layer index) and on loop_params' per-layer buffers."""
+    monkeypatch.setenv("JSPEC_MATMUL", matmul)
     cfg = TINY
     params = M.init_params(cfg, jax.random.PRNGKey(0), scale=0.2)
     B = 2
@@ -60,24 +65,33 @@ def test_fast_paths_match_einsum():
     cases = [
         ("pallas", dict(T=1)),  # decode: fused attention, XLA matmuls
         # chain verify + feature capture over a layer sub-range (early-exit drafting shares the cache)
-        ("pallas_fused", dict(T=3, capture=(1,), layer_range=(1, 2))),
-        ("pallas_fused", dict(T=6, new_mask=jnp.asarray(np.broadcast_to(anc, (B, 6, 6))),  # tree verify
-                              positions=cache.lengths[:, None] + jnp.asarray(depth)[None])),
+        ("pallas", dict(T=3, capture=(1,), layer_range=(1, 2))),
+        ("pallas", dict(T=6, new_mask=jnp.asarray(np.broadcast_to(anc, (B, 6, 6))),  # tree verify
+                        positions=cache.lengths[:, None] + jnp.asarray(depth)[None])),
     ]
+    per_layer = M.loop_params(params, cfg, kernels="pallas")
+    assert isinstance(per_layer["layers"], tuple)
     for impl, case in cases:
         T = case.pop("T")
         toks = jax.random.randint(jax.random.PRNGKey(T), (B, T), 0, cfg.vocab_size)
-        _assert_same(_forward(params, cfg, toks, cache, "xla", **case), _forward(params, cfg, toks, cache, impl, **case))
+        ref = _forward(params, cfg, toks, cache, "xla", **case)
+        _assert_same(ref, _forward(params, cfg, toks, cache, impl, **case))
+        _assert_same(ref, _forward(per_layer, cfg, toks, cache, impl, **case))
+    h = jax.random.normal(jax.random.PRNGKey(7), (B, 3, cfg.hidden_size))
+    for c in (cfg, cfg.replace(tie_word_embeddings=True)):  # [D, V] head; [V, D] embedding read transposed
+        np.testing.assert_allclose(M.lm_head(params, c, h, kernels="pallas"), M.lm_head(params, c, h, kernels="xla"),
+                                   atol=2e-5, rtol=2e-5)
 
 
-def test_fast_path_bias_qk_norm_and_full_cache():
+def test_fast_path_bias_qk_norm_and_full_cache(monkeypatch):
     """Qwen-style qkv bias and q/k norms; a row whose new slots run past the cache end (dropped)."""
+    monkeypatch.setenv("JSPEC_MATMUL", "matvec")
     cfg = TINY.replace(arch="qwen3", attention_bias=True, qk_norm=True)
     params = M.init_params(cfg, jax.random.PRNGKey(2), scale=0.2)
     params["layers"]["bqkv"] = 0.1 * jax.random.normal(jax.random.PRNGKey(3), params["layers"]["bqkv"].shape)
     cache = _filled(cfg, params, 2, [S - 1, 3])
     toks = jax.random.randint(jax.random.PRNGKey(4), (2, 2), 0, cfg.vocab_size)
-    _assert_same(_forward(params, cfg, toks, cache, "xla"), _forward(params, cfg, toks, cache, "pallas_fused"))
+    _assert_same(_forward(params, cfg, toks, cache, "xla"), _forward(params, cfg, toks, cache, "pallas"))
 
 
 def test_unsupported_calls_fall_back():
@@ -86,7 +100,6 @@ def test_unsupported_calls_fall_back():
     assert not M.fused_attention_supported(TINY, 65, None)
     assert not M.fused_attention_supported(TINY.replace(sliding_window=4, sliding_layers=(True, False)), 1, None)
     assert not M.fused_attention_supported(TINY.replace(attn_logit_softcap=50.0), 1, None)
-    assert not M.fused_projections_supported(TINY.replace(sandwich_norm=True), 1)
 
 
 def test_kernel_choice(monkeypatch):

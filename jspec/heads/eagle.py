@@ -48,6 +48,7 @@ it is exactly what the target's first layer reads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -68,6 +69,7 @@ from ..model import (
     fused_attention_supported,
     init_cache,
     lm_head,
+    matmul,
     new_slots,
     rms_norm,
     rope_tables,
@@ -333,12 +335,12 @@ def _project_qkv(lcfg: ModelConfig, p: dict, attn_in, positions):
 def fused_head_attention(hcfg: HeadConfig, T: int, kernels: str | None = None) -> bool:
     """Whether a draft call over blocks of up to T tokens runs the head's attention through the
     fused kernel (jspec.kernels.decode_attention), by model.forward's rule: `kernels` (default
-    `model.default_kernels()`: "pallas" on a single GPU) is "pallas" or "pallas_fused" and the
+    `model.default_kernels()`: "pallas" on a single GPU) is "pallas" and the
     kernel covers the head layer's geometry at this block size. Else the einsum path runs."""
     impl = kernels or default_kernels()
     if impl not in KERNEL_IMPLS:
         raise ValueError(f"kernels={impl!r}: expected one of {', '.join(KERNEL_IMPLS)}")
-    return impl in ("pallas", "pallas_fused") and fused_attention_supported(head_layer_config(hcfg), T, None)
+    return impl == "pallas" and fused_attention_supported(head_layer_config(hcfg), T, None)
 
 
 def _fused_attention(lcfg: ModelConfig, qkv, positions, cache: KVCache, new_mask, drop_past_end: bool = False):
@@ -389,12 +391,14 @@ def _attend(lcfg: ModelConfig, q, blocks):
     return out.reshape(B, T, lcfg.q_size)
 
 
-def _finish_layer(hcfg: HeadConfig, p: dict, attn_out, residual):
-    h = residual + attn_out @ p["wo"]
+def _finish_layer(hcfg: HeadConfig, p: dict, attn_out, residual, mm=jnp.matmul):
+    """Output projection, MLP and residuals; `mm` is `model.matmul` on the (never differentiated)
+    fused draft paths, so their products go to the matvec kernel where it serves."""
+    h = residual + mm(attn_out, p["wo"])
     m = rms_norm(h, p["mlp_norm"], hcfg.target.rms_norm_eps)
-    gu = m @ p["w_gate_up"]
+    gu = mm(m, p["w_gate_up"])
     F = gu.shape[-1] // 2
-    return h + (jax.nn.silu(gu[..., :F]) * gu[..., F:]) @ p["w_down"]
+    return h + mm(jax.nn.silu(gu[..., :F]) * gu[..., F:], p["w_down"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,12 +406,13 @@ def _finish_layer(hcfg: HeadConfig, p: dict, attn_out, residual):
 # ---------------------------------------------------------------------------------------------
 
 
-def draft_logits(hcfg: HeadConfig, head_params: dict, target_params: dict, h_out) -> jax.Array:
-    """float32 logits over the head's own vocabulary [.., draft_vocab] (the target's for eagle1)."""
+def draft_logits(hcfg: HeadConfig, head_params: dict, target_params: dict, h_out, kernels: str = "xla") -> jax.Array:
+    """float32 logits over the head's own vocabulary [.., draft_vocab] (the target's for eagle1);
+    `kernels` as in `model.matmul` (the portable dot unless a fused draft path asks)."""
     if hcfg.kind == "eagle1":
-        return lm_head(target_params, hcfg.target, h_out)
+        return lm_head(target_params, hcfg.target, h_out, kernels=kernels)
     x = rms_norm(h_out, head_params["final_norm"], hcfg.target.rms_norm_eps)
-    return jnp.dot(x, head_params["lm_head"], preferred_element_type=jnp.float32)
+    return matmul(x, head_params["lm_head"], out_dtype=jnp.float32, kernels=kernels)
 
 
 def to_target_vocab(hcfg: HeadConfig, head_params: dict, logits) -> jax.Array:
@@ -552,9 +557,10 @@ def head_chain_step(
         return h, logits, cache
     p = head_params["layer"]
     attn_in, residual = _pair_inputs(hcfg, head_params, target_params, tokens, feats)
-    o, cache = _fused_attention(head_layer_config(hcfg), attn_in @ p["wqkv"], positions, cache, None)
-    h_out = _finish_layer(hcfg, p, o, residual)
-    return h_out, draft_logits(hcfg, head_params, target_params, h_out), cache
+    mm = functools.partial(matmul, kernels="pallas")
+    o, cache = _fused_attention(head_layer_config(hcfg), mm(attn_in, p["wqkv"]), positions, cache, None)
+    h_out = _finish_layer(hcfg, p, o, residual, mm)
+    return h_out, draft_logits(hcfg, head_params, target_params, h_out, kernels="pallas"), cache
 
 
 def head_tree_level(
@@ -597,7 +603,8 @@ def head_tree_level(
     B, T = tokens.shape
     p = head_params["layer"]
     attn_in, residual = _pair_inputs(hcfg, head_params, target_params, tokens, feats)
-    qkv = attn_in @ p["wqkv"]
+    mm = functools.partial(matmul, kernels="pallas")
+    qkv = mm(attn_in, p["wqkv"])
     entries = (qkv, positions)
     own = jnp.broadcast_to(jnp.eye(T, dtype=bool), (B, T, T))
     if pending is None:
@@ -612,8 +619,8 @@ def head_tree_level(
     if all_qkv.shape[1] > fused_attn.MAX_BLOCK:
         raise ValueError(f"a fused tree level runs {all_qkv.shape[1]} nodes; the kernel takes {fused_attn.MAX_BLOCK}")
     o, cache = _fused_attention(lcfg, all_qkv, all_pos, cache, mask)
-    h_out = _finish_layer(hcfg, p, o[:, -T:], residual)
-    return h_out, draft_logits(hcfg, head_params, target_params, h_out), entries, cache
+    h_out = _finish_layer(hcfg, p, o[:, -T:], residual, mm)
+    return h_out, draft_logits(hcfg, head_params, target_params, h_out, kernels="pallas"), entries, cache
 
 
 def target_index(hcfg: HeadConfig, head_params: dict) -> jax.Array | None:

@@ -1,0 +1,283 @@
+"""Bandwidth-bound matrix products for few rows (decode, verify, draft steps): `x @ W` with x [M, K],
+M small, streaming W once at the card's memory bandwidth.
+
+Why a kernel of our own: at batch 1 a decoder step is one pass over the weights, so its speed is
+the fraction of HBM bandwidth its matrix products reach. XLA's GPU lowering of a one-row product
+reaches about a third of it at 8B shapes with its Triton GEMMs (a grid too small to keep enough
+loads in flight), and its cuBLAS route loses to Triton at 1B; neither choice is right for every
+shape. This kernel is one simple shape-parametrised program:
+
+    grid (ceil(N / BN), S): program (n, s) owns output columns [n*BN, +BN) and the K range
+    [s*K/S, +K/S); it walks that range in BK-row tiles (software-pipelined by Triton over
+    `num_stages` buffers) and accumulates x_tile @ W_tile in float32 on the tensor cores
+    (rows masked up to 16, the smallest MMA tile: the padding rows are never read from memory). Split-K (S > 1) writes float32 partials
+    [S, Mp, N] that the caller's next XLA fusion sums (with its residual / activation), so every
+    program does a fixed share and results are deterministic (no atomics).
+
+`W` may be:
+  * [K, N] (a projection), or [N, K] with `transposed=True` (a tied embedding as the LM head,
+    read along its contiguous rows);
+  * stacked [L, K, N] with a traced `layer` index: the layer is read in place, so a layer loop
+    over stacked weights copies no weight slices.
+
+The block shape (BN, BK, S, warps, stages) is picked per (card, rows, K, N, layout) from
+`matvec_tuning.json` (measured by scripts/bench_shapes.py --tune), else by a rule that gives every
+SM several programs. The portable path (CPU, TPU, meshes) is `x @ W`; tests run this kernel in
+Pallas interpret mode against it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+MAX_ROWS = 64  # rows (batch x tokens) in one tile; more rows go to XLA's GEMMs (compute starts to matter)
+MIN_ELEMENTS = 1 << 20  # smaller matrices are launch-bound, not bandwidth-bound: XLA's dot serves them
+# $JSPEC_MATMUL (read when a program is traced): "auto" (the tuning table, else the rule), "matvec"
+# (the kernel wherever rows <= MAX_ROWS) or "xla" (never the kernel): for A/B benchmarks.
+MATMUL_CHOICES = ("auto", "matvec", "xla")
+TUNING_FILE = Path(__file__).with_name("matvec_tuning.json")
+_SMS_FALLBACK = 132  # H100 SXM; only used when the device does not report its core count
+
+
+class Blocks(tuple):
+    """(block_n, block_k, split_k, num_warps, num_stages)."""
+
+    __slots__ = ()
+
+    def __new__(cls, bn, bk, split, warps, stages):
+        return super().__new__(cls, (int(bn), int(bk), int(split), int(warps), int(stages)))
+
+
+def _pad_rows(m: int) -> int:
+    return max(16, 1 << (m - 1).bit_length())
+
+
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, M, BM, K, N, BK, BN, KS, transposed, stacked, mask_n, mask_k):
+    n = pl.program_id(0)
+    s = pl.program_id(1)
+    at = (lambda *idx: w_ref.at[(layer_ref[0], *idx)]) if stacked else (lambda *idx: w_ref.at[idx])  # one indexer
+    rows = pl.ds(0, BM)
+    r_ok = jnp.arange(BM) < M
+    cols = n * BN + jnp.arange(BN)
+    c_ok = cols < N
+    k_start = s * KS
+    precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
+
+    def body(i, acc):
+        k0 = k_start + i * BK
+        kb = pl.ds(k0, BK)
+        k_ok = (k0 + jnp.arange(BK)) < K
+        xb = plgpu.load(x_ref.at[rows, kb], mask=r_ok[:, None] & (k_ok[None, :] if mask_k else True), other=0)
+        if transposed:  # W [N, K]: tile [BN, BK], contiguous along K
+            mask = (c_ok[:, None] if mask_n else True) & (k_ok[None, :] if mask_k else True)
+            wb = plgpu.load(at(pl.ds(n * BN, BN), kb), mask=None if mask is True else mask,
+                            other=None if mask is True else 0)
+            dims = (((1,), (1,)), ((), ()))
+        else:  # W [K, N]: tile [BK, BN], contiguous along N
+            mask = (k_ok[:, None] if mask_k else True) & (c_ok[None, :] if mask_n else True)
+            wb = plgpu.load(at(kb, pl.ds(n * BN, BN)), mask=None if mask is True else mask,
+                            other=None if mask is True else 0)
+            dims = (((1,), (0,)), ((), ()))
+        return acc + lax.dot_general(xb, wb, dims, preferred_element_type=jnp.float32, precision=precision)
+
+    acc = lax.fori_loop(0, KS // BK, body, jnp.zeros((BM, BN), jnp.float32))
+    plgpu.store(o_ref.at[s, rows, pl.ds(n * BN, BN)], acc, mask=r_ok[:, None] & (c_ok[None, :] if mask_n else True))
+
+
+def matvec_partials(x, w, *, layer=None, transposed=False, blocks: Blocks, interpret=False):
+    """float32 partial products [S, M, N] of x [M, K] @ W (see the module doc for W's layouts).
+
+    Sum over axis 0 and round to the output dtype to get `x @ W`."""
+    M, K = x.shape
+    stacked = layer is not None
+    kn = w.shape[-2:]
+    N = kn[0] if transposed else kn[1]
+    assert (kn[1] if transposed else kn[0]) == K, (x.shape, w.shape, transposed)
+    assert M <= MAX_ROWS, M
+    bn, bk, split, warps, stages = blocks
+    bk = min(bk, 1 << (K - 1).bit_length())
+    # each split owns a whole number of BK tiles; the last may run past K (masked)
+    ks = -(-K // (split * bk)) * bk
+    split = -(-K // ks)
+    kernel = functools.partial(_kernel, M=M, BM=_pad_rows(M), K=K, N=N, BK=bk, BN=bn, KS=ks, transposed=transposed, stacked=stacked,
+                               mask_n=N % bn != 0, mask_k=(split * ks) != K)
+    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(N, bn), split),
+        out_shape=jax.ShapeDtypeStruct((split, M, N), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+        name="jspec_matvec",
+    )(layer_arr, x, w)
+
+
+def matvec(x, w, *, layer=None, transposed=False, blocks: Blocks | None = None, out_dtype=None, interpret=False):
+    """x [..., K] @ W for few rows, W [K, N] / [N, K] (transposed) / [L, K, N] (with `layer`).
+
+    Returns [..., N] in out_dtype (default x's dtype): the float32 sum rounded once, as XLA's
+    dot with preferred_element_type=float32 followed by a cast computes it. Differentiable in x
+    and W when `layer` is None (the backward pass is XLA's dots)."""
+    K = x.shape[-1]
+    N = w.shape[-2] if transposed else w.shape[-1]
+    if blocks is None:
+        blocks = default_blocks(math.prod(x.shape[:-1]), K, N, transposed=transposed)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if layer is not None:
+        return _matvec(x, w, layer, transposed, blocks, out_dtype, interpret)
+    return _matvec_vjp(x, w, transposed, blocks, out_dtype, interpret)
+
+
+def _matvec(x, w, layer, transposed, blocks, out_dtype, interpret):
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    part = matvec_partials(x2, w, layer=layer, transposed=transposed, blocks=blocks, interpret=interpret)
+    return jnp.sum(part, axis=0).astype(out_dtype).reshape(*lead, part.shape[-1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _matvec_vjp(x, w, transposed, blocks, out_dtype, interpret):
+    return _matvec(x, w, None, transposed, blocks, out_dtype, interpret)
+
+
+def _matvec_fwd(x, w, transposed, blocks, out_dtype, interpret):
+    return _matvec(x, w, None, transposed, blocks, out_dtype, interpret), (x, w)
+
+
+def _matvec_bwd(transposed, blocks, out_dtype, interpret, res, g):
+    x, w = res
+    wk = w.T if transposed else w  # [K, N]
+    dx = jnp.dot(g, wk.T.astype(g.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    dw = jnp.dot(x2.T, g.reshape(-1, g.shape[-1]).astype(jnp.float32))  # [K, N]
+    return dx, (dw.T if transposed else dw).astype(w.dtype)
+
+
+_matvec_vjp.defvjp(_matvec_fwd, _matvec_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block selection
+# ---------------------------------------------------------------------------------------------
+
+
+def _sm_count() -> int:
+    try:
+        return int(getattr(jax.devices()[0], "core_count", 0)) or _SMS_FALLBACK
+    except Exception:  # noqa: BLE001 - no device info: fall back to the H100's count
+        return _SMS_FALLBACK
+
+
+def default_blocks(M: int, K: int, N: int, *, transposed: bool, sms: int | None = None) -> Blocks:
+    """A rule that keeps the HBM busy: enough programs for ~4 per SM, each streaming >= 64 KiB.
+
+    BN 64 columns (128-byte rows, coalesced) for [K, N]; for [N, K] the tile's rows are contiguous
+    along K, so wider BK reads longer runs. Split K until the grid fills the card."""
+    sms = sms or _sm_count()
+    bn = 64 if not transposed else 32
+    bk = 256 if not transposed else 512
+    bk = min(bk, 1 << (K - 1).bit_length())
+    while bk > 64 and smem_bytes(M, Blocks(bn, bk, 1, 4, 4)) > SMEM_BUDGET:
+        bk //= 2
+    programs = -(-N // bn)
+    split = 1
+    while programs * split < 4 * sms and (K // (2 * split)) >= 2 * bk:
+        split *= 2
+    return Blocks(bn, bk, split, 4, 4)
+
+
+SMEM_BUDGET = 200 * 1024  # of the H100's 227 KiB a block may use
+
+
+def smem_bytes(M: int, blocks: Blocks, itemsize: int = 2) -> int:
+    """Shared memory of the pipelined x and W tiles (what num_stages multiplies)."""
+    bn, bk, _, _, stages = blocks
+    return stages * itemsize * bk * (_pad_rows(M) + bn)
+
+
+@functools.lru_cache(maxsize=None)
+def _tuning_table(card: str) -> dict:
+    env = os.environ.get("JSPEC_MATVEC_TUNING")
+    path = Path(env) if env else TUNING_FILE
+    if not path.exists():
+        return {}
+    table = json.loads(path.read_text())
+    return table.get(card, {})
+
+
+def tuning_key(M: int, K: int, N: int, transposed: bool, dtype) -> str:
+    """Rows bucket (1, or the padded tile of 16 / 32 / 64), K, N, layout and dtype."""
+    rows = 1 if M == 1 else _pad_rows(M)
+    return f"{rows}x{K}x{N}{'t' if transposed else ''}:{jnp.dtype(dtype).name}"
+
+
+def card_name() -> str:
+    try:
+        return jax.devices()[0].device_kind
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def matmul_choice() -> str:
+    choice = os.environ.get("JSPEC_MATMUL", "auto")
+    if choice not in MATMUL_CHOICES:
+        raise ValueError(f"JSPEC_MATMUL={choice!r}: expected one of {', '.join(MATMUL_CHOICES)}")
+    return choice
+
+
+def pick_blocks(M: int, K: int, N: int, *, transposed: bool, dtype=jnp.bfloat16,
+                in_place: bool = False) -> Blocks | None:
+    """The kernel's blocks for this card and product, or None where XLA's dot is the better choice.
+
+    A table entry (measured by bench_shapes --parts tune) gives the best blocks and whether XLA's
+    dot on a weight buffer of its own was faster. `in_place`: the weight is one layer of a stacked
+    array, which XLA would first copy out (about 2.3x slower at 8B shapes), so the kernel is used
+    whatever XLA's own-buffer time. Without an entry: `default_blocks` for matrices of at least
+    MIN_ELEMENTS (smaller ones are launch-bound: XLA's dot, unless in place)."""
+    choice = matmul_choice()
+    if choice == "xla" or M > MAX_ROWS:
+        return None
+    hit = _tuning_table(card_name()).get(tuning_key(M, K, N, transposed, dtype))
+    if choice == "auto" and not in_place and (hit.get("xla_faster") if hit else K * N < MIN_ELEMENTS):
+        return None
+    if hit:
+        return Blocks(*hit["blocks"])
+    return default_blocks(M, K, N, transposed=transposed)
+
+
+def bytes_moved(M: int, K: int, N: int, itemsize: int = 2) -> int:
+    """The fewest bytes a product must move: W once, x once, the output once."""
+    return itemsize * (K * N + M * K + M * N)
+
+
+def candidate_blocks(M: int, K: int, N: int, *, transposed: bool, sms: int | None = None) -> list[Blocks]:
+    """A small search space for tuning (bench_shapes --parts tune): BN x BK x split, 4 stages;
+    splits that give the grid between one and eight programs per SM (and no split)."""
+    sms = sms or _sm_count()
+    out = []
+    bns = (64, 128) if not transposed else (16, 32, 64)
+    bks = (128, 256) if not transposed else (256, 512)
+    for bn in bns:
+        for bk in bks:
+            if bk > 1 << (K - 1).bit_length():
+                continue
+            programs = -(-N // bn)
+            for split in (1, 2, 4, 8, 16):
+                if split > 1 and (K // split < bk or programs * split > 8 * sms or programs * split // 2 >= 2 * sms):
+                    continue
+                b = Blocks(bn, bk, split, 4, 4)
+                if smem_bytes(M, b) > SMEM_BUDGET:
+                    b = Blocks(bn, bk, split, 4, 3)
+                if smem_bytes(M, b) <= SMEM_BUDGET:
+                    out.append(b)
+    return out

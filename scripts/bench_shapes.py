@@ -1,0 +1,496 @@
+"""Decoding speed at real model shapes (random weights), against the memory-bandwidth floor and a
+compiled PyTorch peer, side by side in one process.
+
+    python scripts/bench_shapes.py --shapes llama-3.1-8b,llama-3.2-1b --parts ar,verify,draft \
+        [--peer PATH/torch_fast_peer.py] [--out DIR]
+
+Parts (each writes rows to <out>/shapes_<card>.json, rewritten after every row so a killed run
+keeps what it measured; the committed rows live in benchmarks/shapes/):
+  gemm    every projection of a layer and the LM head at 1 / 16 / 64 rows, as XLA's dot on a
+          weight buffer of its own ("xla"), the same with cuBLAS instead of Triton GEMMs
+          ("xla_cublas"), XLA's dot on a slice of stacked [L, K, N] weights ("xla_stacked", what a
+          layer loop over stacked weights runs), and the matvec kernel with its picked blocks
+          reading a weight buffer ("matvec") or stacked weights by layer index ("matvec_stacked");
+  tune    the matvec kernel's candidate blocks for each product at 16 and 64 padded rows: the best,
+          against the best XLA variant; writes matvec_tuning.json (--write-tuning: into
+          jspec/kernels/, merged per card);
+  ar      whole jitted generations (jspec.decode.generate_ar_jit: prompt 64 + 256 new tokens) at
+          --batches, per --variants: "auto" (the default kernels), "xla" (JSPEC_MATMUL=xla: XLA's
+          dots everywhere, the previous default), "cublas" (xla + cuBLAS GEMMs);
+  verify  one target forward + LM head over T = 1, 8, 64 tokens and a 60-node tree (cursor fixed);
+  draft   an EAGLE-3 head at the target's shape (draft vocab 32k): a chain step and a 10-node tree
+          level;
+  memory  one generation at batch 64 with a 4,096-slot cache: peak device memory;
+  peer    the PyTorch peer script (--peer), run as a subprocess at the same batches.
+
+Every row has: shape, card, method (ar / torch_compile / verify / draft_step / tree_level / gemm /
+tune), batch, devices, mesh, T, tokens_per_s, ms_per_step, hbm_floor_tokens_per_s, weight_bytes,
+and the variant. The HBM floor is weight bytes over the card's bandwidth (a decode step must read
+every weight once); `floor_fraction` is tokens_per_s over it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import decode as D
+from jspec import model as M
+from jspec.config import ModelConfig
+from jspec.heads import eagle as H
+from jspec.kernels import matvec as MV
+from jspec.sampling import Sampling
+
+SHAPES = {
+    "smollm2-135m": ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+                                tie_word_embeddings=True),
+    "llama-3.2-1b": ModelConfig(arch="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                                num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
+                                tie_word_embeddings=True),
+    "llama-3.1-8b": ModelConfig(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0),
+    "qwen3-8b": ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0,
+                            qk_norm=True, rms_norm_eps=1e-6),
+    # a few-layer model for checking this script on a CPU
+    "tiny": ModelConfig(arch="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=True),
+}
+PEER_SHAPES = {"smollm2-135m": "smollm2", "llama-3.2-1b": "llama1b", "llama-3.1-8b": "llama8b"}
+# Datasheet HBM bandwidth, bytes/s (the floor's denominator)
+BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+PROMPT, NEW = 64, 256
+
+
+def card() -> str:
+    return jax.devices()[0].device_kind
+
+
+def bandwidth() -> float | None:
+    kind = card()
+    return next((bw for name, bw in BANDWIDTH.items() if name in kind), None)
+
+
+def weight_bytes(params) -> int:
+    return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params)))
+
+
+def random_params(cfg: ModelConfig, dtype=jnp.bfloat16):
+    """Random weights made on the device in the serving dtype (no float32 copy of an 8B model)."""
+    shapes = jax.eval_shape(lambda k: M.init_params(cfg, k, dtype), jax.random.PRNGKey(0))
+    leaves, tree = jax.tree.flatten(shapes)
+    keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
+    out = []
+    for k, s in zip(keys, leaves):
+        make = jax.jit(lambda k, shape=s.shape, dt=s.dtype: (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dt))
+        out.append(make(k))
+    params = jax.tree.unflatten(tree, out)
+    # norms at one, as a real checkpoint's are near
+    params["final_norm"] = jnp.ones_like(params["final_norm"])
+    for n in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
+        if n in params["layers"]:
+            params["layers"][n] = jnp.ones_like(params["layers"][n])
+    return params
+
+
+class Rows:
+    def __init__(self, path: Path):
+        self.path, self.rows = path, []
+
+    def add(self, **row):
+        self.rows.append(row)
+        self.path.write_text(json.dumps(self.rows, indent=1))
+        print(json.dumps(row), flush=True)
+
+
+def base_row(shape, cfg, wbytes, method, batch, T, seconds_per_step, tokens_per_step, **extra):
+    bw = bandwidth()
+    tps = tokens_per_step / seconds_per_step
+    floor = bw / wbytes * batch if bw else None  # every row of a batch rides one pass over the weights
+    return dict(shape=shape, card=card(), method=method, batch=batch, devices=1, mesh=None, T=T,
+                tokens_per_s=round(tps, 1), ms_per_step=round(1000 * seconds_per_step, 4),
+                hbm_floor_tokens_per_s=None if floor is None else round(floor, 1),
+                floor_fraction=None if floor is None else round(tps / floor, 3), weight_bytes=wbytes, **extra)
+
+
+def median_time(f, *args, reps=5):
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)), float(np.max(ts) - np.min(ts))
+
+
+def with_matmul(choice: str):
+    """JSPEC_MATMUL for the programs traced next (read at trace time; fresh jits per variant)."""
+    os.environ["JSPEC_MATMUL"] = choice
+
+
+# ---------------------------------------------------------------------------------------------
+# gemm / tune
+# ---------------------------------------------------------------------------------------------
+
+
+def layer_products(cfg: ModelConfig):
+    """(name, K, N, transposed) of each product of a decode step."""
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    out = [("wqkv", cfg.hidden_size, qkv, False), ("wo", cfg.q_size, cfg.hidden_size, False),
+           ("w_gate_up", cfg.hidden_size, 2 * cfg.intermediate_size, False),
+           ("w_down", cfg.intermediate_size, cfg.hidden_size, False)]
+    if cfg.tie_word_embeddings:
+        out.append(("lm_head", cfg.hidden_size, cfg.vocab_size, True))
+    else:
+        out.append(("lm_head", cfg.hidden_size, cfg.vocab_size, False))
+    return out
+
+
+def copies_for(nbytes: int) -> int:
+    """Distinct weight buffers to cycle through so the L2 (50 MB) holds none of them."""
+    return int(min(32, max(2, -(-256 * 2**20 // nbytes))))
+
+
+def product_timer(x, ws, fn, n_iter, compiler_options=None):
+    """Seconds per product: n_iter passes over len(ws) weights in one jitted loop."""
+
+    def run(x, ws):
+        def body(i, x):
+            acc = jnp.zeros((), jnp.float32)
+            for w in ws:
+                acc = acc + fn(x, w)[..., :1].astype(jnp.float32).sum()
+            return x + (acc * 1e-30).astype(x.dtype)  # a dependence, so no pass is hoisted
+
+        return jax.lax.fori_loop(0, n_iter, body, x)
+
+    f = jax.jit(run, compiler_options=compiler_options) if compiler_options else jax.jit(run)
+    t, spread = median_time(f, x, ws)
+    return t / (n_iter * len(ws)), spread / (n_iter * len(ws))
+
+
+def wide_candidates(m, K, N, tr):
+    """A broader search than MV.candidate_blocks: more splits (many small programs, several per
+    SM), 8 warps, 3 stages."""
+    out = []
+    for bn in ((64, 128) if not tr else (32, 64)):
+        for bk in (128, 256):
+            for split in (1, 2, 4, 8, 16, 32):
+                if split > 1 and K // split < bk:
+                    continue
+                for warps in (4, 8):
+                    for stages in (3, 4):
+                        b = MV.Blocks(bn, bk, split, warps, stages)
+                        if MV.smem_bytes(m, b) <= MV.SMEM_BUDGET and (-(-N // bn)) * split <= 64 * 132:
+                            out.append(b)
+    return out
+
+
+def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tuning=None, wide=False,
+              products=None, tune_rows=(1, 64)):
+    dtype = jnp.bfloat16
+    bw = bandwidth()
+    for name, K, N, tr in layer_products(cfg):
+        if products and name not in products:
+            continue
+        nbytes = K * N * 2
+        R = copies_for(nbytes)
+        key = jax.random.PRNGKey(hash(name) & 0xFFFF)
+        wshape = (N, K) if tr else (K, N)
+        stacked = (0.02 * jax.random.normal(key, (R, *wshape), jnp.float32)).astype(dtype)
+        ws = [stacked[i] + 0 for i in range(R)]  # buffers of their own
+        jax.block_until_ready(ws)
+        n_iter = max(2, int(2e9 // (nbytes * R)))
+        for m in row_counts:
+            x = (jax.random.normal(jax.random.PRNGKey(m), (m, K), jnp.float32)).astype(dtype)
+            variants = {
+                "xla": (lambda x, w: jnp.dot(x, w.T if tr else w, preferred_element_type=jnp.float32), None, False),
+                "xla_cublas": (lambda x, w: jnp.dot(x, w.T if tr else w, preferred_element_type=jnp.float32),
+                               {"xla_gpu_enable_triton_gemm": False}, False),
+            }
+            blocks = MV.pick_blocks(m, K, N, transposed=tr) or MV.default_blocks(m, K, N, transposed=tr)
+            variants["matvec"] = (lambda x, w, b=blocks: MV.matvec(x, w, transposed=tr, blocks=b,
+                                                                    out_dtype=jnp.float32), None, False)
+            ref = np.asarray(jnp.dot(x, ws[0].T if tr else ws[0], preferred_element_type=jnp.float32))
+            try:
+                got = np.asarray(variants["matvec"][0](x, ws[0]))
+                rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+            except Exception as e:  # noqa: BLE001
+                rel = repr(e)[:300]
+            rows_out.add(shape=shape, card=card(), method="gemm_check", product=name, rows=m, rel_err_vs_xla=rel)
+            results = {}
+            for vname, (fn, opts, _) in variants.items():
+                try:
+                    t, spread = product_timer(x, ws, fn, n_iter, opts)
+                    results[vname] = t
+                    rows_out.add(shape=shape, card=card(), method="gemm", variant=vname, product=name, K=K, N=N,
+                                 transposed=tr, rows=m, us=round(1e6 * t, 2), spread_us=round(1e6 * spread, 2),
+                                 gbps=round(nbytes / t / 1e9, 1),
+                                 bw_fraction=None if not bw else round(nbytes / t / bw, 3),
+                                 blocks=list(blocks) if vname == "matvec" else None)
+                except Exception as e:  # noqa: BLE001 - record and go on
+                    rows_out.add(shape=shape, card=card(), method="gemm", variant=vname, product=name, rows=m,
+                                 error=repr(e)[:300])
+            # stacked: a static layer slice inside the jit (what a loop over stacked weights does)
+            if not tr:
+                for vname, fn in (("xla_stacked", lambda x, st, i: x @ st[i]),
+                                  ("matvec_stacked", lambda x, st, i, b=blocks: MV.matvec(x, st, layer=i, blocks=b))):
+                    try:
+                        def run(x, st, fn=fn):
+                            def body(j, x):
+                                acc = jnp.zeros((), jnp.float32)
+                                for i in range(R):
+                                    acc = acc + fn(x, st, i)[..., :1].astype(jnp.float32).sum()
+                                return x + (acc * 1e-30).astype(x.dtype)
+                            return jax.lax.fori_loop(0, n_iter, body, x)
+                        t, spread = median_time(jax.jit(run), x, stacked)
+                        t /= n_iter * R
+                        rows_out.add(shape=shape, card=card(), method="gemm", variant=vname, product=name, K=K, N=N,
+                                     transposed=tr, rows=m, us=round(1e6 * t, 2), gbps=round(nbytes / t / 1e9, 1),
+                                     bw_fraction=None if not bw else round(nbytes / t / bw, 3))
+                    except Exception as e:  # noqa: BLE001
+                        rows_out.add(shape=shape, card=card(), method="gemm", variant=vname, product=name, rows=m,
+                                     error=repr(e)[:300])
+            if tune and m in (1, 64) and m in tune_rows:
+                best_xla = min((results[v] for v in ("xla", "xla_cublas") if v in results), default=None)
+                best = None
+                for b in (wide_candidates(m, K, N, tr) if wide else MV.candidate_blocks(m, K, N, transposed=tr)):
+                    try:
+                        t, _ = product_timer(x, ws, lambda x, w, b=b: MV.matvec(x, w, transposed=tr, blocks=b,
+                                                                                 out_dtype=jnp.float32), n_iter)
+                    except Exception:  # noqa: BLE001 - a block shape Triton rejects
+                        continue
+                    if best is None or t < best[0]:
+                        best = (t, b)
+                if best is None:
+                    continue
+                tuning[MV.tuning_key(m, K, N, tr, dtype)] = {
+                    "blocks": list(best[1]), "matvec_us": round(1e6 * best[0], 2),
+                    "xla_us": None if best_xla is None else round(1e6 * best_xla, 2),
+                    "xla_faster": best_xla is not None and best_xla < best[0]}
+                rows_out.add(shape=shape, card=card(), method="tune", product=name, K=K, N=N, transposed=tr, rows=m,
+                             best_blocks=list(best[1]), matvec_us=round(1e6 * best[0], 2),
+                             xla_us=None if best_xla is None else round(1e6 * best_xla, 2),
+                             bw_fraction=None if not bw else round(nbytes / best[0] / bw, 3))
+        del stacked, ws
+
+
+# ---------------------------------------------------------------------------------------------
+# ar / verify / draft
+# ---------------------------------------------------------------------------------------------
+
+
+def ar_part(shape, cfg, params, rows_out: Rows, batches, variants):
+    wbytes = weight_bytes(params)
+    sampling = Sampling()
+    for variant in variants:
+        jax.clear_caches()  # JSPEC_MATMUL is read when tracing: each variant must trace anew
+        with_matmul("xla" if variant in ("xla", "cublas") else "auto")
+        opts = {"xla_gpu_enable_triton_gemm": False} if variant == "cublas" else None
+        gen = jax.jit(D.generate_ar_jit.__wrapped__,
+                      static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll"),
+                      **({"compiler_options": opts} if opts else {}))
+        for b in batches:
+            try:
+                toks = jax.random.randint(jax.random.PRNGKey(b), (b, PROMPT), 0, cfg.vocab_size).astype(jnp.int32)
+                lens = jnp.full((b,), PROMPT, jnp.int32)
+                cache_len = D.plan_cache_len(D.bucket(PROMPT), NEW)
+                run = lambda: gen(params, cfg, toks, lens, jax.random.PRNGKey(0), max_new=NEW, cache_len=cache_len,
+                                  sampling=sampling)
+                t0 = time.perf_counter()
+                jax.block_until_ready(run())
+                compile_s = time.perf_counter() - t0
+                t, spread = median_time(lambda: run(), reps=3)
+                rows_out.add(**base_row(shape, cfg, wbytes, "ar", b, 1, t / NEW, b, variant=variant,
+                                        spread_ms=round(1000 * spread, 2), compile_s=round(compile_s, 1),
+                                        note="whole generation: prompt 64 + 256 new tokens; ms_per_step = time / 256"))
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                rows_out.add(shape=shape, card=card(), method="ar", variant=variant, batch=b, error=repr(e)[:300])
+    with_matmul("auto")
+
+
+def filled_cache(params, cfg, batch, committed=192, cache_len=640):
+    cache = M.init_cache(cfg, batch, cache_len, params["embed"].dtype)
+    toks = jax.random.randint(jax.random.PRNGKey(1), (batch, committed), 0, cfg.vocab_size)
+    cache = jax.jit(lambda p, t, c: M.forward(p, cfg, t, c, kernels="xla", unroll=1).cache)(params, toks, cache)
+    return cache.replace(lengths=jnp.full((batch,), committed, jnp.int32))
+
+
+def tree_mask(T, batch, seed=0):
+    rng = np.random.RandomState(seed)
+    parent = [-1] + [int(rng.randint(max(0, i - 10), i)) for i in range(1, T)]
+    anc = np.zeros((T, T), bool)
+    for i in range(T):
+        j = i
+        while j >= 0:
+            anc[i, j], j = True, parent[j]
+    return jnp.asarray(np.broadcast_to(anc, (batch, T, T))), jnp.asarray(anc.sum(1) - 1, jnp.int32)
+
+
+def verify_part(shape, cfg, params, rows_out: Rows, batch=1, n=20):
+    wbytes = weight_bytes(params)
+    cache = filled_cache(params, cfg, batch)
+    base = None
+    for T in (1, 8, 64, "tree60"):
+        tree = tree_mask(60, batch) if T == "tree60" else None
+        TT = 60 if tree is not None else T
+        mask, depth = (None, None) if tree is None else tree
+        pos = cache.lengths[:, None] + (jnp.arange(TT, dtype=jnp.int32)[None] if depth is None else depth[None])
+
+        def run(params, cache, toks, mask=mask, pos=pos):
+            def body(i, c):
+                cache, toks = c
+                out = M.forward(params, cfg, toks, cache, positions=pos, new_mask=mask)
+                return out.cache, jnp.argmax(M.lm_head(params, cfg, out.hidden), -1).astype(jnp.int32)
+            return jax.lax.fori_loop(0, n, body, (cache, toks))
+
+        toks = jnp.zeros((batch, TT), jnp.int32)
+        t, spread = median_time(jax.jit(run), params, cache, toks)
+        t /= n
+        base = base or t
+        rows_out.add(**base_row(shape, cfg, wbytes, "verify", batch, T if tree is None else 60, t, batch,
+                                tree=tree is not None, vs_T1=round(t / base, 3), spread_ms=round(1000 * spread / n, 3),
+                                note="one target forward + LM head on all T tokens; tokens_per_s counts one token a call"))
+
+
+def draft_part(shape, cfg, params, rows_out: Rows, batch=1, n=50):
+    hcfg = H.default_head_config("eagle3", cfg, draft_vocab_size=min(32000, cfg.vocab_size))
+    head = jax.jit(lambda k: jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a,
+                                          H.init_head(hcfg, k, jnp.float32)))(jax.random.PRNGKey(5))
+    hbytes = weight_bytes({k: v for k, v in head.items() if k != "d2t"})
+    cache = H.init_head_cache(hcfg, batch, 640, jnp.bfloat16).replace(lengths=jnp.full((batch,), 192, jnp.int32))
+    feats = jnp.zeros((batch, 1, cfg.hidden_size), jnp.bfloat16)
+
+    def chain(head, params, cache, tok):
+        def body(i, c):
+            cache, tok, f = c
+            h, logits, cache2 = H.head_chain_step(hcfg, head, params, tok, f, cache)
+            return cache, jnp.argmax(logits, -1).astype(jnp.int32), h.astype(f.dtype)
+        return jax.lax.fori_loop(0, n, body, (cache, tok, feats))
+
+    t, spread = median_time(jax.jit(chain), head, params, cache, jnp.zeros((batch, 1), jnp.int32))
+    rows_out.add(**base_row(shape, cfg, hbytes, "draft_step", batch, 1, t / n, batch, head_bytes=hbytes,
+                            note="EAGLE-3 head chain step (draft vocab 32k); floor = head bytes / bandwidth"))
+    T = 10
+    fused = H.fused_head_attention(hcfg, 2 * T)
+    pos = cache.lengths[:, None] + jnp.zeros((1, T), jnp.int32)
+
+    def level(head, params, cache, tok):
+        def body(i, c):
+            cache, tok = c
+            h, logits, entries, cache = H.head_tree_level(hcfg, head, params, tok, jnp.zeros((batch, T, cfg.hidden_size),
+                                                          jnp.bfloat16), cache, pos, None,
+                                                          jnp.ones((batch, T, 0), bool), fused=fused)
+            return cache, jnp.argmax(logits, -1).astype(jnp.int32)
+        return jax.lax.fori_loop(0, n, body, (cache, tok))
+
+    t, spread = median_time(jax.jit(level), head, params, cache, jnp.zeros((batch, T), jnp.int32))
+    rows_out.add(**base_row(shape, cfg, hbytes, "tree_level", batch, T, t / n, batch, head_bytes=hbytes,
+                            note="EAGLE-3 head tree level of 10 frontier nodes"))
+
+
+def memory_part(shape, cfg, params, rows_out: Rows, batch=64, context=4096):
+    """One generation at `batch` rows filling a `context`-slot cache: peak device memory."""
+    wbytes = weight_bytes(params)
+    prompt = PROMPT  # a full-length prompt would need chunked prefill (the einsum path holds [T, S] scores)
+    toks = jax.random.randint(jax.random.PRNGKey(3), (batch, prompt), 0, cfg.vocab_size).astype(jnp.int32)
+    lens = jnp.full((batch,), prompt, jnp.int32)
+    gen = jax.jit(D.generate_ar_jit.__wrapped__, static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll"))
+    run = lambda: gen(params, cfg, toks, lens, jax.random.PRNGKey(0), max_new=NEW, cache_len=context,
+                      sampling=Sampling())
+    jax.block_until_ready(run())
+    t0 = time.perf_counter()
+    jax.block_until_ready(run())
+    t = time.perf_counter() - t0
+    stats = jax.devices()[0].memory_stats() or {}
+    rows_out.add(shape=shape, card=card(), method="memory", batch=batch, context=context, weight_bytes=wbytes,
+                 peak_bytes=stats.get("peak_bytes_in_use"), bytes_limit=stats.get("bytes_limit"),
+                 seconds=round(t, 2), tokens_per_s=round(batch * NEW / t, 1),
+                 note=f"prompt {prompt} + {NEW} new tokens per row in a {context}-slot cache; time includes the prefill")
+
+
+def peer_part(shape, peer: str, batches, rows_out: Rows, out_dir: Path):
+    name = PEER_SHAPES.get(shape)
+    if not name:
+        return
+    env = {**os.environ, "OUT": str(out_dir)}
+    cmd = [sys.executable, peer, "--shape", name, "--modes", "compile", "--batches", ",".join(map(str, batches)),
+           "--new", str(NEW), "--prompt", str(PROMPT)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    print(proc.stdout[-3000:], proc.stderr[-2000:], flush=True)
+    js = out_dir / f"torch_fast_peer_{name}.json"
+    if not js.exists():
+        rows_out.add(shape=shape, card=card(), method="torch_compile", error=(proc.stderr or proc.stdout)[-300:])
+        return
+    data = json.loads(js.read_text())
+    rows_out.add(shape=shape, card=card(), method="torch_compile_raw", raw=data, seconds=round(time.perf_counter() - t0, 1))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b,smollm2-135m")
+    ap.add_argument("--parts", default="ar,verify,draft")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--variants", default="auto,xla", help="ar variants: auto, xla, cublas")
+    ap.add_argument("--peer", default=None, help="path of the PyTorch peer script (torch_fast_peer.py)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "shape-results"))
+    ap.add_argument("--wide", action="store_true", help="tune over a broader block search")
+    ap.add_argument("--tune-rows", default="1,64", help="row counts to tune (1 and/or 64)")
+    ap.add_argument("--products", default="", help="gemm/tune only these products (wqkv,wo,w_gate_up,w_down,lm_head)")
+    ap.add_argument("--write-tuning", action="store_true", help="merge the tuning into jspec/kernels/matvec_tuning.json")
+    args = ap.parse_args(argv)
+    for s in args.shapes.split(","):
+        if s not in SHAPES:
+            ap.error(f"unknown shape {s!r}: expected one of {', '.join(SHAPES)}")
+    parts = set(args.parts.split(","))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = card().replace(" ", "_")
+    rows = Rows(out_dir / f"shapes_{tag}.json")
+    batches = [int(b) for b in args.batches.split(",")]
+    tuning: dict = {}
+    print(f"card {card()}  jax {jax.__version__}  bandwidth {bandwidth()}", flush=True)
+    for shape in args.shapes.split(","):
+        cfg = SHAPES[shape]
+        if parts & {"gemm", "tune"}:
+            tune_rows = tuple(int(r) for r in args.tune_rows.split(","))
+            gemm_part(shape, cfg, rows, row_counts=tune_rows if args.wide else (1, 16, 64), tune="tune" in parts,
+                      tuning=tuning, wide=args.wide, products=args.products.split(",") if args.products else None,
+                      tune_rows=tune_rows)
+            if tuning:
+                (out_dir / "matvec_tuning.json").write_text(json.dumps({card(): tuning}, indent=1, sort_keys=True))
+        if parts & {"ar", "verify", "draft", "memory"}:
+            params = random_params(cfg)
+            jax.block_until_ready(params)
+            for part, fn in (("memory", lambda: memory_part(shape, cfg, params, rows)),
+                             ("ar", lambda: ar_part(shape, cfg, params, rows, batches, args.variants.split(","))),
+                             ("verify", lambda: verify_part(shape, cfg, params, rows)),
+                             ("draft", lambda: draft_part(shape, cfg, params, rows))):
+                if part in parts:
+                    try:
+                        fn()
+                    except Exception as e:  # noqa: BLE001 - one part's failure must not lose the others
+                        traceback.print_exc()
+                        rows.add(shape=shape, card=card(), method=part, error=repr(e)[:300])
+            del params
+        if "peer" in parts and args.peer:
+            peer_part(shape, args.peer, [b for b in batches if b <= 16], rows, out_dir)
+    if args.write_tuning and tuning:
+        table = json.loads(MV.TUNING_FILE.read_text()) if MV.TUNING_FILE.exists() else {}
+        table.setdefault(card(), {}).update(tuning)
+        MV.TUNING_FILE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The matvec kernel (jspec/kernels/matvec.py) against XLA's dot, in Pallas interpret mode on CPU,
+and its block choice (tuning table, in-place weights, JSPEC_MATMUL)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.kernels import matvec as MV
+
+
+def _rand(key, shape):
+    return jax.random.normal(jax.random.PRNGKey(key), shape, jnp.float32)
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk", "stacked"])
+@pytest.mark.parametrize("rows,K,N", [(1, 64, 96), (3, 100, 70), (17, 130, 33)])  # tails in K and N; 2 row tiles
+def test_matvec_matches_dot(layout, rows, K, N):
+    x = _rand(0, (rows, K))
+    if layout == "stacked":
+        w = _rand(1, (3, K, N))
+        ref, kw = x @ w[2], dict(layer=jnp.int32(2))
+    elif layout == "nk":
+        w = _rand(1, (N, K))
+        ref, kw = x @ w.T, dict(transposed=True)
+    else:
+        w = _rand(1, (K, N))
+        ref, kw = x @ w, {}
+    for blocks in (MV.Blocks(16, 32, 1, 4, 3), MV.Blocks(32, 32, 3, 4, 3)):  # whole K; split K (last split short)
+        got = MV.matvec(x, w, blocks=blocks, interpret=True, **kw)
+        np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_matvec_gradient_is_xlas():
+    x, w = _rand(2, (2, 3, 40)), _rand(3, (24, 40))
+    f = lambda x, w: jnp.sum(jnp.sin(MV.matvec(x, w, transposed=True, blocks=MV.Blocks(16, 32, 2, 4, 3),  # noqa: E731
+                                                interpret=True)))
+    g = lambda x, w: jnp.sum(jnp.sin(x @ w.T))  # noqa: E731
+    for a, b in zip(jax.grad(f, (0, 1))(x, w), jax.grad(g, (0, 1))(x, w)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_block_choice(monkeypatch, tmp_path):
+    table = tmp_path / "t.json"
+    key_fast = MV.tuning_key(1, 4096, 4096, False, jnp.bfloat16)
+    key_slow = MV.tuning_key(1, 4096, 8192, False, jnp.bfloat16)
+    table.write_text('{"cpu": {"%s": {"blocks": [64, 128, 4, 4, 4], "xla_faster": false},'
+                     ' "%s": {"blocks": [128, 128, 2, 4, 3], "xla_faster": true}}}' % (key_fast, key_slow))
+    monkeypatch.setenv("JSPEC_MATVEC_TUNING", str(table))
+    monkeypatch.setattr(MV, "card_name", lambda: "cpu")
+    MV._tuning_table.cache_clear()
+    try:
+        monkeypatch.setenv("JSPEC_MATMUL", "auto")
+        assert MV.pick_blocks(1, 4096, 4096, transposed=False) == (64, 128, 4, 4, 4)
+        assert MV.pick_blocks(1, 4096, 8192, transposed=False) is None  # XLA measured faster on its own buffer
+        assert MV.pick_blocks(1, 4096, 8192, transposed=False, in_place=True) == (128, 128, 2, 4, 3)  # XLA would copy
+        assert MV.pick_blocks(1, 64, 64, transposed=False) is None  # untuned and small: launch-bound, XLA
+        assert MV.pick_blocks(1, 64, 64, transposed=False, in_place=True) is not None
+        assert MV.pick_blocks(MV.MAX_ROWS + 1, 4096, 4096, transposed=False, in_place=True) is None
+        assert MV.tuning_key(1, 8, 8, False, jnp.bfloat16) != MV.tuning_key(2, 8, 8, False, jnp.bfloat16)
+        monkeypatch.setenv("JSPEC_MATMUL", "xla")
+        assert MV.pick_blocks(1, 4096, 4096, transposed=False, in_place=True) is None
+        monkeypatch.setenv("JSPEC_MATMUL", "matvec")
+        assert MV.pick_blocks(1, 4096, 8192, transposed=False) == (128, 128, 2, 4, 3)
+        monkeypatch.setenv("JSPEC_MATMUL", "fast")
+        with pytest.raises(ValueError, match="JSPEC_MATMUL"):
+            MV.pick_blocks(1, 8, 8, transposed=False)
+    finally:
+        MV._tuning_table.cache_clear()
+
+
+def test_default_blocks_fill_the_card_within_shared_memory():
+    for rows, K, N, t in [(1, 4096, 4096, False), (64, 4096, 128256, True), (16, 14336, 4096, False)]:
+        b = MV.default_blocks(rows, K, N, transposed=t, sms=132)
+        assert MV.smem_bytes(rows, b) <= MV.SMEM_BUDGET
+        assert -(-N // b[0]) * b[2] >= 132 or K // (2 * b[2]) < 2 * b[1]
