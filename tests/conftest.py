@@ -1,12 +1,31 @@
 import os
 
+import pytest
+
 # Eight fake CPU devices for the sharding tests; must be set before jax is imported. The tests are
 # XLA-compile-bound (tiny models, hundreds of programs): LLVM's backend optimization level 0 cuts
 # CPU compile time by about a third and the tiny programs run as fast. XLA:CPU's older elemental
 # fusion emitters (instead of the MLIR fusion emitters) halve compile time again; same HLO, same
 # sampled tokens in the chi-square tests. Codegen settings only: nothing of jspec changes.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                      "--xla_cpu_use_fusion_emitters=false")
+# They are appended to an XLA_FLAGS already in the environment (whose own settings win), except
+# that a different device count is an error: the 8-device tests would otherwise not run.
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+TEST_XLA_FLAGS = (f"{DEVICE_COUNT_FLAG}=8", "--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
+
+def with_test_xla_flags(existing: str) -> tuple[str, str | None]:
+    """(XLA_FLAGS with the test flags it lacks appended, an error line or None)."""
+    flags = existing.split()
+    set_names = {f.split("=", 1)[0] for f in flags}
+    counts = [f for f in flags if f.split("=", 1)[0] == DEVICE_COUNT_FLAG]
+    error = None
+    if counts and counts[-1] != TEST_XLA_FLAGS[0]:
+        error = (f"XLA_FLAGS sets {counts[-1]}; the sharding tests need {TEST_XLA_FLAGS[0]}: "
+                 f"remove it from XLA_FLAGS (conftest adds it)")
+    return " ".join(flags + [f for f in TEST_XLA_FLAGS if f.split("=", 1)[0] not in set_names]), error
+
+
+os.environ["XLA_FLAGS"], _XLA_FLAGS_ERROR = with_test_xla_flags(os.environ.get("XLA_FLAGS", ""))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -28,6 +47,14 @@ _LONGEST_FIRST = [
     "test_spec_sampling.py", "test_tree.py", "test_dlm.py", "test_policies.py", "test_head_pipeline.py",
     "test_draft_model.py", "test_checkpoint.py",
 ]
+
+
+def pytest_configure(config):
+    if _XLA_FLAGS_ERROR:
+        raise pytest.UsageError(_XLA_FLAGS_ERROR)
+    if jax.default_backend() == "cpu" and jax.device_count() != 8:  # e.g. jax imported before this file
+        raise pytest.UsageError(f"the tests need 8 CPU devices, jax has {jax.device_count()}: "
+                                f"set XLA_FLAGS={TEST_XLA_FLAGS[0]} before jax is imported")
 
 
 def pytest_collection_modifyitems(session, config, items):

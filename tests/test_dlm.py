@@ -1,6 +1,7 @@
-"""Masked-diffusion drafter: block caching, CPS, DiffuSpec greedy identity, SSD == stepwise.
-Tiny random models (fp32), a handful of compiles."""
+"""Masked-diffusion drafter: block caching, CPS, the drafter's drafts and their count, DiffuSpec
+greedy identity, SSD == stepwise. Tiny random models (fp32), a handful of compiles."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -150,6 +151,67 @@ def test_diffuspec_greedy_matches_ar(target, dlm, cps, policy):
     for b in range(len(PROMPTS)):
         assert res.row(b) == np.asarray(ar)[b, : int(n_ar[b])].tolist()
     assert (res.drafted > 0).all()
+
+
+def _hand_marginals():
+    """DLM marginals [T, V] for every round: position 0 puts 0.55 on token 4 and 0.45 on 5,
+    position 1 0.7 on 6 and 0.3 on EOS (so the CPS lattice ends there), later positions 0.9 on 7."""
+    q = np.full((DCFG.block_size, CFG.vocab_size), 1e-9)
+    q[0, [4, 5]] = [0.55, 0.45]
+    q[1, [6, CFG.eos_token_ids[0]]] = [0.7, 0.3]
+    q[2:, [7, 8]] = [0.9, 0.1]
+    return np.log(q / q.sum(-1, keepdims=True)).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class HandMarginalsDrafter(DiffuSpecDrafter):
+    """DiffuSpec whose DLM call returns `_hand_marginals()` (the cache still commits as usual)."""
+
+    def denoise(self, dparams, tparams, dstate, last):
+        _, fixed, fixed_tok, dstate = super().denoise(dparams, tparams, dstate, last)
+        logits = jnp.broadcast_to(jnp.asarray(_hand_marginals()), (last.shape[0],) + fixed.shape[1:] + (CFG.vocab_size,))
+        return logits, fixed, fixed_tok, dstate
+
+
+def _hand_drafter_params(dlm):
+    # the proxy has seen 5 -> 6 often and 4 never: CPS takes 5 where the per-position argmax is 4
+    return {"dlm": dlm, "proxy": jax.tree.map(jnp.asarray, fit_trigram_proxy([[5, 6] * 10] * 4, CFG.vocab_size))}
+
+
+def test_diffuspec_drafts_the_cps_path_and_counts_only_its_tokens(target, dlm):
+    """The drafter's drafted tokens are CPS's path, not the per-position argmax, and its valid count
+    is the path's length: the lattice ends at position 1 (its tau-set holds EOS), the path takes 6
+    there, not EOS, so it is [5, 6] and the block's slots 2..5 are padding, not drafts."""
+    k = 6
+    drafter = HandMarginalsDrafter(dcfg=DCFG, k_max=k, tau=0.8, m_max=4, beam=3, lam=0.5, kernels="xla")
+    tokens, lens, cache_len = pack_prompts(CFG, PROMPTS, 8, extra=k)
+    params = _hand_drafter_params(dlm)
+
+    @jax.jit
+    def draft(params, target, tokens, lens):
+        first = jnp.full((tokens.shape[0],), 11, jnp.int32)
+        dstate = drafter.init(params, target, CFG, tokens, lens, first, None, cache_len)
+        return drafter.draft_block(params, target, CFG, dstate, first, jnp.full_like(first, k), GREEDY, None, False)
+
+    drafted, valid, _, _ = draft(params, target, jnp.asarray(tokens), jnp.asarray(lens))
+    assert np.asarray(valid).sum(1).tolist() == [2, 2]
+    assert np.asarray(drafted)[:, :2].tolist() == [[5, 6], [5, 6]]  # per-position argmax: [4, 6]
+
+
+def test_adl_reads_the_cps_path_length(target, dlm):
+    """Through the chain engine: every round drafts the 2-token path, so ADL's generated-length EMA
+    is 2 (1 - 0.5^rounds), and the drafted count is 2 a round, however long the block."""
+    k, max_new = 6, 12
+    drafter = HandMarginalsDrafter(dcfg=DCFG, k_max=k, tau=0.8, m_max=4, beam=3, lam=0.5, kernels="xla")
+    tokens, lens, cache_len = pack_prompts(CFG, PROMPTS, max_new, extra=k)
+    res = speculative_generate(target, CFG, tokens, lens, jax.random.PRNGKey(0), drafter=drafter,
+                               drafter_params=_hand_drafter_params(dlm), policy=ADLPolicy(k_max=k, k_min=2, delta=2),
+                               policy_params=None, k_max=k, max_new=max_new, cache_len=cache_len, sampling=GREEDY,
+                               verify="lossless", unroll=1)
+    rounds = np.asarray(res.target_calls) - 1
+    assert (rounds > 0).all()
+    np.testing.assert_array_equal(res.drafted, 2 * rounds)
+    np.testing.assert_allclose(np.asarray(res.policy_state.gen_ema), 2.0 * (1.0 - 0.5 ** rounds), rtol=1e-6)
 
 
 def test_ssd_identical_to_stepwise(target, dlm):

@@ -43,6 +43,10 @@ bug lives in. Seeds are fixed, so the outcome is deterministic; the thresholds l
 The chain verifier is also checked alone on one block with exact per-position laws, for sampled
 drafts and for point-mass drafts (q = 1, the n-gram path, which the generation runs above do not
 take), with the same mutants (`test_chain_verifier_block_law`).
+
+The expected laws come from `sampling.probs`, the function the engines use, so a wrong top-k or
+top-p would move the run and its expectation together: `test_sampling_law_matches_numpy` checks
+`probs` itself against an independent NumPy implementation.
 """
 
 from __future__ import annotations
@@ -416,3 +420,40 @@ def test_chain_verifier_block_law(point_mass):
     for m, tokens in zip(mutants, groups[1:]):
         pval = block_pvalue(P, tokens, BUG_OFFSETS[m])
         assert pval < REJECT, f"mutant {m} passes at positions {BUG_OFFSETS[m]} (p = {pval:.2e})"
+
+
+# ---------------------------------------------------------------------------------------------
+# The sampling law itself, against an independent implementation
+# ---------------------------------------------------------------------------------------------
+
+
+def numpy_sampling_law(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Temperature; then the top_k largest logits (ties with the k-th kept); then the smallest set of
+    most likely tokens whose mass reaches top_p (the token that crosses it kept); renormalised."""
+    x = logits.astype(np.float64) / temperature
+    if top_k:
+        kth = np.sort(x, axis=-1)[..., -top_k][..., None]
+        x = np.where(x >= kth, x, -np.inf)
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    if top_p < 1.0:
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, -1)
+        keep = np.zeros(p.shape, bool)
+        np.put_along_axis(keep, order, np.cumsum(sorted_p, -1) - sorted_p < top_p, -1)
+        p = np.where(keep, p, 0.0)
+        p /= p.sum(-1, keepdims=True)
+    return p
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (1, 1.0), (3, 1.0), (CFG.vocab_size, 1.0), (0, 0.5), (0, 0.9),
+                                         (0, 0.95), (5, 0.8), (2, 0.3)])
+def test_sampling_law_matches_numpy(top_k, top_p):
+    logits = 2.0 * np.random.default_rng(top_k * 100 + int(top_p * 100)).standard_normal((256, CFG.vocab_size))
+    for temperature in (0.7, 1.0, 1.5):
+        want = numpy_sampling_law(logits, temperature, top_k, top_p)
+        got = np.asarray(probs(jnp.asarray(logits, jnp.float32), Sampling(temperature, top_k, top_p)))
+        np.testing.assert_array_equal(got > 0, want > 0)  # the same kept set, token for token
+        np.testing.assert_allclose(got, want, atol=2e-6)
+    if top_p < 1.0:  # the nucleus is a real cut here: some rows keep fewer tokens than top-k alone
+        assert ((want > 0).sum(-1) < (top_k or CFG.vocab_size)).any()

@@ -1,5 +1,6 @@
 """PEARL (engines/pearl.py): greedy identity to AR, one- vs two-device agreement on 2 and 8 fake
-CPU devices (conftest sets 8), and a chi-square test that sampled output follows the target."""
+CPU devices (conftest sets 8), a chi-square test that sampled output follows the target, and both
+cache cursors after one hand-checked decision."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from jspec.decode import pack_prompts
 from jspec.generate import generate
 from jspec.heads import draft_model as DM
 from jspec.sampling import GREEDY, Sampling, probs
-from jspec.speculative.engines.pearl import measure_gamma, pearl_generate, pearl_mesh
+from jspec.speculative.engines.pearl import PearlState, decide, measure_gamma, pearl_generate, pearl_mesh
 
 CFG = ModelConfig(
     arch="llama", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=4,
@@ -109,6 +110,35 @@ def test_sampling_is_lossless_chi_square():
     exp = np.append(expected[big], expected[~big].sum())
     _, pval = stats.chisquare(obs, exp * obs.sum() / exp.sum())
     assert pval > 1e-3, pval
+
+
+def test_decide_moves_both_cursors_by_what_was_kept():
+    """One greedy decision, γ = 3, by hand: after it the target cache holds the verified text but
+    the new `last` (cursor + tokens emitted) and the draft cache that plus the pending drafts kept.
+    Rows: post-verify with a rejection at the 2nd pending draft; pre-verify accepted; post-verify
+    all accepted; pre-verify rejected. A draft cursor off after a rejection keeps the output exact
+    (only acceptance drops), so only this catches it."""
+    G, B = 3, 4
+    base = jnp.array([5, 6, 7, 8], jnp.int32)
+    n_pend = jnp.array([2, 0, 2, 0], jnp.int32)
+    cache = M.init_cache(CFG, B, 16)
+    s = PearlState(
+        tcache=cache.replace(lengths=base), dcache=cache.replace(lengths=base + n_pend),
+        out=jnp.full((B, 8), -1, jnp.int32), n_out=jnp.ones((B,), jnp.int32), done=jnp.zeros((B,), bool),
+        last=jnp.array([9, 9, 9, 9], jnp.int32), pend=jnp.array([[10, 11], [0, 0], [12, 13], [0, 0]], jnp.int32),
+        pend_q=jnp.zeros((B, G - 1, 1), jnp.float32), n_pend=n_pend, row_id=jnp.arange(B, dtype=jnp.int32),
+        target_calls=jnp.ones((B,), jnp.int32), drafted=jnp.zeros((B,), jnp.int32),
+        accepted=jnp.zeros((B,), jnp.int32), rolled_back=jnp.zeros((B,), jnp.int32))
+    d_tok = jnp.array([[20, 21, 22], [30, 31, 32], [40, 41, 42], [50, 51, 52]], jnp.int32)
+    t_top = jnp.array([[10, 44, 5], [30, 5, 5], [12, 13, 40], [7, 5, 5]], jnp.int32)
+    r = decide(s, d_tok, None, t_top, None, GREEDY, G, jax.random.PRNGKey(0), 8, CFG)
+    n_emit = np.array([2, 1, 3, 1])  # accepted prefix + correction / accepted drafts
+    kept = np.array([0, 2, 2, 0])  # a window fully accepted keeps its last γ - 1 drafts pending
+    np.testing.assert_array_equal(r.tcache.lengths, np.asarray(base) + n_emit)
+    np.testing.assert_array_equal(r.n_pend, kept)
+    np.testing.assert_array_equal(r.dcache.lengths, np.asarray(base) + n_emit + kept)
+    np.testing.assert_array_equal(r.last, [44, 30, 40, 7])
+    np.testing.assert_array_equal(r.out[:, 1:4], [[10, 44, -1], [30, -1, -1], [12, 13, 40], [7, -1, -1]])
 
 
 def test_measure_gamma_is_a_small_integer(models):

@@ -23,7 +23,7 @@ from jspec.speculative.drafters.model import ModelDrafter
 from jspec.speculative.engines.chain import after_first_eos, start_spec
 from jspec.speculative.engines.tree import EAGLE_NODE_CANDIDATES, TreeConfig, autotuned_tree, below_eos, build_tree
 from jspec.speculative.policies import make_policy
-from jspec.speculative.verify.consultant import ConsultantRule, smoothed_nll, verify_consultant
+from jspec.speculative.verify.consultant import ConsultantRule, smoothed_nll, target_nll, verify_consultant
 from jspec.speculative.verify.tree import ancestor_mask
 from jspec.train.testing import numpy_params, tiny_target_config
 from test_spec import CFG, _drafters, _prompts
@@ -146,6 +146,23 @@ def test_consultant_running_mean_variant():
     np.testing.assert_allclose(r, [0.5 * 1.0397 + 0.5 * 1.3863], rtol=1e-3)
     n, _, _ = verify_consultant(KEY, logits, draft, valid, GREEDY, rule, jnp.array([2.0]))
     assert int(n[0]) == 0  # r1 = 1.693 > 1.2
+
+
+def test_consultant_accepts_an_nll_exactly_at_eps():
+    """The rule is nll <= eps: a draft whose NLL equals eps (in float32, as computed) is accepted,
+    one a float32 ulp above it is not; the same for the running mean."""
+    logits = jnp.zeros((1, 3, 4), jnp.float32)  # uniform: every NLL is ln 4, as the verifier computes it
+    draft, valid = jnp.array([[0, 1]]), jnp.ones((1, 2), bool)
+    nll = float(target_nll(logits[:, :1], draft[:, :1])[0, 0])
+    below = float(np.nextafter(np.float32(nll), np.float32(0)))
+    assert int(verify_consultant(KEY, logits, draft, valid, GREEDY, ConsultantRule(eps=nll))[0][0]) == 2
+    assert int(verify_consultant(KEY, logits, draft, valid, GREEDY, ConsultantRule(eps=below))[0][0]) == 0
+    # running mean from r0 = nll: r stays exactly nll (beta r + (1 - beta) nll, beta = 0.5)
+    r0 = jnp.array([nll], jnp.float32)
+    n, _, _ = verify_consultant(KEY, logits, draft, valid, GREEDY, ConsultantRule(eps=nll, smoothing=0.5), r0)
+    assert int(n[0]) == 2
+    n, _, _ = verify_consultant(KEY, logits, draft, valid, GREEDY, ConsultantRule(eps=below, smoothing=0.5), r0)
+    assert int(n[0]) == 0
 
 
 def test_consultant_through_generate(target, eagle):

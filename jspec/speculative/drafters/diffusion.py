@@ -13,8 +13,9 @@ Round (docs/methods.md, DiffuSpec; arXiv 2510.02358):
    3-gram model of the distilled data (device-side sorted tables, stupid backoff). A path ends
    at EOS. Without CPS the draft is the per-position argmax.
 3. The draft stops *before* the first EOS (the target then emits EOS itself if it agrees, so
-   nothing is lost), and positions past the policy's limit are invalid: the number of valid
-   drafts is the EOS-aware generated length ADL reads (`policies/adl.py`).
+   nothing is lost), and positions past the policy's limit or past the CPS path's end (a path
+   stops short when the lattice ends at an EOS the path did not take) are invalid: the number of
+   valid drafts is the EOS-aware generated length ADL reads (`policies/adl.py`).
 
 Verification is the engine's chain rule. Greedy: lossless (identical to AR). Sampling: the paper
 verifies with the left-to-right proxy q_i^{L2R} = the DLM's one-forward marginal at position i
@@ -383,12 +384,15 @@ class DiffuSpecDrafter:
             proxy = dparams["proxy"]
             fn = lambda a, b, c: proxy_logprob(proxy, a, b, c)  # noqa: E731
             lim = jnp.minimum(limit, eos_stop + 1)
-            path, _, _ = cps_beam_search(cand, lq, ok, lim, dstate.prev, last, fn, beam=self.beam, lam=self.lam, eos_id=eos)
+            path, path_len, _ = cps_beam_search(cand, lq, ok, lim, dstate.prev, last, fn, beam=self.beam, lam=self.lam,
+                                                eos_id=eos)
         else:
             path = jnp.argmax(logp_c, axis=-1).astype(jnp.int32)
-        # drafting stops before the first EOS and at the policy's limit
+            path_len = jnp.full(path.shape[:1], K, jnp.int32)
+        # drafting stops before the first EOS, at the policy's limit, and where the path ends: a beam
+        # that stops short (its lattice ended at an EOS it did not take) leaves padding ids behind it
         is_eos = jnp.isin(path, jnp.asarray(tcfg.eos_token_ids or (-1,), jnp.int32))
-        n = jnp.minimum(_first_true(is_eos), limit)
+        n = jnp.minimum(jnp.minimum(_first_true(is_eos), limit), path_len)
         valid = jnp.arange(K)[None] < n[:, None]
         tokens = jnp.where(valid, path, 0)
         q = None

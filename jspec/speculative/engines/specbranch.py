@@ -17,10 +17,16 @@ PEARL's (engines/pearl.py) with two changes [I: the paper's exact rules were not
   distribution.) The accepted branch's K/V is copied to the other branches' cache rows.
 * **Hybrid length.** After head j is accepted, how much of its continuation stays pending (to be
   verified next step) is chosen by `cut`: "none" keeps all γ − 1 (PEARL's rule); "confidence"
-  keeps the leading tokens whose draft probability q(x) is at least `threshold`, so the next
-  window's heads branch at the first low-confidence point; "hrad" asks the H-RAD classifier
-  (heads/hrad.py) on the target's features before the head and the head's embedding: class 0
-  keeps none, class 1 cuts by confidence, class 2 keeps all.
+  keeps the leading tokens drafted where the draft was confident (its untempered top probability
+  max_v q(v) at that position is at least `threshold`), so the next window's heads branch at the
+  first low-confidence point; "hrad" asks the H-RAD classifier (heads/hrad.py) on the target's
+  features before the head and the head's embedding: class 0 keeps none, class 1 cuts by
+  confidence, class 2 keeps all.
+
+  The cut reads the draft's distribution at each position, never the drafted token: a token kept
+  because of its own q(x) would be a sample of q restricted to likely tokens, and the next window's
+  chain test (which divides by q) would no longer be lossless. For the same reason the redraw may
+  reuse a cut token's key: the cut token is a plain sample of q, whatever the cut decided.
 
 Tests per position use `fold_in(key, row, position)` streams (heads: one per branch), so the one-
 and two-device modes emit the same tokens. Two devices: as PEARL, one `shard_map` program over a
@@ -110,20 +116,20 @@ def _draft_role(dparams, dcfg, sampling, sb: SpecBranchConfig, key, kernels, s: 
         out = M.forward(dparams, dcfg, tok[:, None], cache, kernels=kernels)
         return M.lm_head(dparams, dcfg, out.hidden[:, 0]), M.advance(out.cache, jnp.ones_like(cache.lengths))
 
-    def pick(logits, slot, tok_keys_rows):  # next token and its (sampling) distribution, confidence
-        p1 = jax.nn.softmax(logits.astype(jnp.float32), -1)
+    def confidence(logits):  # the draft's top probability at a position: its prefix decides, not its token
+        return jnp.max(jax.nn.softmax(logits.astype(jnp.float32), -1), -1)
+
+    def pick(logits, slot, tok_keys_rows):  # next token, its (sampling) distribution, confidence
         if sampling.greedy:
-            nxt = jnp.argmax(logits, -1).astype(jnp.int32)
-            return nxt, None, jnp.take_along_axis(p1, nxt[:, None], -1)[:, 0]
+            return jnp.argmax(logits, -1).astype(jnp.int32), None, confidence(logits)
         q = probs(logits, sampling)
         nxt = _categorical(_row_keys(kd, tok_keys_rows, slot[:, None])[:, 0], jnp.log(q))
-        return nxt, q, jnp.take_along_axis(p1, nxt[:, None], -1)[:, 0]
+        return nxt, q, confidence(logits)
 
     # Heads: one forward of the tail (the same in every branch row), B different first tokens.
     logits, dcache = fwd(s.dcache, _rep(tail, NB))
     logits0 = logits.reshape(R, NB, -1)[:, 0]
     slot = s.dcache.lengths.reshape(R, NB)[:, 0] + 1  # the heads' position
-    p1 = jax.nn.softmax(logits0.astype(jnp.float32), -1)
     if sampling.greedy:
         heads = top_k(logits0, NB)[1].astype(jnp.int32)  # [R, NB] distinct
         q_head = None
@@ -131,7 +137,7 @@ def _draft_role(dparams, dcfg, sampling, sb: SpecBranchConfig, key, kernels, s: 
         q_head = probs(logits0, sampling)
         keys = _row_keys(kd, rows_b, _rep(slot, NB)[:, None])[:, 0]
         heads = _categorical(keys, jnp.log(_rep(q_head, NB))).reshape(R, NB)
-    conf_head = jnp.take_along_axis(p1, heads, -1)
+    conf_head = jnp.broadcast_to(confidence(logits0)[:, None], (R, NB))
 
     def one(carry, _):
         cache, tok = carry
@@ -214,6 +220,7 @@ def _decision(s: BranchState, toks, q_all, conf, t_top, p, pre, tparams, hp, sam
     # how much of the accepted branch stays pending
     tok_j = jnp.take_along_axis(toks, j[:, None, None], 1)[:, 0]  # [R, G]
     conf_j = jnp.take_along_axis(conf, j[:, None, None], 1)[:, 0]
+    # the leading confident positions; conf is a function of each position's prefix (see the module doc)
     by_conf = jnp.sum(jnp.cumprod((conf_j[:, 1:] >= sb.threshold).astype(jnp.int32), -1), -1).astype(jnp.int32)
     if sb.cut == "none":
         keep = jnp.full_like(a, G - 1)

@@ -20,8 +20,9 @@ Per round and per row (docs/methods.md §2.3), all inside `jit`:
      path with the target's true features.
 
 A dynamic policy can cut the tree per row: its round limit caps the depth, and its stop rule,
-applied to the best frontier node's distribution after each level, stops deeper levels (a rule
-checked before drafting, AdaEDL, also drops the level it stopped at). A drafted EOS ends its branch:
+applied to the best frontier node's distribution after each level, marks deeper levels invalid (a
+rule checked before drafting, AdaEDL, also drops the level it stopped at); every level is still
+drafted (static shapes), the cut levels are just not verified. A drafted EOS ends its branch:
 nodes below it are not verified.
 """
 

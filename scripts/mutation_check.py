@@ -1,0 +1,190 @@
+"""Plant known bugs one at a time and check that the tests covering them fail.
+
+Each mutation replaces one exact fragment of one source file (it must occur exactly once) in a
+temporary copy of the working tree, runs only the test files (or tests) that should catch it,
+and counts it caught when pytest fails. The unmutated copy runs the same tests first: they must
+pass, or the check stops. The mutations are bugs that once survived the suite (issue 31) and bugs
+that were fixed and must stay fixed.
+
+    python scripts/mutation_check.py            # all mutations; exit 1 if any is missed
+    python scripts/mutation_check.py --list     # names and what each plants
+    python scripts/mutation_check.py --only pearl_draft_cursor consultant_boundary
+
+A developer tool, not part of `make test`: it takes several minutes on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # relative to the repository root
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: files, node ids, -k expressions
+    bug: str
+
+
+MUTATIONS = (
+    Mutation(
+        "top_p_one_past_nucleus", "jspec/sampling.py",
+        "keep_sorted = mass_before < sampling.top_p",
+        "keep_sorted = jnp.concatenate([jnp.ones_like(mass_before[..., :1], bool), "
+        "mass_before[..., :-1] < sampling.top_p], -1)",
+        ("tests/test_lossless_sampling.py", "-k", "numpy"),
+        "top-p keeps one token past the nucleus"),
+    Mutation(
+        "top_k_one_extra", "jspec/sampling.py",
+        "kth = top_k(x, sampling.top_k)[0][..., -1:]",
+        "kth = top_k(x, min(sampling.top_k + 1, x.shape[-1]))[0][..., -1:]",
+        ("tests/test_lossless_sampling.py", "-k", "numpy"),
+        "top-k keeps k + 1 tokens"),
+    Mutation(
+        "eagle_tgt_hidden_shift", "jspec/train/losses.py",
+        "tgt_hidden = shift_left(target.hidden, step + 1)",
+        "tgt_hidden = shift_left(target.hidden, step + 2)",
+        ("tests/test_train_losses.py",),
+        "training targets (features) one position late"),
+    Mutation(
+        "eagle_tgt_top_shift", "jspec/train/losses.py",
+        "tgt_top = shift_left(target.top, step + 1)",
+        "tgt_top = shift_left(target.top, step + 2)",
+        ("tests/test_train_losses.py",),
+        "target argmax labels one position late"),
+    Mutation(
+        "eagle1_no_regression", "jspec/train/losses.py",
+        "loss = tc.regression_weight * masked_mean(reg, counted) + tc.ce_weight * masked_mean(ce, ce_mask)",
+        "loss = tc.ce_weight * masked_mean(ce, ce_mask)",
+        ("tests/test_train_losses.py",),
+        "EAGLE-1's feature-regression term dropped"),
+    Mutation(
+        "diffuspec_argmax_not_cps", "jspec/speculative/drafters/diffusion.py",
+        "        if self.cps:\n            cand, lq, ok, eos_stop = cps_lattice(",
+        "        if False:\n            cand, lq, ok, eos_stop = cps_lattice(",
+        ("tests/test_dlm.py",),
+        "the DiffuSpec drafter drafts the per-position argmax, bypassing CPS"),
+    Mutation(
+        "diffuspec_cps_padding", "jspec/speculative/drafters/diffusion.py",
+        "n = jnp.minimum(jnp.minimum(_first_true(is_eos), limit), path_len)",
+        "n = jnp.minimum(_first_true(is_eos), limit)",
+        ("tests/test_dlm.py",),
+        "padding past a short CPS path counted as drafts"),
+    Mutation(
+        "pearl_draft_cursor", "jspec/speculative/engines/pearl.py",
+        "dcache=s.dcache.replace(lengths=w(new_base + new_n_pend, s.dcache.lengths)),",
+        "dcache=s.dcache.replace(lengths=w(base + a + new_n_pend, s.dcache.lengths)),",
+        ("tests/test_pearl.py",),
+        "PEARL's draft-cache cursor one short after a rejection"),
+    Mutation(
+        "consultant_boundary", "jspec/speculative/verify/consultant.py",
+        "n = accepted_prefix((score <= rule.eps) & valid)",
+        "n = accepted_prefix((score < rule.eps) & valid)",
+        ("tests/test_rules.py", "-k", "consultant"),
+        "Consultant rejects a draft whose NLL equals eps"),
+    Mutation(
+        "specbranch_token_confidence", "jspec/speculative/engines/specbranch.py",
+        "        return nxt, q, confidence(logits)\n",
+        "        return nxt, q, jnp.take_along_axis(jax.nn.softmax(logits.astype(jnp.float32), -1), nxt[:, None], -1)[:, 0]\n",
+        ("tests/test_specbranch.py", "-k", "chi_square"),
+        "SpecBranch's cut reads the drafted token's own q(x): lossy when sampling"),
+)
+
+
+def copy_tree(dest: Path) -> None:
+    """The working tree's tracked and untracked (not ignored) files; models/ is linked, not copied
+    (no mutation touches it, and it holds the large weights)."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                            capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        if rel.startswith("models/") or not (ROOT / rel).is_file():
+            continue
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, dest / rel)
+    if (ROOT / "models").is_dir():
+        os.symlink(ROOT / "models", dest / "models")
+
+
+def run_tests(tree: Path, args: tuple[str, ...]) -> tuple[bool, float, str]:
+    """(passed, seconds, last line of pytest's output) for the tests `args` in `tree`."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-p", "no:cacheprovider", *args], cwd=tree,
+                       env=env, capture_output=True, text=True)
+    lines = [line for line in (r.stdout + r.stderr).strip().splitlines() if line.strip()]
+    return r.returncode == 0, time.time() - t0, lines[-1] if lines else ""
+
+
+def plant(tree: Path, m: Mutation) -> str:
+    """Apply `m` in `tree`; returns the original text to restore."""
+    path = tree / m.path
+    text = path.read_text()
+    if text.count(m.old) != 1:
+        raise SystemExit(f"mutation {m.name}: fragment found {text.count(m.old)} times in {m.path} (want 1): "
+                         f"update scripts/mutation_check.py")
+    path.write_text(text.replace(m.old, m.new))
+    return text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="run these mutations only")
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    args = ap.parse_args(argv)
+    chosen = MUTATIONS
+    if args.only:
+        unknown = sorted(set(args.only) - {m.name for m in MUTATIONS})
+        if unknown:
+            ap.error(f"unknown mutation {', '.join(unknown)}; --list shows them")
+        chosen = tuple(m for m in MUTATIONS if m.name in args.only)
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:30s} {m.path}: {m.bug}  [{' '.join(m.tests)}]")
+        return 0
+
+    with tempfile.TemporaryDirectory(prefix="jspec-mutation-") as tmp:
+        tree = Path(tmp)
+        copy_tree(tree)
+        for m in chosen:  # every fragment must be there before any test runs
+            (tree / m.path).write_text(plant(tree, m))
+        selections = sorted({m.tests for m in chosen})
+        for sel in selections:
+            ok, secs, last = run_tests(tree, sel)
+            print(f"baseline  {' '.join(sel)}: {'pass' if ok else 'FAIL'} ({secs:.0f} s)", flush=True)
+            if not ok:
+                print(f"the unmutated tree fails {' '.join(sel)} ({last}): fix that first", file=sys.stderr)
+                return 2
+        rows = []
+        for m in chosen:
+            original = plant(tree, m)
+            try:
+                ok, secs, last = run_tests(tree, m.tests)
+            finally:
+                (tree / m.path).write_text(original)
+            rows.append((m, "missed" if ok else "caught", secs))
+            print(f"{'MISSED' if ok else 'caught'}  {m.name} ({secs:.0f} s): {last}", flush=True)
+
+    print()
+    print(f"| {'mutation':30s} | {'bug':75s} | {'tests':45s} | result |")
+    print(f"|{'-' * 32}|{'-' * 77}|{'-' * 47}|--------|")
+    for m, result, _ in rows:
+        print(f"| {m.name:30s} | {m.bug:75s} | {' '.join(m.tests):45s} | {result:6s} |")
+    missed = [m.name for m, result, _ in rows if result == "missed"]
+    print(f"\n{len(rows) - len(missed)}/{len(rows)} caught" + (f"; missed: {', '.join(missed)}" if missed else ""))
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
