@@ -61,7 +61,7 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--policy", default=None,
                    help=f"draft-length policy (needs --drafter; default static): {', '.join(POLICY_NAMES)}")
     p.add_argument("--ldlp-weights", default=None, metavar="DIR",
-                   help="--policy ldlp: directory with ldlp.safetensors (default: the one shipped beside the EAGLE head)")
+                   help="--policy ldlp: directory with ldlp.safetensors (default: the jspec/ folder of the EAGLE head)")
     p.add_argument("--k-max", type=int, default=None,
                    help=f"maximum draft tokens per round (needs --drafter; default {DEFAULT_K_MAX}); at most what "
                         "the model's context leaves after the prompt and --max-new-tokens")
