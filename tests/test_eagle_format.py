@@ -166,3 +166,17 @@ def test_unknown_tensors_and_stray_files_are_named(tmp_path):
     save_file(sd, os.path.join(tmp_path, "model.safetensors"))
     with pytest.raises(CheckpointError, match="fc_norm.0.weight"):
         eagle_format.load_eagle_head(str(tmp_path), TARGET)
+
+
+def test_tensors_that_contradict_the_config_are_refused(tmp_path):
+    hcfg = H.HeadConfig("eagle3", TARGET, (2, 3, 5), 48)
+    eagle_format.save_eagle_head(str(tmp_path), hcfg, _head(hcfg))
+    path = os.path.join(tmp_path, "config.json")
+    cfg = json.load(open(path))
+    json.dump({**cfg, "num_attention_heads": cfg["num_attention_heads"] * 2, "head_dim": cfg["head_dim"] // 2,
+               "num_key_value_heads": cfg["num_key_value_heads"] * 4}, open(path, "w"))
+    with pytest.raises(CheckpointError, match="do not match its config.json: midlayer.self_attn.k_proj.weight"):
+        eagle_format.load_eagle_head(str(tmp_path), TARGET)
+    json.dump({**cfg, "draft_vocab_size": 40}, open(path, "w"))
+    with pytest.raises(CheckpointError, match="draft_vocab_size 40 but the d2t table has 48"):
+        eagle_format.load_eagle_head(str(tmp_path), TARGET)

@@ -237,6 +237,22 @@ def eagle_state_dict(hcfg: HeadConfig, head_params: dict, dtype=None, engine: st
     return sd
 
 
+def expected_shapes(hcfg: HeadConfig) -> dict[str, tuple]:
+    """The shape of every weight of a head of this config in the EAGLE layout ([out, in])."""
+    lc, D = head_layer_config(hcfg), hcfg.hidden_size
+    pre, A, F = _layer_prefix(hcfg), hcfg.attn_input_size, hcfg.mlp_size
+    shapes = {
+        "fc.weight": (D, hcfg.fc_inputs * D), pre + "self_attn.q_proj.weight": (lc.q_size, A),
+        pre + "self_attn.k_proj.weight": (lc.kv_size, A), pre + "self_attn.v_proj.weight": (lc.kv_size, A),
+        pre + "self_attn.o_proj.weight": (D, lc.q_size), pre + "post_attention_layernorm.weight": (D,),
+        pre + "mlp.gate_proj.weight": (F, D), pre + "mlp.up_proj.weight": (F, D), pre + "mlp.down_proj.weight": (D, F),
+    }
+    if hcfg.kind == "eagle3":
+        shapes.update({pre + "input_layernorm.weight": (D,), pre + "hidden_norm.weight": (D,), "norm.weight": (D,),
+                       "lm_head.weight": (hcfg.draft_vocab, D)})
+    return shapes
+
+
 def expected_tensor_names(hcfg: HeadConfig, folded_bias: bool = False) -> set[str]:
     """Every tensor name a head of this config has in the EAGLE layout (d2t / t2d included when
     the vocabulary is reduced; fc.bias for EAGLE-1; the four attention biases of a vLLM EAGLE-1
@@ -291,6 +307,11 @@ def head_params_from_state_dict(hcfg: HeadConfig, sd: dict[str, np.ndarray], dty
             f"EAGLE checkpoint has tensors a {hcfg.kind} head of this config has no place for: {', '.join(unknown[:8])}"
             + (f" (+{len(unknown) - 8} more)" if len(unknown) > 8 else "")
         )
+
+    wrong = [f"{n} {tuple(np.shape(sd[n]))} (config: {want})" for n, want in expected_shapes(hcfg).items()
+             if n in sd and tuple(np.shape(sd[n])) != want]
+    if wrong:
+        raise CheckpointError(f"EAGLE checkpoint tensors do not match its config.json: {'; '.join(wrong[:4])}")
 
     def get(name):
         if name not in sd:
@@ -478,5 +499,11 @@ def load_eagle_head(path: str, target_cfg: ModelConfig, dtype=jnp.float32) -> tu
         cfg = json.load(fh)
     sd = {k.removeprefix("model."): v for k, v in read_head_tensors(path).items()}
     d2t_len = len(sd["d2t"]) if "d2t" in sd and len(sd["d2t"]) < target_cfg.vocab_size else None
+    declared = cfg.get("draft_vocab_size")
+    if declared is not None and declared < target_cfg.vocab_size and declared != d2t_len:
+        raise CheckpointError(
+            f"{path}: config.json says draft_vocab_size {declared} but the d2t table has "
+            f"{'no entries' if d2t_len is None else d2t_len} (target vocabulary {target_cfg.vocab_size})"
+        )
     hcfg = head_config_from_json(cfg, target_cfg, d2t_len)
     return hcfg, head_params_from_state_dict(hcfg, sd, dtype)
