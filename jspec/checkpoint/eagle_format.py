@@ -23,7 +23,7 @@ EAGLE-3 (architectures ["LlamaForCausalLMEagle3"]):
   `draft_vocab_size` (= vocab_size when not reduced; without it SGLang takes the target's LM head).
 
 What each engine reads differs (the loaders and their versions are cited in
-tests/test_engine_contracts.py; the table is in docs/methods.md §2.4), so `save_eagle_head` takes
+tests/test_engine_contracts.py; the table is in docs/methods.md §2.2), so `save_eagle_head` takes
 `engine`:
   * "vllm": EAGLE-1 architecture "LlamaForCausalLM" (vLLM prefixes "Eagle"); its fc has no bias,
     so a trained fc bias b is folded into attention biases (q/k/v bias = W_{q,k,v} b, o_proj bias
