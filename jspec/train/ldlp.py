@@ -228,7 +228,7 @@ def fit(data: dict, lc: LDLPTrainConfig, log=print) -> tuple[dict, dict]:
 
 def train_ldlp_for_head(hcfg, head_params, tparams, data_dir: str, out_dir: str, lc: LDLPTrainConfig, *,
                         pad_id: int, deadline: float | None = None, log=print) -> dict:
-    """Collect labels, fit, evaluate on the evaluation answers, save beside the head."""
+    """Collect labels, fit, evaluate on the evaluation answers, save them (by default in the head's jspec/ subfolder)."""
     meta = S.read_meta(data_dir)
     split = "holdout" if S.shard_files(meta, "holdout") else "train"
     if split == "train":
