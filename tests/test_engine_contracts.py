@@ -333,7 +333,7 @@ def test_published_layouts(tmp_path, layout, layer_ids):
         pytest.importorskip("torch")  # to write what torch.save writes; jspec reads it without torch
     cfg = synthetic.write_published_eagle3_head(str(tmp_path), TARGET, layout=layout, dtype="float32",
                                                 draft_vocab_size=DRAFT_VOCAB, layer_ids=layer_ids,
-                                                capture=CAPTURE if layer_ids else None)
+                                                capture=CAPTURE if layer_ids else None, embedding=layer_ids is None)
     assert vllm_problems(tmp_path) == [] and sglang_problems(tmp_path) == []
     L = TARGET.num_layers
     engine_reads = {None: (2, 4, 5), "vllm": vllm_capture(cfg, L), "sglang": sglang_capture(cfg, L, True)}[layer_ids]

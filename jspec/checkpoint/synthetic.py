@@ -11,7 +11,7 @@ benchmarks of imported heads:
 
     python -m jspec.checkpoint.synthetic OUT_DIR [--target-config TARGET/config.json] [--layout bin]
 
-(without --target-config: Llama-3.1-8B's shape; about 1 GB in bfloat16). Importable without
+(without --target-config: Llama-3.1-8B's shape; 0.85 GB in bfloat16). Importable without
 torch: only the `bin` layouts need it, to write what `torch.save` writes.
 """
 
@@ -91,10 +91,12 @@ def published_eagle3_config(target: ModelConfig, *, draft_vocab_size: int = 3200
     return cfg
 
 
-def published_eagle3_tensors(cfg: dict, *, seed: int = 0, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
+def published_eagle3_tensors(cfg: dict, *, seed: int = 0, dtype: str = "bfloat16",
+                             embedding: bool = False) -> dict[str, np.ndarray]:
     """Random weights with a published EAGLE-3 head's names and shapes for draft config `cfg`
-    (float weights in `dtype`; d2t int64 offsets of a random sorted draft vocabulary; t2d bool;
-    the embedding, which published heads carry and the engines share with the target)."""
+    (float weights in `dtype`; d2t int64 offsets of a random sorted draft vocabulary; t2d bool).
+    `embedding`: also an `embed_tokens.weight`, which some published heads carry (SpecForge's
+    export drops it) and the engines replace with the target's; 1 GB more at Llama-3.1-8B's shape."""
     rng = np.random.default_rng(seed)
     D, F = cfg["hidden_size"], cfg["intermediate_size"]
     hd, Hq, Hkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -108,7 +110,6 @@ def published_eagle3_tensors(cfg: dict, *, seed: int = 0, dtype: str = "bfloat16
         return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np_dtype)
 
     sd = {
-        "embed_tokens.weight": (0.02 * rng.standard_normal((V, D), dtype=np.float32)).astype(np_dtype),
         "fc.weight": dense(D, 3 * D),
         "midlayer.input_layernorm.weight": norm(D),
         "midlayer.hidden_norm.weight": norm(D),
@@ -125,6 +126,8 @@ def published_eagle3_tensors(cfg: dict, *, seed: int = 0, dtype: str = "bfloat16
     }
     if cfg.get("fc_norm"):
         sd.update({f"fc_norm.{i}.weight": norm(D) for i in range(3)})
+    if embedding:
+        sd["embed_tokens.weight"] = (0.02 * rng.standard_normal((V, D), dtype=np.float32)).astype(np_dtype)
     if Vd < V:
         ids = np.sort(rng.choice(V, Vd, replace=False)).astype(np.int64)
         sd["d2t"] = ids - np.arange(Vd, dtype=np.int64)
@@ -179,12 +182,12 @@ def write_tensors(path: str, sd: dict, layout: str = "safetensors", num_shards: 
 
 
 def write_published_eagle3_head(path: str, target: ModelConfig, *, layout: str = "safetensors", seed: int = 0,
-                                dtype: str = "bfloat16", **config_kw) -> dict:
+                                dtype: str = "bfloat16", embedding: bool = False, **config_kw) -> dict:
     """Write config.json + weights of a synthetic published EAGLE-3 head for `target` (config_kw:
     published_eagle3_config's options). Returns the config written."""
     cfg = published_eagle3_config(target, **config_kw)
     cfg["torch_dtype"] = dtype
-    sd = published_eagle3_tensors(cfg, seed=seed, dtype=dtype)
+    sd = published_eagle3_tensors(cfg, seed=seed, dtype=dtype, embedding=embedding)
     write_tensors(path, sd, layout)
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(cfg, fh, indent=2)
