@@ -358,10 +358,14 @@ def cmd_export_head(a) -> int:
         raise UsageError(str(e)) from None
     with open(os.path.join(a.out, CONFIG_FILE)) as fh:
         written = json.load(fh)
-    layers = written.get("eagle_aux_hidden_state_layer_ids") or (written.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids") or "the engine's default"
-    print(f"wrote {a.out} for {a.engine}: {written['architectures'][0]}, {dtype}, "
-          f"{hcfg.kind} captured layers (target layer inputs) {list(hcfg.capture_layers) or '-'}, written as {layers}")
+    note = ""
+    if hcfg.kind == "eagle3":
+        layers = written.get("eagle_aux_hidden_state_layer_ids") or (written.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids") or "absent (the engine's default)"
+        note = f", captured target layer inputs {list(hcfg.capture_layers)} written as {layers}"
+    elif written.get("attention_bias"):
+        note = ", fc bias folded into the attention biases"
+    print(f"wrote {a.out} for {a.engine}: {hcfg.kind} as {written['architectures'][0]}, {dtype}{note}")
     return 0
 
 
