@@ -1,16 +1,18 @@
 """`jspec` command line: generate, convert, info, bench, train-head, build-corpus, distill, merge-data,
-train-ldlp."""
+train-ldlp, export-head."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 
 from .checkpoint.convert import add_convert_args, run_convert
+from .checkpoint.eagle_format import CONFIG_FILE, ENGINES, load_eagle_head, save_eagle_head
 from .checkpoint.errors import CheckpointError, CheckpointNotFoundError
-from .config import UnsupportedModelError
+from .config import UnsupportedModelError, config_from_hf
 from .decode import PromptError, pack_prompts
 from .errors import UsageError
 from .generate import generate, generate_stream
@@ -22,7 +24,7 @@ from .heads.hrad import load_hrad
 from .speculative.engines.chain import speculative_stream
 from .speculative.engines.pearl import parse_role_mesh
 from .speculative.engines.specbranch import SpecBranchConfig
-from .speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights
+from .speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, shipped_head_path
 from .speculative.policies import POLICY_NAMES, make_policy
 from .speculative.policies.ldlp import load_ldlp
 from .speculative.verify.consultant import DEFAULT_EPS, ConsultantRule
@@ -61,7 +63,7 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--policy", default=None,
                    help=f"draft-length policy (needs --drafter; default static): {', '.join(POLICY_NAMES)}")
     p.add_argument("--ldlp-weights", default=None, metavar="DIR",
-                   help="--policy ldlp: directory with ldlp.safetensors (default: the one shipped beside the EAGLE head)")
+                   help="--policy ldlp: directory with ldlp.safetensors (default: the jspec/ folder of the EAGLE head)")
     p.add_argument("--k-max", type=int, default=None,
                    help=f"maximum draft tokens per round (needs --drafter; default {DEFAULT_K_MAX}); at most what "
                         "the model's context leaves after the prompt and --max-new-tokens")
@@ -318,6 +320,55 @@ def cmd_merge_data(a) -> int:
     return 0
 
 
+def add_export_head_args(p) -> None:
+    p.add_argument("--for", dest="engine", required=True, choices=ENGINES,
+                   help="the serving engine whose loader the directory is written for")
+    p.add_argument("--target", required=True,
+                   help="the head's target: a preset, a checkpoint, or the target's Hugging Face config.json")
+    p.add_argument("--head", default=None,
+                   help="EAGLE head directory (default: the preset's shipped head of --kind)")
+    p.add_argument("--kind", default="eagle3", choices=("eagle3", "eagle"), help="which shipped head, without --head")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="stored dtype (default: the head's own torch_dtype)")
+    p.add_argument("out", help="new directory to write (config.json + model.safetensors)")
+
+
+def _target_config(target: str):
+    """The target's ModelConfig; a config.json (or a directory holding only one) needs no weights."""
+    if target.endswith(".json") and os.path.isfile(target):
+        with open(target) as fh:
+            return config_from_hf(json.load(fh))
+    return resolve_model(target, tokenizer=False)[0]
+
+
+def cmd_export_head(a) -> int:
+    if os.path.exists(a.out) and os.listdir(a.out):
+        raise UsageError(f"{a.out} exists and is not empty: give export-head a new directory")
+    head = a.head or shipped_head_path(a.target, a.kind)
+    if head is None:
+        raise UsageError(f"no {a.kind} head shipped for {a.target!r}: pass --head DIR")
+    cfg = _target_config(a.target)
+    hcfg, params = load_eagle_head(str(head), cfg)
+    with open(os.path.join(head, CONFIG_FILE)) as fh:
+        stored = json.load(fh).get("torch_dtype")
+    dtype = a.dtype or (stored if stored in ("bfloat16", "float16", "float32") else "bfloat16")
+    try:
+        save_eagle_head(a.out, hcfg, params, dtype=dtype, engine=a.engine)
+    except ValueError as e:  # the engine cannot hold this head: nothing was written
+        raise UsageError(str(e)) from None
+    with open(os.path.join(a.out, CONFIG_FILE)) as fh:
+        written = json.load(fh)
+    note = ""
+    if hcfg.kind == "eagle3":
+        layers = written.get("eagle_aux_hidden_state_layer_ids") or (written.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids") or "absent (the engine's default)"
+        note = f", captured target layer inputs {list(hcfg.capture_layers)} written as {layers}"
+    elif written.get("attention_bias"):
+        note = ", fc bias folded into the attention biases"
+    print(f"wrote {a.out} for {a.engine}: {hcfg.kind} as {written['architectures'][0]}, {dtype}{note}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jspec", description="Dynamic speculative decoding in JAX")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -337,6 +388,7 @@ def main(argv=None) -> int:
     merge.add_argument("--out", required=True, help="new dataset directory")
     merge.add_argument("inputs", nargs="+", help="distilled dataset directories (jspec distill)")
     ldlp = sub.add_parser("train-ldlp", help="train AdaEAGLE's draft-length predictor for an EAGLE head")
+    add_export_head_args(sub.add_parser("export-head", help="write an EAGLE head as SGLang or vLLM loads it"))
     try:
         from .train.cli import add_train_args
         from .train.corpus import add_corpus_args
@@ -385,6 +437,8 @@ def run_command(a) -> int:
         return run_distill(a)
     if a.cmd == "merge-data":
         return cmd_merge_data(a)
+    if a.cmd == "export-head":
+        return cmd_export_head(a)
     if a.cmd == "train-ldlp":
         from .train.ldlp import run_train_ldlp
 

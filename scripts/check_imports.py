@@ -28,7 +28,7 @@ LAYERS = [
     ["jspec.decode"],
     ["jspec.heads"],
     ["jspec.checkpoint.gguf_io", "jspec.checkpoint.hf", "jspec.checkpoint.orbax_io", "jspec.checkpoint.eagle_format",
-     "jspec.checkpoint.draft_format",
+     "jspec.checkpoint.draft_format", "jspec.checkpoint.synthetic",
      "jspec.tokenizer", "jspec.tasks"],
     ["jspec.presets"],
     ["jspec.checkpoint.convert"],

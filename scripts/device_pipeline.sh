@@ -304,7 +304,7 @@ run_onegpu() {
   finish_head $?
   wait
   unset XLA_PYTHON_CLIENT_MEM_FRACTION
-  if [ -n "$old" ] && [ -f "$old/ldlp.safetensors" ]; then  # the shipped predictor was fitted to the old head
+  if [ -n "$old" ] && [ -f "$old/jspec/ldlp.safetensors" ]; then  # the shipped predictor was fitted to the old head
     timeout 200 bash scripts/device_train_heads.sh ldlp 110 > "$P/ldlp.log" 2>&1
     note "ldlp exit $?"
   fi
@@ -315,7 +315,7 @@ run_onegpu() {
   local head=$RUN/eagle3/eagle
   if [ "${BENCH:-1}" = 1 ]; then
     local methods="ar,spec:eagle3:$head:static:k=6,spec:eagle3:$head:static:tree"
-    [ -f "$head/ldlp.safetensors" ] && methods="$methods,spec:eagle3:$head:ldlp"
+    [ -f "$head/jspec/ldlp.safetensors" ] && methods="$methods,spec:eagle3:$head:ldlp"
     [ -n "$old" ] && methods="$methods,spec:eagle3:$old:static:k=6"
     timeout 360 python3 -m jspec.cli bench --model "$target" --tasks mt_bench --max-new-tokens 256 --batch 1 \
       --dtype bfloat16 --methods "$methods" \

@@ -62,7 +62,7 @@ export_head() {  # $1 = kind: head dir (+ ldlp), logs and reports -> $OUT/$1.tar
 import json, os, sys
 d, out = sys.argv[1:3]
 summary = {}
-for name in ("data_report.json", "vocab_coverage.json", "eagle/ldlp.json"):
+for name in ("data_report.json", "vocab_coverage.json", "eagle/jspec/ldlp.json"):
     p = os.path.join(d, name)
     if os.path.isfile(p):
         summary[name] = json.load(open(p))

@@ -83,7 +83,7 @@ def test_valid_arguments_reach_the_loader(no_model):
                   "--consultant-eps", "2.5", "--consultant-smoothing", "0.2", "hello"])
 
 
-def test_ldlp_weights_are_found_beside_the_presets_head(no_model, capsys, tmp_path, monkeypatch):
+def test_ldlp_weights_are_found_in_the_presets_head_jspec_folder(no_model, capsys, tmp_path, monkeypatch):
     models = tmp_path / "models"
     head = models / "tiny" / "heads" / "eagle3"
     head.mkdir(parents=True)
@@ -93,7 +93,10 @@ def test_ldlp_weights_are_found_beside_the_presets_head(no_model, capsys, tmp_pa
     rc, err = run(capsys, "generate", "--model", "tiny", "--drafter", "eagle3", "--policy", "ldlp", "hi")
     assert rc == 2 and "none ship with this head" in err and "jspec train-ldlp --head" in err
     save_ldlp(str(head), init_ldlp(CFG.hidden_size, jax.random.PRNGKey(0), hidden=8), {"d_model": CFG.hidden_size})
-    assert find_ldlp_weights("eagle3", "tiny") == head
+    with pytest.raises(DrafterError, match="none ship with this head"):  # in the head folder the engines read
+        find_ldlp_weights("eagle3", "tiny")
+    save_ldlp(str(head / "jspec"), init_ldlp(CFG.hidden_size, jax.random.PRNGKey(0), hidden=8), {"d_model": CFG.hidden_size})
+    assert find_ldlp_weights("eagle3", "tiny") == head / "jspec"
     with pytest.raises(ModelLoaded):  # found: on to loading the model
         cli.main(["generate", "--model", "tiny", "--drafter", "eagle3", "--policy", "ldlp", "hi"])
     with pytest.raises(DrafterError, match="no LDLP predictor weights"):

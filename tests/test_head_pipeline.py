@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from pipeline_tiny import TARGET, CharChatTokenizer, tiny_sources
 
-from jspec.checkpoint.eagle_format import load_eagle_head, save_eagle_head
+from jspec.checkpoint.eagle_format import EXTRAS_DIR, load_eagle_head, save_eagle_head
 from jspec.generate import generate
 from jspec.heads import eagle as H
 from jspec.model import init_params
@@ -57,7 +57,7 @@ def pipeline(tmp_path_factory):
     save_eagle_head(str(run / "eagle"), HCFG, res.head_params, dtype="bfloat16")
     lc = TL.LDLPTrainConfig(k_max=2, seq_len=48, batch_rows=4, max_positions=400, eval_positions=100, hidden=16,
                             epochs=2, batch_size=64)
-    ldlp_cfg = TL.train_ldlp_for_head(HCFG, res.head_params, target, data, str(run / "eagle"), lc, pad_id=0,
+    ldlp_cfg = TL.train_ldlp_for_head(HCFG, res.head_params, target, data, str(run / "eagle" / EXTRAS_DIR), lc, pad_id=0,
                                       log=lambda *_: None)
     return dict(root=root, corpus=corpus, target=target, data=data, summary=summary, result=res, run=run,
                 ldlp=ldlp_cfg)
@@ -110,7 +110,7 @@ def test_training_reads_v2_shards_with_target_lm_head(pipeline):
 
 
 def test_ldlp_weights_saved_beside_the_head(pipeline):
-    params, cfg = load_ldlp(str(pipeline["run"] / "eagle"))
+    params, cfg = load_ldlp(str(pipeline["run"] / "eagle" / EXTRAS_DIR))
     assert cfg["d_model"] == TARGET.hidden_size and cfg["k_max"] == 2 and cfg["labels_from"] == "holdout"
     assert params["w_in"].shape == (2 * TARGET.hidden_size, 16)
     val = cfg["metrics"]["val"] or cfg["metrics"]["train"]
@@ -128,7 +128,7 @@ def test_driver_exports_in_pieces_and_unpacks(pipeline, tmp_path):
     subprocess.run(["bash", "scripts/unpack_device_out.sh", str(out), str(tmp_path / "back")], cwd=ROOT, check=True,
                    capture_output=True)
     back = tmp_path / "back" / "eagle3"
-    for name in ("eagle/model.safetensors", "eagle/ldlp.safetensors", "metrics.jsonl"):
+    for name in ("eagle/model.safetensors", "eagle/jspec/ldlp.safetensors", "metrics.jsonl"):
         assert (back / name).read_bytes() == (pipeline["run"] / name).read_bytes()
 
 

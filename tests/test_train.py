@@ -312,8 +312,8 @@ def test_input_scale_rms_is_measured_trained_and_folded_on_export(data_dir, tmp_
     _, loaded = load_eagle_head(str(tmp_path / "eagle"), TARGET)
     assert "fc_in_scale" not in loaded
     out = forward(target, TARGET, rows["tokens"][:2], init_cache(TARGET, 2, SEQ), capture=HCFG3.capture_layers)
-    np.testing.assert_array_equal(np.asarray(H.fuse_captured(loaded, out.captured)),
-                                  np.asarray(H.fuse_captured(res.head_params, out.captured)))
+    np.testing.assert_array_equal(np.asarray(H.fuse_captured(HCFG3, loaded, out.captured)),
+                                  np.asarray(H.fuse_captured(HCFG3, res.head_params, out.captured)))
 
 
 def test_target_lm_head_init_caps_the_logit_temperature():
@@ -344,5 +344,5 @@ def test_warm_start_with_input_scale_keeps_the_head_function(straight_run, data_
     assert "fc_in_scale" in res.head_params
     rows = ShardedLoader(data_dir, BATCH, TC3.seed, 0, 1, seq_len_override=SEQ).batch(0)
     out = forward(_target(), TARGET, rows["tokens"][:2], init_cache(TARGET, 2, SEQ), capture=HCFG3.capture_layers)
-    np.testing.assert_allclose(np.asarray(H.fuse_captured(res.head_params, out.captured)),
-                               np.asarray(H.fuse_captured(head, out.captured)), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(H.fuse_captured(HCFG3, res.head_params, out.captured)),
+                               np.asarray(H.fuse_captured(HCFG3, head, out.captured)), rtol=1e-6, atol=1e-6)

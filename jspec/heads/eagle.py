@@ -26,6 +26,7 @@ Parameter layout (plain dict; linear weights are [in, out]):
       w_gate_up   [D, 2F]
       w_down      [F, D]
     final_norm    [D]          EAGLE-3
+    fc_norm       [3D]         EAGLE-3.1 (hcfg.fc_norm): RMSNorm weights of the three captured layers
     lm_head       [D, Vd]      EAGLE-3 (Vd = draft vocab, or the target vocab when not reduced)
     d2t           [Vd] int32   EAGLE-3 with a reduced vocab: the ABSOLUTE target id of each draft
                                id (the EAGLE file format stores offsets; eagle_format converts)
@@ -39,9 +40,10 @@ Parameter layout (plain dict; linear weights are [in, out]):
 `d2t`, `t2d` and `fc_in_scale` are fixed leaves: training optimises only the other floating
 leaves (`split_trainable`).
 
-The head layer is Llama-style whatever the target family (SwiGLU, plain rope with the target's
-global theta and scaling, head_dim**-0.5 scaling, no q/k norms, no sliding window), matching what
-SGLang and vLLM run for EAGLE heads. The embedding includes the target's embed_scale (Gemma), i.e.
+The head layer is Llama-style whatever the target family (SwiGLU, plain rope, head_dim**-0.5
+scaling, no q/k norms, no sliding window), matching what SGLang and vLLM run for EAGLE heads. Its
+attention geometry, rope and norm epsilon are the target's unless the HeadConfig states its own
+(an imported head: the engines build the draft layer from the draft's config.json). The embedding includes the target's embed_scale (Gemma), i.e.
 it is exactly what the target's first layer reads.
 """
 
@@ -88,6 +90,20 @@ class HeadConfig:
     capture_layers: tuple[int, ...] = ()  # eagle3: target layer INPUT indices fused; () = (2, L//2, L-3)
     draft_vocab_size: int = 0  # eagle3: reduced vocab (0 = full target vocab)
     intermediate_size: int | None = None  # MLP width of the head layer (None = target's)
+    # The head layer's own attention geometry, rope and norm epsilon, as its config.json states
+    # them (SGLang and vLLM build the draft layer from the draft's config, not the target's);
+    # None = the target's value, which is what a head trained by jspec uses.
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float | None = None
+    rope_scaling: tuple | None = None  # ("llama3", ...) / ("linear", f); used only with rope_theta set
+    rms_norm_eps: float | None = None
+    # EAGLE-3.1 (SpecForge `fc_norm`, vLLM `fc_norm` / `norm_output`): an RMSNorm on each captured
+    # layer before the fc (params["fc_norm"] [3D]), and the post-final-norm hidden fed back at
+    # later draft steps instead of the pre-norm one.
+    fc_norm: bool = False
+    norm_output: bool = False
 
     def __post_init__(self):
         if self.kind not in HEAD_KINDS:
@@ -104,6 +120,10 @@ class HeadConfig:
             raise ValueError(f"capture_layers {self.capture_layers} outside [0, {L})")
         if self.draft_vocab_size > self.target.vocab_size:
             raise ValueError("draft_vocab_size exceeds the target vocab")
+        if self.kind == "eagle1" and (self.fc_norm or self.norm_output):
+            raise ValueError("fc_norm / norm_output are EAGLE-3.1 options; an eagle1 head has neither")
+        if self.rope_scaling is not None and self.rope_theta is None:
+            raise ValueError("a head's own rope_scaling needs its own rope_theta")
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -153,18 +173,20 @@ def default_head_config(kind: str, target_cfg: ModelConfig, draft_vocab_size: in
 def head_layer_config(hcfg: HeadConfig) -> ModelConfig:
     """The target's config reduced to the head's one Llama-style layer (attention geometry, rope)."""
     t = hcfg.target
+    own = lambda v, default: default if v is None else v  # noqa: E731
+    own_rope = hcfg.rope_theta is not None  # a head's own theta comes with its own scaling (or none)
     return ModelConfig(
         arch="llama",
         vocab_size=t.vocab_size,
         hidden_size=t.hidden_size,
         intermediate_size=hcfg.mlp_size,
         num_layers=1,
-        num_heads=t.num_heads,
-        num_kv_heads=t.num_kv_heads,
-        head_dim=t.head_dim,
-        rms_norm_eps=t.rms_norm_eps,
-        rope_theta=t.rope_theta,
-        rope_scaling=t.rope_scaling,
+        num_heads=own(hcfg.num_heads, t.num_heads),
+        num_kv_heads=own(hcfg.num_kv_heads, t.num_kv_heads),
+        head_dim=own(hcfg.head_dim, t.head_dim),
+        rms_norm_eps=own(hcfg.rms_norm_eps, t.rms_norm_eps),
+        rope_theta=hcfg.rope_theta if own_rope else t.rope_theta,
+        rope_scaling=hcfg.rope_scaling if own_rope else t.rope_scaling,
         max_position_embeddings=t.max_position_embeddings,
     )
 
@@ -201,6 +223,8 @@ def init_head(hcfg: HeadConfig, key: jax.Array, dtype=jnp.float32, scale: float 
     layer["embed_norm"] = jnp.ones((D,), dtype)
     layer["hidden_norm"] = jnp.ones((D,), dtype)
     params["final_norm"] = jnp.ones((D,), dtype)
+    if hcfg.fc_norm:
+        params["fc_norm"] = jnp.ones((n_in,), dtype)
     params["lm_head"] = rnd((D, hcfg.draft_vocab))
     if hcfg.reduced_vocab:
         params["d2t"], params["t2d"] = draft_vocab_maps(
@@ -260,17 +284,27 @@ def head_features(hcfg: HeadConfig, head_params: dict, target_out: ForwardOut) -
         return target_out.hidden
     if len(target_out.captured) != 3:
         raise ValueError("eagle3 needs the target forward run with capture=hcfg.capture_layers")
-    return fuse_captured(head_params, target_out.captured)
+    return fuse_captured(hcfg, head_params, target_out.captured)
 
 
-def fuse_captured(head_params: dict, captured) -> jax.Array:
+def fuse_captured(hcfg: HeadConfig, head_params: dict, captured) -> jax.Array:
     """EAGLE-3's fc over the concatenated (low, mid, high) layer inputs: 3D -> D (times the
-    fixed fc_in_scale first, when the head has one)."""
+    fixed fc_in_scale first, when the head has one; each layer RMS-normed first for an
+    EAGLE-3.1 head with fc_norm)."""
     w = head_params["fc"]
+    if hcfg.fc_norm:
+        D, eps = hcfg.hidden_size, head_eps(hcfg)
+        g = head_params["fc_norm"]
+        captured = [rms_norm(c.astype(w.dtype), g[i * D : (i + 1) * D], eps) for i, c in enumerate(captured)]
     x = jnp.concatenate([c.astype(w.dtype) for c in captured], axis=-1)
     if "fc_in_scale" in head_params:  # powers of two: the product is exact in any float format
         x = x * head_params["fc_in_scale"].astype(w.dtype)
     return x @ w
+
+
+def head_eps(hcfg: HeadConfig) -> float:
+    """The RMSNorm epsilon of the head's norms (its config's, else the target's)."""
+    return hcfg.target.rms_norm_eps if hcfg.rms_norm_eps is None else hcfg.rms_norm_eps
 
 
 def capture_scales(rms_per_layer) -> np.ndarray:
@@ -305,7 +339,7 @@ def fold_capture_scales(head_params: dict) -> dict:
 def _attention_input(hcfg: HeadConfig, head_params: dict, embeds, feats):
     """(attention input [.., A], residual stream [.., D]) of the head layer."""
     p = head_params["layer"]
-    eps = hcfg.target.rms_norm_eps
+    eps = head_eps(hcfg)
     feats = feats.astype(embeds.dtype)
     if hcfg.kind == "eagle1":
         x = jnp.concatenate([embeds, feats], axis=-1) @ head_params["fc"] + head_params["fc_bias"]
@@ -391,14 +425,18 @@ def _attend(lcfg: ModelConfig, q, blocks):
     return out.reshape(B, T, lcfg.q_size)
 
 
-def _finish_layer(hcfg: HeadConfig, p: dict, attn_out, residual, mm=jnp.matmul):
-    """Output projection, MLP and residuals; `mm` is `model.matmul` on the (never differentiated)
-    fused draft paths, so their products go to the matvec kernel where it serves."""
+def _finish_layer(hcfg: HeadConfig, head_params: dict, attn_out, residual, mm=jnp.matmul):
+    """The layer's output h_out: the hidden fed back at the next draft step (EAGLE-3.1's
+    norm_output: after the final norm, which draft_logits then does not repeat). `mm` is
+    `model.matmul` on the (never differentiated) fused draft paths, so their products go to the
+    matvec kernel where it serves."""
+    p = head_params["layer"]
     h = residual + mm(attn_out, p["wo"])
-    m = rms_norm(h, p["mlp_norm"], hcfg.target.rms_norm_eps)
+    m = rms_norm(h, p["mlp_norm"], head_eps(hcfg))
     gu = mm(m, p["w_gate_up"])
     F = gu.shape[-1] // 2
-    return h + mm(jax.nn.silu(gu[..., :F]) * gu[..., F:], p["w_down"])
+    h = h + mm(jax.nn.silu(gu[..., :F]) * gu[..., F:], p["w_down"])
+    return rms_norm(h, head_params["final_norm"], head_eps(hcfg)) if hcfg.norm_output else h
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,7 +449,7 @@ def draft_logits(hcfg: HeadConfig, head_params: dict, target_params: dict, h_out
     `kernels` as in `model.matmul` (the portable dot unless a fused draft path asks)."""
     if hcfg.kind == "eagle1":
         return lm_head(target_params, hcfg.target, h_out, kernels=kernels)
-    x = rms_norm(h_out, head_params["final_norm"], hcfg.target.rms_norm_eps)
+    x = h_out if hcfg.norm_output else rms_norm(h_out, head_params["final_norm"], head_eps(hcfg))
     return matmul(x, head_params["lm_head"], out_dtype=jnp.float32, kernels=kernels)
 
 
@@ -465,7 +503,7 @@ def head_forward(
     if positions is None and new_mask is None and fused_head_attention(hcfg, T, kernels):
         positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
         o, cache = _fused_attention(lcfg, attn_in @ p["wqkv"], positions, cache, None, drop_past_end=True)
-        h_out = _finish_layer(hcfg, p, o, residual)
+        h_out = _finish_layer(hcfg, head_params, o, residual)
         return h_out, head_logits(hcfg, head_params, target_params, h_out), cache
     if positions is None:
         positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
@@ -478,7 +516,7 @@ def head_forward(
     v_all = cache.v.at[0, b_idx, slots].set(v.astype(cache.v.dtype), mode="drop")
     block = (k_all[0].astype(q.dtype), v_all[0].astype(q.dtype), visible[:, None, None], False)
     o = _attend(lcfg, q, [block])
-    h_out = _finish_layer(hcfg, p, o, residual)
+    h_out = _finish_layer(hcfg, head_params, o, residual)
     logits = head_logits(hcfg, head_params, target_params, h_out)
     return h_out, logits, cache.replace(k=k_all, v=v_all)
 
@@ -520,7 +558,7 @@ def head_step(
         blocks.append((pk.astype(q.dtype), pv.astype(q.dtype), pvis[:, None, None], False))
     blocks.append((k[:, :, None], v[:, :, None], jnp.ones((), bool), True))  # each pair sees itself
     o = _attend(lcfg, q, blocks)
-    h_out = _finish_layer(hcfg, p, o, residual)
+    h_out = _finish_layer(hcfg, head_params, o, residual)
     return h_out, draft_logits(hcfg, head_params, target_params, h_out), k, v
 
 
@@ -559,7 +597,7 @@ def head_chain_step(
     attn_in, residual = _pair_inputs(hcfg, head_params, target_params, tokens, feats)
     mm = functools.partial(matmul, kernels="pallas")
     o, cache = _fused_attention(head_layer_config(hcfg), mm(attn_in, p["wqkv"]), positions, cache, None)
-    h_out = _finish_layer(hcfg, p, o, residual, mm)
+    h_out = _finish_layer(hcfg, head_params, o, residual, mm)
     return h_out, draft_logits(hcfg, head_params, target_params, h_out, kernels="pallas"), cache
 
 
@@ -619,7 +657,7 @@ def head_tree_level(
     if all_qkv.shape[1] > fused_attn.MAX_BLOCK:
         raise ValueError(f"a fused tree level runs {all_qkv.shape[1]} nodes; the kernel takes {fused_attn.MAX_BLOCK}")
     o, cache = _fused_attention(lcfg, all_qkv, all_pos, cache, mask)
-    h_out = _finish_layer(hcfg, p, o[:, -T:], residual, mm)
+    h_out = _finish_layer(hcfg, head_params, o[:, -T:], residual, mm)
     return h_out, draft_logits(hcfg, head_params, target_params, h_out, kernels="pallas"), entries, cache
 
 
@@ -686,4 +724,4 @@ def ttt_step(
     if later_kv is not None:
         blocks.append((*later_kv, jnp.ones((), bool), True))
     o = _attend(lcfg, q, blocks)
-    return _finish_layer(hcfg, p, o, residual), first_kv, later_kv
+    return _finish_layer(hcfg, head_params, o, residual), first_kv, later_kv

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.draft_format import exit_layer_of, is_draft_model_dir, load_draft_model
-from ..checkpoint.eagle_format import load_eagle_head
+from ..checkpoint.eagle_format import EXTRAS_DIR, load_eagle_head
 from ..config import ModelConfig
 from ..heads import dlm as D
 from ..presets import list_presets, load_preset, resolve_model
@@ -130,8 +130,9 @@ def head_dir(spec: str, model_name: str | None) -> Path | None:
 
 def find_ldlp_weights(drafter_spec: str | None, model_name: str | None, explicit: str | None = None) -> Path:
     """The directory holding LDLP predictor weights (ldlp.safetensors + ldlp.json, written by
-    `jspec train-ldlp`): ``explicit`` if given, else beside the drafter's EAGLE head
-    (models/<preset>/heads/<head>/ for a preset's shipped head). Raises DrafterError, one line."""
+    `jspec train-ldlp`): ``explicit`` if given, else the drafter's EAGLE head's jspec/ subfolder
+    (EXTRAS_DIR: the engines read every *.safetensors in the head folder itself, so jspec's extras
+    stay out of it). Raises DrafterError, one line."""
     if explicit:
         if not (Path(explicit) / LDLP_WEIGHTS_FILE).is_file():
             raise DrafterError(f"no LDLP predictor weights at {Path(explicit) / LDLP_WEIGHTS_FILE}")
@@ -145,11 +146,11 @@ def find_ldlp_weights(drafter_spec: str | None, model_name: str | None, explicit
     head = head_dir(drafter_spec, model_name)
     if head is None:
         raise DrafterError(f"policy ldlp: no {name} head shipped for model {model_name!r}, so no predictor weights either")
-    for candidate in (head, *sorted(p for p in head.glob("ldlp*") if p.is_dir())):
-        if (candidate / LDLP_WEIGHTS_FILE).is_file():
-            return candidate
+    extras = head / EXTRAS_DIR
+    if (extras / LDLP_WEIGHTS_FILE).is_file():
+        return extras
     raise DrafterError(
-        f"policy ldlp needs trained predictor weights and none ship with this head ({head / LDLP_WEIGHTS_FILE} "
+        f"policy ldlp needs trained predictor weights and none ship with this head ({extras / LDLP_WEIGHTS_FILE} "
         f"is missing): train them with `jspec train-ldlp --head {head}`, or pass --ldlp-weights DIR"
     )
 

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..checkpoint.eagle_format import load_eagle_head
+from ..checkpoint.eagle_format import EXTRAS_DIR, load_eagle_head
 from ..heads import eagle as H
 from ..model import cast_params
 from ..presets import resolve_model
@@ -85,7 +85,7 @@ def chain_predictions(hcfg: H.HeadConfig, head_params: dict, tparams: dict, toke
     target = losses.target_outputs(hcfg, tc, tparams, tokens)
     dtype = head_params["fc"].dtype
     embeds = H.embed_tokens(tparams, hcfg.target, tokens).astype(dtype)
-    feats = target.hidden.astype(dtype) if hcfg.kind == "eagle1" else H.fuse_captured(head_params, target.captured)
+    feats = target.hidden.astype(dtype) if hcfg.kind == "eagle1" else H.fuse_captured(hcfg, head_params, target.captured)
     first = later = None
     preds = []
     for j in range(k_max):
@@ -228,7 +228,7 @@ def fit(data: dict, lc: LDLPTrainConfig, log=print) -> tuple[dict, dict]:
 
 def train_ldlp_for_head(hcfg, head_params, tparams, data_dir: str, out_dir: str, lc: LDLPTrainConfig, *,
                         pad_id: int, deadline: float | None = None, log=print) -> dict:
-    """Collect labels, fit, evaluate on the evaluation answers, save beside the head."""
+    """Collect labels, fit, evaluate on the evaluation answers, save them (by default in the head's jspec/ subfolder)."""
     meta = S.read_meta(data_dir)
     split = "holdout" if S.shard_files(meta, "holdout") else "train"
     if split == "train":
@@ -263,7 +263,8 @@ def add_ldlp_args(p):
     p.add_argument("--target", required=True, help="target preset or path")
     p.add_argument("--head", required=True, help="EAGLE head directory (config.json + model.safetensors)")
     p.add_argument("--data", required=True, help="jspec-distill-v2 dataset (jspec distill)")
-    p.add_argument("--out", default=None, help="where ldlp.safetensors / ldlp.json go (default: the head directory)")
+    p.add_argument("--out", default=None,
+                   help="where ldlp.safetensors / ldlp.json go (default: the head's jspec/ subfolder, which no engine reads)")
     p.add_argument("--time-budget-s", type=float, default=None)
     p.add_argument("--dtype", default="auto", help="target dtype: auto (bf16 on GPU, f32 on CPU), bfloat16, float32")
     for f in dataclasses.fields(LDLPTrainConfig):
@@ -285,7 +286,7 @@ def run_train_ldlp(args) -> int:
     hcfg, head = load_eagle_head(args.head, cfg)
     head = cast_params(head, dtype)
     deadline = None if args.time_budget_s is None else t0 + args.time_budget_s
-    config = train_ldlp_for_head(hcfg, head, params, args.data, args.out or args.head, lc, pad_id=cfg.pad_token_id,
+    config = train_ldlp_for_head(hcfg, head, params, args.data, args.out or os.path.join(args.head, EXTRAS_DIR), lc, pad_id=cfg.pad_token_id,
                                  deadline=deadline)
     print(json.dumps({k: config["metrics"][k] for k in ("val", "steps")}))
     return 0

@@ -156,7 +156,7 @@ def ttt_loss(hcfg: H.HeadConfig, tc: TrainConfig, head_params: dict, tparams: di
             noise = feature_noise(key, feats.shape, batch["lengths"], tc.feature_noise_std)
             feats = feats + noise.astype(dtype)
     else:
-        feats = H.fuse_captured(head_params, target.captured)
+        feats = H.fuse_captured(hcfg, head_params, target.captured)
 
     def one_step(j, head_params, feats, first, later):
         h, first, later = H.ttt_step(hcfg, head_params, shift_left(embeds, j + 1), feats, j, first, later)

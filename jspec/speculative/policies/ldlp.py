@@ -32,8 +32,9 @@ What the paper leaves open, chosen here; each is an argument with a default.
     asymmetric L1 loss, so training starts from the best constant predictor.
 
 Params are a plain dict of float32 arrays, carried in a policy state (``LDLPPolicy``) and saved
-beside the EAGLE head they were trained for (``save_ldlp`` / ``load_ldlp``: ldlp.safetensors +
-ldlp.json; written by ``jspec train-ldlp``).
+with the EAGLE head they were trained for, in its ``jspec/`` subfolder (``save_ldlp`` /
+``load_ldlp``: ldlp.safetensors + ldlp.json; written by ``jspec train-ldlp``): SGLang and vLLM
+read every *.safetensors in the head folder itself, and vLLM fails on the predictor's names.
 """
 
 from __future__ import annotations
