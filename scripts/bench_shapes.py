@@ -20,6 +20,8 @@ keeps what it measured; the committed rows live in benchmarks/shapes/):
   verify  one target forward + LM head over T = 1, 8, 64 tokens and a 60-node tree (cursor fixed);
   draft   an EAGLE-3 head at the target's shape (draft vocab 32k): a chain step and a 10-node tree
           level;
+  published  a synthetic EAGLE-3 head in the published sharded format at this shape: written,
+          imported (the draft's own config: RoPE base 10000) and drafted;
   memory  one generation at batch 64 with a 4,096-slot cache: peak device memory;
   peer    the PyTorch peer script (--peer), run as a subprocess at the same batches.
 
@@ -33,8 +35,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -45,6 +49,7 @@ import numpy as np
 
 from jspec import decode as D
 from jspec import model as M
+from jspec.checkpoint import eagle_format, synthetic
 from jspec.config import ModelConfig
 from jspec.heads import eagle as H
 from jspec.kernels import matvec as MV
@@ -363,10 +368,13 @@ def verify_part(shape, cfg, params, rows_out: Rows, batch=1, n=20):
                                 note="one target forward + LM head on all T tokens; tokens_per_s counts one token a call"))
 
 
-def draft_part(shape, cfg, params, rows_out: Rows, batch=1, n=50):
-    hcfg = H.default_head_config("eagle3", cfg, draft_vocab_size=min(32000, cfg.vocab_size))
-    head = jax.jit(lambda k: jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a,
-                                          H.init_head(hcfg, k, jnp.float32)))(jax.random.PRNGKey(5))
+def draft_part(shape, cfg, params, rows_out: Rows, batch=1, n=50, head_and_config=None, variant="jspec"):
+    if head_and_config is None:
+        hcfg = H.default_head_config("eagle3", cfg, draft_vocab_size=min(32000, cfg.vocab_size))
+        head = jax.jit(lambda k: jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a,
+                                              H.init_head(hcfg, k, jnp.float32)))(jax.random.PRNGKey(5))
+    else:
+        hcfg, head = head_and_config
     hbytes = weight_bytes({k: v for k, v in head.items() if k != "d2t"})
     cache = H.init_head_cache(hcfg, batch, 640, jnp.bfloat16).replace(lengths=jnp.full((batch,), 192, jnp.int32))
     feats = jnp.zeros((batch, 1, cfg.hidden_size), jnp.bfloat16)
@@ -379,7 +387,7 @@ def draft_part(shape, cfg, params, rows_out: Rows, batch=1, n=50):
         return jax.lax.fori_loop(0, n, body, (cache, tok, feats))
 
     t, spread = median_time(jax.jit(chain), head, params, cache, jnp.zeros((batch, 1), jnp.int32))
-    rows_out.add(**base_row(shape, cfg, hbytes, "draft_step", batch, 1, t / n, batch, head_bytes=hbytes,
+    rows_out.add(**base_row(shape, cfg, hbytes, "draft_step", batch, 1, t / n, batch, head_bytes=hbytes, variant=variant,
                             note="EAGLE-3 head chain step (draft vocab 32k); floor = head bytes / bandwidth"))
     T = 10
     fused = H.fused_head_attention(hcfg, 2 * T)
@@ -395,8 +403,29 @@ def draft_part(shape, cfg, params, rows_out: Rows, batch=1, n=50):
         return jax.lax.fori_loop(0, n, body, (cache, tok))
 
     t, spread = median_time(jax.jit(level), head, params, cache, jnp.zeros((batch, T), jnp.int32))
-    rows_out.add(**base_row(shape, cfg, hbytes, "tree_level", batch, T, t / n, batch, head_bytes=hbytes,
+    rows_out.add(**base_row(shape, cfg, hbytes, "tree_level", batch, T, t / n, batch, head_bytes=hbytes, variant=variant,
                             note="EAGLE-3 head tree level of 10 frontier nodes"))
+
+
+def published_part(shape, cfg, params, rows_out: Rows, workdir: Path):
+    """A synthetic EAGLE-3 head in the published (SpecForge / EAGLE) format at this target's shape,
+    sharded safetensors without rope_theta: written, imported with the draft's own config, drafted."""
+
+    path = Path(tempfile.mkdtemp(dir=workdir))
+    try:
+        t0 = time.perf_counter()
+        synthetic.write_published_eagle3_head(str(path), cfg, layout="sharded", draft_vocab_size=min(32000, cfg.vocab_size))
+        t1 = time.perf_counter()
+        hcfg, head = eagle_format.load_eagle_head(str(path), cfg, dtype=jnp.bfloat16)
+        head = jax.device_put(head)
+        jax.block_until_ready(head)
+        t2 = time.perf_counter()
+        rows_out.add(shape=shape, card=card(), method="published_head_load", write_s=round(t1 - t0, 1),
+                     load_s=round(t2 - t1, 1), head_rope_theta=hcfg.rope_theta if hasattr(hcfg, "rope_theta") else None,
+                     capture_layers=list(hcfg.capture_layers))
+        draft_part(shape, cfg, params, rows_out, head_and_config=(hcfg, head), variant="published")
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def memory_part(shape, cfg, params, rows_out: Rows, batch=64, context=4096):
@@ -470,13 +499,14 @@ def main(argv=None):
                       tune_rows=tune_rows)
             if tuning:
                 (out_dir / "matvec_tuning.json").write_text(json.dumps({card(): tuning}, indent=1, sort_keys=True))
-        if parts & {"ar", "verify", "draft", "memory"}:
+        if parts & {"ar", "verify", "draft", "memory", "published"}:
             params = random_params(cfg)
             jax.block_until_ready(params)
             for part, fn in (("memory", lambda: memory_part(shape, cfg, params, rows)),
                              ("ar", lambda: ar_part(shape, cfg, params, rows, batches, args.variants.split(","))),
                              ("verify", lambda: verify_part(shape, cfg, params, rows)),
-                             ("draft", lambda: draft_part(shape, cfg, params, rows))):
+                             ("draft", lambda: draft_part(shape, cfg, params, rows)),
+                             ("published", lambda: published_part(shape, cfg, params, rows, Path(tempfile.gettempdir())))):
                 if part in parts:
                     try:
                         fn()
