@@ -38,9 +38,13 @@ class ModelLoaded(Exception):
 
 @pytest.fixture
 def no_model(monkeypatch):
+    """The model's header (config) and tokenizer read as the CLI reads them before the weights;
+    loading the weights raises ModelLoaded."""
     def refuse(*args, **kwargs):
         raise ModelLoaded
 
+    monkeypatch.setattr(cli, "resolve_config", lambda *a, **k: CFG)
+    monkeypatch.setattr(cli, "resolve_tokenizer", lambda *a, **k: FakeTokenizer())
     monkeypatch.setattr(cli, "resolve_model", refuse)
     monkeypatch.setattr(bench_cli, "resolve_model", refuse)
 
@@ -48,7 +52,9 @@ def no_model(monkeypatch):
 @pytest.fixture
 def tiny_model(monkeypatch):
     params = M.init_params(CFG, jax.random.PRNGKey(0), scale=0.35)
-    monkeypatch.setattr(cli, "resolve_model", lambda *a, **k: (CFG, params, FakeTokenizer()))
+    monkeypatch.setattr(cli, "resolve_config", lambda *a, **k: CFG)
+    monkeypatch.setattr(cli, "resolve_tokenizer", lambda *a, **k: FakeTokenizer())
+    monkeypatch.setattr(cli, "resolve_model", lambda *a, **k: (CFG, params, None))
 
 
 def run(capsys, *argv):
