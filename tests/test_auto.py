@@ -98,7 +98,7 @@ def test_bench_cli_auto_rows_carry_round_costs(tmp_path, monkeypatch):
     args = cli.add_bench_args(argparse.ArgumentParser()).parse_args(
         ["--model", "tiny", "--tasks", "mt_bench", "--n-prompts", "2", "--max-new-tokens", "4", "--batch", "1",
          "--methods", "ar,spec:ngram:auto", "--round-cost", "1", "--no-plots",
-         "--models-dir", str(tmp_path / "models"), "--benchmarks-md", str(tmp_path / "B.md")])
+         "--models-dir", str(tmp_path / "models"), "--out", str(tmp_path / "results")])
     rows = cli.run_bench(args)
     spec = [r for r in rows if r["method"] == "spec"][0]
     assert spec["policy"] == "auto"
