@@ -212,11 +212,14 @@ def _check_engine_args(a) -> None:
     need = "early-exit:PATH (a trained exit head), early-exit (the preset's) or early-exit:E" if a.engine == "ppsd" else "model[:PATH] (a draft model)"
     if a.drafter is None or a.drafter.split(":")[0] != ("early-exit" if a.engine == "ppsd" else "model"):
         raise UsageError(f"--engine {a.engine} needs --drafter {need}")
+    try:
+        a.mesh = parse_role_mesh(a.mesh)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     check_drafter_spec(a.drafter)
     if a.hrad is not None and not os.path.isdir(a.hrad):
         raise UsageError(f"--hrad {a.hrad}: not a directory")
     try:
-        a.mesh = parse_role_mesh(a.mesh)
         engine = a.engine if a.engine != "specbranch" else SpecBranchConfig(
             branches=3 if a.branches is None else a.branches, gamma=4 if a.gamma is None else a.gamma,
             cut="hrad" if a.hrad else "confidence")
@@ -463,7 +466,9 @@ def cmd_merge_data(a) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `jspec` command line's parser, every subcommand included (the training ones when their
+    extras are installed)."""
     parser = argparse.ArgumentParser(prog="jspec", description="Dynamic speculative decoding in JAX")
     parser.add_argument("--version", action="version", version=f"jspec {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -495,8 +500,11 @@ def main(argv=None) -> int:
         add_ldlp_args(ldlp)
     except ImportError:  # training extras absent
         pass
+    return parser
 
-    a = parser.parse_args(argv)
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     try:
         ensure_cpu_devices(getattr(a, "mesh", None))
         return run_command(a)
