@@ -144,6 +144,8 @@ def check_generate_args(a) -> None:
             raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to speculative decoding: add --drafter "
                              "(ngram, early-exit, model, eagle, eagle3, dlm)")
         return
+    if a.tree and a.k_max is not None:
+        raise UsageError("--k-max sets a chain's draft length; a tree drafts to its depth (EAGLE-2's 6)")
     a.policy = a.policy or "static"
     a.k_max = DEFAULT_K_MAX if a.k_max is None else a.k_max
     a.verify = a.verify or "lossless"
@@ -152,7 +154,8 @@ def check_generate_args(a) -> None:
     drafter_cls = check_drafter_spec(a.drafter, model_name=a.model, k_max=a.k_max)
     tree = _tree_arg(a)
     try:
-        policy_obj = make_policy(a.policy, k_max=tree.depth if isinstance(tree, TreeConfig) else a.k_max)
+        depth = (tree if isinstance(tree, TreeConfig) else TreeConfig()).depth if tree is not None else a.k_max
+        policy_obj = make_policy(a.policy, k_max=depth)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if drafter_cls.parallel and policy_obj.needs_draft_logits:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from jspec import model as M
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.policies import make_policy
 from jspec.speculative.policies.auto import REFERENCE_COSTS, ROW_SPREAD, TREE_SIZES, AutoPolicy, plan
@@ -67,12 +67,14 @@ def test_auto_greedy_identical_to_ar(target, tree):
     p = plan(costs, batch=len(prompts), drafter_name="eagle", parallel=False, tree=tree is not None,
              tree_top_k=3, tree_depth=4, alpha=0.8)
     assert p.mode != "ar"
-    out = generate(target, CFG, prompts, max_new_tokens=12, drafter=drafter, drafter_params=dparams, policy=p, tree=tree)
+    out = generate(target, CFG, prompts, max_new_tokens=12,
+                   speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, policy=p, tree=tree))
     for b in range(len(prompts)):
         assert out.row(b) == ar.row(b)
     assert int(out.drafted.sum()) > 0
     slow = plan(COSTLY, batch=len(prompts), drafter_name="eagle", parallel=False)
-    out = generate(target, CFG, prompts, max_new_tokens=12, drafter=drafter, drafter_params=dparams, policy=slow)
+    out = generate(target, CFG, prompts, max_new_tokens=12,
+                   speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, policy=slow))
     assert int(out.drafted.sum()) == 0 and all(out.row(b) == ar.row(b) for b in range(len(prompts)))
 
 

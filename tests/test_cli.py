@@ -83,6 +83,7 @@ def run(capsys, *argv):
     (["--drafter", "ngram", "--tree"], "trees need an EAGLE head drafter"),
     (["--drafter", "eagle3", "--tree", "--verify", "consultant"], "Consultant Decoding verifies chains, not trees"),
     (["--drafter", "eagle3", "--tree-nodes", "9"], "--tree-nodes needs --tree"),
+    (["--drafter", "eagle3", "--tree", "--k-max", "4"], "--k-max sets a chain's draft length"),
     (["--drafter", "ngram", "--k-max", "100000"], "context of 512 positions"),
     (["--stop", ""], "--stop needs a non-empty string"),
     (["--prompt-file", "/nonexistent.txt"], "--prompt-file /nonexistent.txt: No such file or directory"),
