@@ -31,7 +31,7 @@ test: setup
 # The AR-vs-peers report (jspec AR, transformers generate and its prompt lookup): 4.4 min on an H200.
 bench: setup
 	$(VENV)/bin/jspec bench --model smollm2-135m-instruct --tasks mt_bench --n-prompts 20 --batch 1,16 \
-		--methods ar,hf,hf_pld --dtype bfloat16 --out ar_vs_peers
+		--methods ar,hf,hf_pld --dtype bfloat16 --out jspec-results/ar_vs_peers
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -8,15 +8,20 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
+import jax
+from jax._src import xla_bridge  # backends_are_initialized: no public API says whether they started
+
+from . import __version__
 from .checkpoint.convert import add_convert_args, run_convert
 from .checkpoint.eagle_format import CONFIG_FILE, ENGINES, load_eagle_head, save_eagle_head
 from .checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from .config import UnsupportedModelError, config_from_hf
 from .decode import PromptError, pack_prompts
 from .errors import UsageError
-from .generate import generate, generate_stream
-from .presets import list_presets, resolve_model
+from .generate import SpeculativeConfig, generate, generate_stream
+from .presets import list_presets, resolve_config, resolve_model, resolve_tokenizer
 from .sampling import Sampling
 from .sharding import parse_mesh
 from .speculative.drafters.base import DrafterError
@@ -24,10 +29,12 @@ from .heads.hrad import load_hrad
 from .speculative.engines.chain import speculative_stream
 from .speculative.engines.pearl import parse_role_mesh
 from .speculative.engines.specbranch import SpecBranchConfig
+from .speculative.engines.tree import TreeConfig
 from .speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, shipped_head_path
 from .speculative.policies import POLICY_NAMES, make_policy
 from .speculative.policies.ldlp import load_ldlp
 from .speculative.verify.consultant import DEFAULT_EPS, ConsultantRule
+from .tasks import TaskDataError
 from .tokenizer import prompt_ids
 
 # `bench` and `train-head` are imported where they run: they pull heavy optional stacks
@@ -35,9 +42,11 @@ from .tokenizer import prompt_ids
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_K_MAX = 8
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # What a user can get wrong: reported as one line `jspec: error: ...` with exit code 2.
-USER_ERRORS = (UsageError, PromptError, DrafterError, CheckpointError, CheckpointNotFoundError, UnsupportedModelError)
+USER_ERRORS = (UsageError, PromptError, DrafterError, CheckpointError, CheckpointNotFoundError, UnsupportedModelError,
+               TaskDataError)
 
 
 def _dtype_arg(name: str | None):
@@ -47,15 +56,22 @@ def _dtype_arg(name: str | None):
 
 
 def add_generate_args(p: argparse.ArgumentParser):
-    p.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
+    p.add_argument("prompt", nargs="*", help="prompt text; several prompts stream one after another (--no-stream: "
+                                             "one batch)")
+    p.add_argument("--prompt-file", metavar="PATH",
+                   help="read prompts from PATH ('-': standard input): one per line, or JSON lines "
+                        '{"prompt": TEXT} when the first line starts with "{" (for prompts with newlines)')
     p.add_argument("--model", default=DEFAULT_MODEL, help="preset name, HF dir, .gguf file or Orbax dir")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--stop", action="append", default=None, metavar="STR",
+                   help="stop a prompt's generation at STR (repeatable); its output ends with STR. Streamed "
+                        "prompts stop there; a --no-stream batch runs to its end and each row is cut")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto (float32 on CPU, bfloat16 elsewhere)")
+    p.add_argument("--dtype", default="auto", help=f"{' | '.join(DTYPES)} (auto: float32 on CPU, bfloat16 elsewhere)")
     p.add_argument("--drafter", default=None,
                    help="speculative drafter: ngram[:N], early-exit[:E|:PATH], model[:PATH], eagle[:PATH], eagle3[:PATH], "
                         "dlm[:PATH] (DiffuSpec, a diffusion LM drafting a block per forward; use --policy adl); "
@@ -67,17 +83,24 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--k-max", type=int, default=None,
                    help=f"maximum draft tokens per round (needs --drafter; default {DEFAULT_K_MAX}); at most what "
                         "the model's context leaves after the prompt and --max-new-tokens")
+    p.add_argument("--tree", action="store_true",
+                   help="EAGLE-2 dynamic trees instead of chains (--drafter eagle / eagle3; top_k 10, depth 6, "
+                        "59 nodes); implies --no-stream")
+    p.add_argument("--tree-nodes", default=None, metavar="N|auto",
+                   help="--tree: draft nodes kept (EAGLE's total_token - 1); auto: timed on this device")
     p.add_argument("--verify", default=None, choices=["lossless", "consultant"],
-                   help="needs --drafter; 'consultant' is Consultant Decoding's LOSSY rule (output differs from the target's)")
+                   help="needs --drafter; 'consultant' is Consultant Decoding's LOSSY rule (output differs from "
+                        "the target's; chains only)")
     p.add_argument("--consultant-eps", type=float, default=None,
                    help=f"--verify consultant: accept a draft while the target's NLL of it is <= EPS nats (default {DEFAULT_EPS})")
     p.add_argument("--consultant-smoothing", type=float, default=None, metavar="BETA",
                    help="--verify consultant: compare the running mean r = BETA*r + (1-BETA)*NLL instead (0 = off; 0.2 in the paper)")
-    p.add_argument("--no-stream", action="store_true", help="print only when generation finishes")
+    p.add_argument("--no-stream", action="store_true", help="run all prompts as one batch; print when it finishes")
     p.add_argument("--mesh", default=None,
                    help="run on several devices: data=N (rows split, each device loops on its own) or "
                         "model=N (tensor-parallel target); with --engine: role=2 or data=N,role=2 (device pairs); "
-                        "implies --no-stream")
+                        "implies --no-stream. On a CPU host jspec asks XLA for the N CPU devices itself "
+                        "(--xla_force_host_platform_device_count)")
     p.add_argument("--engine", default=None, choices=["pearl", "specbranch", "ppsd"],
                    help="draft while verifying: pearl / specbranch (--drafter model[:PATH]) or ppsd "
                         "(--drafter early-exit:PATH); one device unless --mesh role=2")
@@ -89,13 +112,19 @@ def add_generate_args(p: argparse.ArgumentParser):
 
 
 def check_generate_args(a) -> None:
-    """Every check that needs no model, run before the model loads (a bad flag costs no loading
-    time). Fills in the defaults of the speculative options and builds `a.policy_obj`,
-    `a.verify_rule` and `a.policy_params`. Raises UsageError / DrafterError."""
+    """Every check that needs no model, run before anything loads (a bad flag costs no loading
+    time). Fills in the defaults of the speculative options and builds `a.speculative` (a
+    SpeculativeConfig with the drafter still a spec string, or None) and `a.policy_params` (the
+    LDLP weights' directory, loaded after the checks). Raises UsageError / DrafterError."""
     if a.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     if a.temperature < 0 or a.top_k < 0 or not 0 < a.top_p <= 1:
         raise UsageError("--temperature and --top-k must be >= 0 and --top-p in (0, 1]")
+    if a.dtype not in DTYPES:
+        raise UsageError(f"--dtype {a.dtype!r}: choose from {', '.join(DTYPES)}")
+    if a.stop is not None and not all(a.stop):
+        raise UsageError("--stop needs a non-empty string")
+    a.speculative, a.policy_params = None, None
     if getattr(a, "engine", None):
         _check_engine_args(a)
         return
@@ -108,48 +137,76 @@ def check_generate_args(a) -> None:
         except ValueError as e:
             raise UsageError(str(e)) from None
     speculative = {"--policy": a.policy, "--k-max": a.k_max, "--verify": a.verify, "--ldlp-weights": a.ldlp_weights,
-                   "--consultant-eps": a.consultant_eps, "--consultant-smoothing": a.consultant_smoothing}
+                   "--consultant-eps": a.consultant_eps, "--consultant-smoothing": a.consultant_smoothing,
+                   "--tree": a.tree or None, "--tree-nodes": a.tree_nodes}
     if a.drafter is None:
         given = [flag for flag, value in speculative.items() if value is not None]
         if given:
             raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to speculative decoding: add --drafter "
                              "(ngram, early-exit, model, eagle, eagle3, dlm)")
         return
+    if a.tree and a.k_max is not None:
+        raise UsageError("--k-max sets a chain's draft length; a tree drafts to its depth (EAGLE-2's 6)")
     a.policy = a.policy or "static"
     a.k_max = DEFAULT_K_MAX if a.k_max is None else a.k_max
     a.verify = a.verify or "lossless"
     if a.k_max < 1:
         raise UsageError(f"--k-max must be >= 1, got {a.k_max}")
     drafter_cls = check_drafter_spec(a.drafter, model_name=a.model, k_max=a.k_max)
+    tree = _tree_arg(a)
     try:
-        a.policy_obj = make_policy(a.policy, k_max=a.k_max)
+        depth = (tree if isinstance(tree, TreeConfig) else TreeConfig()).depth if tree is not None else a.k_max
+        policy_obj = make_policy(a.policy, k_max=depth)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if drafter_cls.parallel and a.policy_obj.needs_draft_logits:
+    if drafter_cls.parallel and policy_obj.needs_draft_logits:
         raise UsageError(f"policy {a.policy!r} reads draft distributions, which the {a.drafter!r} drafter does not "
                          "have; use static, heuristic or adl")
     consultant = {"--consultant-eps": a.consultant_eps, "--consultant-smoothing": a.consultant_smoothing}
+    verify = "lossless"
     if a.verify == "consultant":
+        if tree is not None:
+            raise UsageError("--verify consultant: Consultant Decoding verifies chains, not trees; drop --tree")
         try:
-            a.verify_rule = ConsultantRule(eps=DEFAULT_EPS if a.consultant_eps is None else a.consultant_eps,
-                                           smoothing=a.consultant_smoothing or 0.0)
+            verify = ConsultantRule(eps=DEFAULT_EPS if a.consultant_eps is None else a.consultant_eps,
+                                    smoothing=a.consultant_smoothing or 0.0)
         except ValueError as e:
             raise UsageError(str(e)) from None
     elif any(v is not None for v in consultant.values()):
         raise UsageError(f"{', '.join(f for f, v in consultant.items() if v is not None)} need --verify consultant")
-    else:
-        a.verify_rule = "lossless"
     a.policy_params = None
     if a.policy == "ldlp":
         a.policy_params = find_ldlp_weights(a.drafter, a.model, a.ldlp_weights)  # loaded after the checks
     elif a.ldlp_weights:
         raise UsageError("--ldlp-weights needs --policy ldlp")
+    if tree is not None:
+        a.no_stream = True  # trees run through generate(); streaming drafts chains
+    try:
+        a.speculative = SpeculativeConfig(drafter=a.drafter, policy=policy_obj, k_max=a.k_max, tree=tree, verify=verify)
+    except ValueError as e:
+        raise UsageError(f"--drafter {a.drafter}: {e}") from None
+
+
+def _tree_arg(a):
+    """--tree / --tree-nodes as SpeculativeConfig's tree: None, True, "auto" or a TreeConfig."""
+    if a.tree_nodes is not None and not a.tree:
+        raise UsageError("--tree-nodes needs --tree")
+    if not a.tree:
+        return None
+    if a.tree_nodes is None:
+        return TreeConfig()
+    if a.tree_nodes == "auto":
+        return "auto"
+    if not (a.tree_nodes.isdigit() and int(a.tree_nodes) >= 1):
+        raise UsageError(f"--tree-nodes {a.tree_nodes!r}: a positive number of nodes or auto")
+    return TreeConfig(num_nodes=int(a.tree_nodes))
 
 
 def _check_engine_args(a) -> None:
     """--engine: its drafter, its mesh (device pairs) and its own options; chain options don't apply."""
     given = [f for f, v in (("--policy", a.policy), ("--k-max", a.k_max), ("--verify", a.verify),
-                            ("--ldlp-weights", a.ldlp_weights), ("--consultant-eps", a.consultant_eps)) if v is not None]
+                            ("--ldlp-weights", a.ldlp_weights), ("--consultant-eps", a.consultant_eps),
+                            ("--tree", a.tree or None), ("--tree-nodes", a.tree_nodes)) if v is not None]
     if given:
         raise UsageError(f"--engine {a.engine} has its own schedule: drop {', '.join(given)}")
     if a.engine != "specbranch" and (a.branches is not None or a.hrad is not None):
@@ -159,17 +216,74 @@ def _check_engine_args(a) -> None:
     need = "early-exit:PATH (a trained exit head), early-exit (the preset's) or early-exit:E" if a.engine == "ppsd" else "model[:PATH] (a draft model)"
     if a.drafter is None or a.drafter.split(":")[0] != ("early-exit" if a.engine == "ppsd" else "model"):
         raise UsageError(f"--engine {a.engine} needs --drafter {need}")
+    try:
+        a.mesh = parse_role_mesh(a.mesh)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     check_drafter_spec(a.drafter)
     if a.hrad is not None and not os.path.isdir(a.hrad):
         raise UsageError(f"--hrad {a.hrad}: not a directory")
     try:
-        a.mesh = parse_role_mesh(a.mesh)
-        a.engine_arg = a.engine if a.engine != "specbranch" else SpecBranchConfig(
+        engine = a.engine if a.engine != "specbranch" else SpecBranchConfig(
             branches=3 if a.branches is None else a.branches, gamma=4 if a.gamma is None else a.gamma,
             cut="hrad" if a.hrad else "confidence")
+        a.speculative = SpeculativeConfig(drafter=a.drafter, engine=engine, gamma=a.gamma if a.engine == "pearl" else None)
     except ValueError as e:
         raise UsageError(str(e)) from None
     a.no_stream, a.policy_params = True, None
+
+
+def speculative_slots(spec: SpeculativeConfig | None) -> int:
+    """Cache slots a round needs beyond the prompt and the new tokens (pack_prompts' `extra`), to
+    check a prompt's length against the model's context before the weights load."""
+    if spec is None:
+        return 0
+    if spec.engine is not None:
+        gamma = spec.engine.gamma if isinstance(spec.engine, SpecBranchConfig) else spec.gamma
+        return 1 if spec.engine == "ppsd" else 2 * (gamma or 1)
+    if spec.tree is not None:
+        return (spec.tree if isinstance(spec.tree, TreeConfig) else TreeConfig()).cache_slots
+    return spec.k_max + 1
+
+
+def read_prompt_texts(a) -> list[str]:
+    """The prompts: the arguments, then --prompt-file's (one per line, or JSON lines). Each must
+    have text; there must be at least one."""
+    texts = list(a.prompt)
+    if a.prompt_file:
+        texts += prompts_from_file(a.prompt_file)
+    if not texts:
+        raise UsageError("no prompt: give PROMPT arguments or --prompt-file PATH ('-' reads standard input)")
+    for i, text in enumerate(texts):
+        if not text.strip():
+            raise UsageError(f"prompt {i} is empty")
+    return texts
+
+
+def prompts_from_file(path: str) -> list[str]:
+    """Prompts from a file or, for '-', standard input: one per non-blank line, or JSON lines
+    ({"prompt": TEXT}, or a JSON string) when the first non-blank line starts with '{'."""
+    if path == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise UsageError(f"--prompt-file {path}: {e.strerror}") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines or not lines[0][1].lstrip().startswith("{"):
+        return [line for _, line in lines]
+    prompts = []
+    for n, line in lines:
+        try:
+            item = json.loads(line)
+            prompts.append(item if isinstance(item, str) else item["prompt"])
+        except (ValueError, KeyError, TypeError):
+            raise UsageError(f"--prompt-file {path} line {n}: expected a JSON object with a \"prompt\" string "
+                             "(the file's first line starts with '{', so every line is read as JSON)") from None
+        if not isinstance(prompts[-1], str):
+            raise UsageError(f"--prompt-file {path} line {n}: \"prompt\" must be a string")
+    return prompts
 
 
 class CompileClock:
@@ -203,98 +317,134 @@ class CompileClock:
                 f"{steady_text} ({self.compile:.1f}s compiling)")
 
 
-def _print_rows(tok, res, n_prompts: int) -> None:
-    """The decoded rows of a batched result, headed by their index when there are several."""
-    for b in range(n_prompts):
-        if n_prompts > 1:
-            print(f"--- [{b}]")
-        print(tok.decode(res.row(b), skip_special_tokens=True))
+def cut_at_stop(text: str, stops: list[str] | None) -> tuple[str, str | None]:
+    """`text` up to and including the earliest stop string in it, and that string (None: none)."""
+    hits = [(text.find(stop) + len(stop), stop) for stop in stops or () if stop in text]
+    if not hits:
+        return text, None
+    end, stop = min(hits)
+    return text[:end], stop
+
+
+def stop_reason(ids: list[int], stop: str | None, cfg, max_new_tokens: int) -> str:
+    """Why a row's generation ended: a stop string, the model's EOS, or the token budget."""
+    if stop is not None:
+        return f"stop string {stop!r}"
+    if ids and ids[-1] in cfg.eos_token_ids:
+        return "EOS (the model ended its answer)"
+    if len(ids) >= max_new_tokens:
+        return f"--max-new-tokens {max_new_tokens} reached"
+    return "the end of the cache"
+
+
+def load_checked(a):
+    """Everything a generation needs, each check before the step that costs time: the flags
+    (check_generate_args), the prompts, then the model's config from its header (drafter checks
+    against it), the tokenizer (prompt lengths against the context and --k-max), and only then
+    the weights. Returns (cfg, params, tokenizer, prompt ids, prompt texts)."""
+    check_generate_args(a)
+    texts = read_prompt_texts(a)
+    cfg = resolve_config(a.model)
+    if a.drafter is not None:
+        check_drafter_spec(a.drafter, model_name=a.model, k_max=a.k_max, cfg=cfg)
+    tok = resolve_tokenizer(a.model)
+    if tok is None:
+        raise UsageError(f"{a.model} has no tokenizer (an Orbax checkpoint written without one): convert it again "
+                         "from a source that has one")
+    prompts = [prompt_ids(tok, text, a.chat) for text in texts]
+    pack_prompts(cfg, prompts, a.max_new_tokens, speculative_slots(a.speculative))  # lengths vs the context
+    if a.policy_params is not None:  # LDLP's predictor, found by check_generate_args
+        a.speculative = a.speculative.replace(policy_params=load_ldlp(str(a.policy_params))[0])
+    t0 = time.perf_counter()
+    cfg, params, _ = resolve_model(a.model, dtype=_dtype_arg(a.dtype), tokenizer=False)
+    print(f"[jspec] {a.model}: loaded in {time.perf_counter() - t0:.1f}s, dtype {params['embed'].dtype}", file=sys.stderr)
+    return cfg, params, tok, prompts, texts
 
 
 def cmd_generate(a) -> int:
-    check_generate_args(a)
-    if a.drafter is not None and a.policy_params is not None:
-        a.policy_params = load_ldlp(str(a.policy_params))[0]
-    t0 = time.perf_counter()
-    cfg, params, tok = resolve_model(a.model, dtype=_dtype_arg(a.dtype))
-    prompts = [prompt_ids(tok, text, a.chat) for text in a.prompt]
+    cfg, params, tok, prompts, _ = load_checked(a)
     sampling = Sampling(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
-    print(f"[jspec] {a.model}: loaded in {time.perf_counter() - t0:.1f}s, dtype {params['embed'].dtype}", file=sys.stderr)
-
-    if a.drafter is not None and len(prompts) == 1 and not a.no_stream:
-        return _stream_speculative(a, cfg, params, tok, prompts[0], sampling)
-    if a.drafter is None and len(prompts) == 1 and not a.no_stream:
-        ids: list[int] = []
-        printed = ""
-        with CompileClock() as clock:
-            for chunk in generate_stream(params, cfg, prompts[0], max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed):
-                ids += chunk
-                text = tok.decode(ids, skip_special_tokens=True)
-                print(text[len(printed):], end="", flush=True)
-                printed = text
-        print(f"\n[jspec] {clock.rates(len(ids))}", file=sys.stderr)
+    spec = a.speculative
+    if spec is not None:
+        drafter, dparams = build_drafter(spec.drafter, cfg, params, model_name=a.model, k_max=spec.k_max)
+        spec = spec.replace(drafter=drafter, drafter_params=dparams)
+    if not a.no_stream:  # each prompt streamed in turn
+        for i, prompt in enumerate(prompts):
+            if len(prompts) > 1:
+                print(f"--- [{i}]", flush=True)
+            _stream(a, cfg, params, tok, prompt, sampling, spec)
         return 0
-
-    drafter = None
-    if a.drafter:
-        drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model, k_max=a.k_max)
-    kw = dict(max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed, mesh=a.mesh)
-    if getattr(a, "engine", None):
-        kw.update(engine=a.engine_arg, drafter=drafter, drafter_params=dparams,
-                  gamma=a.gamma if a.engine == "pearl" else None,
-                  policy_params=load_hrad(a.hrad, cfg) if a.hrad else None)
+    kw = dict(max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed, mesh=a.mesh, speculative=spec)
+    if spec is not None and spec.engine is not None:
+        if a.hrad:
+            kw["speculative"] = spec.replace(policy_params=load_hrad(a.hrad, cfg))
         with CompileClock() as clock:
             res = generate(params, cfg, prompts, **kw)
-        _print_rows(tok, res, len(prompts))
+        _print_rows(a, cfg, tok, res, len(prompts))
         print(f"[jspec] {clock.rates(int(res.lengths.sum()))}; engine {a.engine} on {res.devices} device(s), "
               f"gamma {res.gamma}: steps {res.target_calls.tolist()}, drafted {res.drafted.tolist()}, accepted "
               f"{res.accepted.tolist()}, rollback rate {res.rollback_rate:.3f}", file=sys.stderr)
         return 0
-    if drafter is not None:
-        kw.update(drafter=drafter, drafter_params=dparams, policy=a.policy_obj, policy_params=a.policy_params,
-                  k_max=a.k_max, verify=a.verify_rule)
     with CompileClock() as clock:
         res = generate(params, cfg, prompts, **kw)
-    _print_rows(tok, res, len(prompts))
+    _print_rows(a, cfg, tok, res, len(prompts))
     n = int(res.lengths.sum())
     print(f"[jspec] {clock.rates(n)}; target calls {res.target_calls.tolist()}", file=sys.stderr)
-    if drafter is not None:
+    if spec is not None:
         mat = (res.lengths / res.target_calls).round(2).tolist()
         rate = (res.accepted / res.drafted.clip(1)).round(3).tolist()
-        print(f"[jspec] drafter {a.drafter} policy {a.policy} verify {a.verify}: rounds {res.rounds.tolist()}, "
-              f"drafted {res.drafted.tolist()}, accepted {res.accepted.tolist()}, acceptance {rate}, "
-              f"mean accepted tokens per target call {mat}", file=sys.stderr)
+        print(f"[jspec] drafter {a.drafter} policy {a.policy} verify {a.verify}{' tree' if spec.tree else ''}: "
+              f"rounds {res.rounds.tolist()}, drafted {res.drafted.tolist()}, accepted {res.accepted.tolist()}, "
+              f"acceptance {rate}, mean accepted tokens per target call {mat}", file=sys.stderr)
     return 0
 
 
-def _stream_speculative(a, cfg, params, tok, prompt, sampling) -> int:
-    import jax
+def _print_rows(a, cfg, tok, res, n_prompts: int) -> None:
+    """The decoded rows of a batched result (each cut after a stop string), headed by their index
+    when there are several, and why each row stopped."""
+    for b in range(n_prompts):
+        if n_prompts > 1:
+            print(f"--- [{b}]")
+        ids = res.row(b)
+        text, stop = cut_at_stop(tok.decode(ids, skip_special_tokens=True), a.stop)
+        print(text)
+        label = f"row {b} " if n_prompts > 1 else ""
+        print(f"[jspec] {label}stopped: {stop_reason(ids, stop, cfg, a.max_new_tokens)}", file=sys.stderr)
 
-    drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model, k_max=a.k_max)
-    tokens, lens, cache_len = pack_prompts(cfg, [prompt], a.max_new_tokens, a.k_max + 1)
+
+def _stream(a, cfg, params, tok, prompt, sampling, spec) -> None:
+    """One prompt, printed as it is generated; stops at a stop string (the text up to and
+    including it is printed); then why it stopped and the rates."""
+    if spec is None:
+        chunks = ((chunk, None) for chunk in generate_stream(params, cfg, prompt, max_new_tokens=a.max_new_tokens,
+                                                              sampling=sampling, seed=a.seed))
+    else:
+        tokens, lens, cache_len = pack_prompts(cfg, [prompt], a.max_new_tokens, spec.k_max + 1)
+        chunks = speculative_stream(
+            params, cfg, tokens, lens, jax.random.PRNGKey(a.seed), drafter=spec.drafter,
+            drafter_params=spec.drafter_params, policy=spec.policy, policy_params=spec.policy_params,
+            k_max=spec.k_max, max_new=a.max_new_tokens, cache_len=cache_len, sampling=sampling, verify=spec.verify_rule)
     ids: list[int] = []
-    printed, state = "", None
+    printed, stop, state = "", None, None
     with CompileClock() as clock:
-        for chunk, state in speculative_stream(
-            params, cfg, tokens, lens, jax.random.PRNGKey(a.seed), drafter=drafter, drafter_params=dparams,
-            policy=a.policy_obj, policy_params=a.policy_params, k_max=a.k_max, max_new=a.max_new_tokens,
-            cache_len=cache_len, sampling=sampling, verify=a.verify_rule,
-        ):
+        for chunk, state in chunks:
             ids += chunk
-            text = tok.decode(ids, skip_special_tokens=True)
+            text, stop = cut_at_stop(tok.decode(ids, skip_special_tokens=True), a.stop)
             print(text[len(printed):], end="", flush=True)
             printed = text
-    calls, drafted, accepted = (int(x) for x in jax.device_get((state.target_calls[0], state.drafted[0], state.accepted[0])))
-    print(f"\n[jspec] {clock.rates(len(ids))}", file=sys.stderr)
-    print(f"[jspec] drafter {a.drafter} policy {a.policy} verify {a.verify}: target calls {calls}, drafted {drafted}, "
-          f"accepted {accepted} (acceptance {accepted / max(drafted, 1):.3f}), "
-          f"mean accepted tokens per target call {len(ids) / max(calls, 1):.2f}", file=sys.stderr)
-    return 0
+            if stop is not None:
+                chunks.close()  # the rest of this prompt's generation is not run
+                break
+    print(f"\n[jspec] stopped: {stop_reason(ids, stop, cfg, a.max_new_tokens)}", file=sys.stderr)
+    print(f"[jspec] {clock.rates(len(ids))}", file=sys.stderr)
+    if spec is not None and state is not None:
+        calls, drafted, accepted = (int(x) for x in jax.device_get((state.target_calls[0], state.drafted[0], state.accepted[0])))
+        print(f"[jspec] drafter {a.drafter} policy {a.policy} verify {a.verify}: target calls {calls}, drafted {drafted}, "
+              f"accepted {accepted} (acceptance {accepted / max(drafted, 1):.3f}), "
+              f"mean accepted tokens per target call {len(ids) / max(calls, 1):.2f}", file=sys.stderr)
 
 
 def cmd_info(a) -> int:
-    import jax
-
     print(f"jax {jax.__version__} backend {jax.default_backend()} devices {jax.devices()}")
     print("presets:", ", ".join(list_presets()))
     if a.model:
@@ -369,8 +519,11 @@ def cmd_export_head(a) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `jspec` command line's parser, every subcommand included (the training ones when their
+    extras are installed)."""
     parser = argparse.ArgumentParser(prog="jspec", description="Dynamic speculative decoding in JAX")
+    parser.add_argument("--version", action="version", version=f"jspec {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     add_generate_args(sub.add_parser("generate", help="generate text (AR or speculative)"))
     info = sub.add_parser("info", help="devices, presets, a model's config")
@@ -401,13 +554,39 @@ def main(argv=None) -> int:
         add_ldlp_args(ldlp)
     except ImportError:  # training extras absent
         pass
+    return parser
 
-    a = parser.parse_args(argv)
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     try:
+        ensure_cpu_devices(getattr(a, "mesh", None))
         return run_command(a)
     except USER_ERRORS as e:
         print(f"jspec: error: {' '.join(str(e).split())}", file=sys.stderr)  # one line, no traceback
         return 2
+
+
+def mesh_device_count(spec: str) -> int:
+    """Devices a --mesh spec asks for (the product of its sizes); 1 for a spec it cannot read
+    (parse_mesh reports those)."""
+    n = 1
+    for part in spec.replace(" ", "").split(","):
+        value = part.partition("=")[2]
+        n *= int(value) if value.isdigit() and int(value) >= 1 else 1
+    return n
+
+
+def ensure_cpu_devices(mesh: str | None) -> None:
+    """A --mesh of N devices on a CPU host: XLA's CPU backend shows one device unless
+    --xla_force_host_platform_device_count says more. Add that flag (it affects only the CPU
+    platform) before jax starts its backends; if they already run, parse_mesh names the shortfall."""
+    if not mesh:
+        return
+    n = mesh_device_count(mesh)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and "xla_force_host_platform_device_count" not in flags and not xla_bridge.backends_are_initialized():
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 def run_command(a) -> int:

@@ -1,7 +1,7 @@
 """Host-side generation API: `generate` (batched) and `generate_stream` (one prompt, chunked).
 
-`generate` is the one entry point: plain autoregressive decoding (jspec.decode) when `drafter` is
-None, speculative decoding otherwise, with chains (jspec.speculative.engines.chain) or EAGLE-2
+`generate` is the one entry point: plain autoregressive decoding (jspec.decode) when `speculative`
+is None, speculative decoding with its SpeculativeConfig otherwise, with chains (jspec.speculative.engines.chain) or EAGLE-2
 trees (jspec.speculative.engines.tree). All paths share the prompt handling, the output buffer and
 the stopping rules, so their greedy outputs can be compared token for token.
 
@@ -13,7 +13,7 @@ string such as "data=2" or "data=2,model=2"):
     partitions every forward pass and the vocab-wide acceptance arithmetic (tensor parallelism).
 Greedy outputs equal one device's; sampled outputs are lossless but follow other random streams.
 
-`engine="pearl"` / `engine="ppsd"` run the parallel engines, which draft while the target verifies
+SpeculativeConfig(engine="pearl" / "ppsd" / "specbranch") runs the parallel engines, which draft while the target verifies
 (jspec.speculative.engines.pearl / .ppsd): one device runs both roles one after the other; a mesh
 "role=2" (or "data=N,role=2", or a pearl_mesh) puts the drafter and the target on a pair of devices.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Iterator
 
 import jax
@@ -44,10 +45,14 @@ from .speculative.engines.pearl import DATA_AXIS as ROLE_MESH_DATA, measure_gamm
 from .speculative.engines.ppsd import ppsd_generate
 from .speculative.engines.specbranch import SpecBranchConfig, specbranch_generate
 from .speculative.engines.tree import TreeConfig, autotuned_tree, tree_generate, tree_generate_jit
+from .speculative.config import SpeculativeConfig
 from .speculative.factory import build_drafter
 from .speculative.policies import resolve_policy
 from .speculative.policies.auto import AutoPlan, auto_budget
 from .speculative.state import result_from_device
+
+
+_LEGACY_KEYWORDS = ("drafter", "drafter_params", "policy", "policy_params", "k_max", "verify", "tree", "engine", "gamma")
 
 
 def generate(
@@ -57,64 +62,80 @@ def generate(
     *,
     max_new_tokens: int = 128,
     sampling: Sampling | None = None,
-    drafter=None,
-    drafter_params=None,
-    policy=None,
-    policy_params=None,
+    speculative: SpeculativeConfig | None = None,
     policy_state=None,
-    k_max: int = 8,
-    verify="lossless",
-    tree=None,
     seed: int = 0,
     cache_len: int | None = None,
     unroll: int | bool | None = None,
     mesh: Mesh | str | None = None,
-    engine: "str | SpecBranchConfig | None" = None,
-    gamma: int | None = None,
+    **legacy,
 ) -> GenerationResult:
     """Generate up to max_new_tokens per prompt (token-id lists), batched.
 
-    drafter=None: autoregressive decoding. Otherwise speculative decoding with the given drafter
-    (jspec.speculative.drafters, or a spec string for jspec.speculative.factory.build_drafter) and
-    draft-length policy (jspec.speculative.policies, default static K=k_max); `verify` is "lossless"
-    (greedy identity / lossless sampling), "consultant" or a ConsultantRule(eps, smoothing) (lossy, opt-in).
-    `tree` (a jspec.speculative.engines.tree.TreeConfig, True for EAGLE-2's defaults, or "auto" for
-    EAGLE-2's top_k and depth with num_nodes timed on this device, like EAGLE's total_token=-1) drafts
-    EAGLE-2 dynamic trees with an EAGLE head instead of chains.
+    speculative=None: autoregressive decoding. Otherwise a SpeculativeConfig (drafter, policy,
+    k_max or tree, verify rule, or a parallel engine; checked when built): speculative decoding
+    with chains (jspec.speculative.engines.chain), EAGLE-2 dynamic trees (`tree`: a TreeConfig,
+    True for EAGLE-2's defaults, or "auto" for EAGLE-2's top_k and depth with num_nodes timed on
+    this device, like EAGLE's total_token=-1), or the parallel engines (`engine`: "pearl" — a
+    draft model drafts γ tokens while the target verifies, `gamma` None measures
+    round(t_target / t_draft) once per process; "ppsd" — the two-stage early-exit pipeline;
+    "specbranch" / a SpecBranchConfig — PEARL plus branches and hybrid lengths). The parallel
+    engines' `mesh` is None (one device) or "role=2" / "data=N,role=2" (device pairs); their
+    results are ParallelResults (rollback_rate, devices, gamma).
     `policy_state`: the `policy_state` of an earlier result with the same policy and batch size, to
     carry the policy's learned state (TapOut's bandit, AdaEDL's lambda, ...) across calls, as a
     serving loop would; None starts fresh. Speculative results carry their final `policy_state`.
     `mesh` spreads the call over devices (see the module docstring); a batch that does not divide
     the data axis is padded with repeated rows whose results are dropped.
-    `engine`: None (the engines above), "pearl" (a draft model, `drafter="model:PATH"`, drafts γ
-    tokens while the target verifies; `gamma` None measures round(t_target / t_draft) once per
-    process) or "ppsd" (the two-stage early-exit pipeline; `drafter="early-exit:PATH"` of a trained
-    exit head) or "specbranch" / a SpecBranchConfig (PEARL plus branches and hybrid lengths, a
-    draft model; `policy_params` are the H-RAD weights its cut="hrad" reads). Their `mesh` is None
-    (one device) or "role=2" / "data=N,role=2" (device pairs); policies, trees and other verify
-    rules do not apply to them. Their results are ParallelResults (rollback_rate, devices, gamma).
+    The SpeculativeConfig fields as keywords (drafter=, policy=, k_max=, ...) still work, with a
+    DeprecationWarning; they build the same config.
     """
+    speculative = _speculative_from_keywords(speculative, legacy)
     # Every program below runs whole on each device unless a model axis splits the target: then
     # GSPMD partitions it and the portable kernels must run (model.default_kernels).
+    engine = speculative.engine if speculative is not None else None
     tensor_parallel = engine is None and axis_size(parse_mesh(mesh), "model") > 1
     with M.per_device_program(not tensor_parallel):
-        return _generate(params, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling, drafter=drafter,
-                         drafter_params=drafter_params, policy=policy, policy_params=policy_params,
-                         policy_state=policy_state, k_max=k_max, verify=verify, tree=tree, seed=seed,
-                         cache_len=cache_len, unroll=unroll, mesh=mesh, engine=engine, gamma=gamma)
+        return _generate(params, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                         spec=speculative, policy_state=policy_state, seed=seed, cache_len=cache_len,
+                         unroll=unroll, mesh=mesh)
 
 
-def _generate(params, cfg, prompts, *, max_new_tokens, sampling, drafter, drafter_params, policy, policy_params,
-              policy_state, k_max, verify, tree, seed, cache_len, unroll, mesh, engine, gamma) -> GenerationResult:
+def _speculative_from_keywords(speculative: SpeculativeConfig | None, legacy: dict) -> SpeculativeConfig | None:
+    """The SpeculativeConfig of the keywords generate() took before it had one (deprecated)."""
+    unknown = set(legacy) - set(_LEGACY_KEYWORDS)
+    if unknown:
+        raise TypeError(f"generate() got unexpected keyword arguments {sorted(unknown)}")
+    given = {k: v for k, v in legacy.items() if v is not None and not (k == "verify" and v == "lossless")}
+    if not given:
+        return speculative
+    if speculative is not None:
+        raise ValueError(f"pass the speculative settings in speculative=SpeculativeConfig(...), not also as "
+                         f"{', '.join(sorted(given))}")
+    warnings.warn("generate(drafter=..., policy=..., ...) is deprecated: pass speculative=SpeculativeConfig(...)",
+                  DeprecationWarning, stacklevel=3)
+    if "drafter" not in given:
+        raise ValueError(f"{', '.join(sorted(given))} {'applies' if len(given) == 1 else 'apply'} only to "
+                         "speculative decoding: give a drafter")
+    return SpeculativeConfig(**given)
+
+
+def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_state, seed, cache_len, unroll,
+              mesh) -> GenerationResult:
     sampling = sampling or GREEDY
-    if engine is not None:
-        if policy is not None or tree is not None or verify != "lossless" or policy_state is not None:
-            raise ValueError(f"engine={engine!r} has its own schedule: policy, policy_state, tree and verify do not apply")
-        return _generate_parallel(engine, params, cfg, prompts, drafter=drafter, drafter_params=drafter_params,
-                                  gamma=gamma, max_new=max_new_tokens, sampling=sampling, seed=seed,
-                                  cache_len=cache_len, mesh=mesh, hrad_params=policy_params)
-    if gamma is not None:
-        raise ValueError("gamma sets PEARL's window: pass engine='pearl' (chains take k_max)")
+    if spec is None:
+        drafter = drafter_params = policy = policy_params = tree = None
+        k_max, verify = 8, "lossless"
+    elif spec.engine is not None:
+        if policy_state is not None:
+            raise ValueError(f"engine={spec.engine!r} has its own schedule: policy_state does not apply")
+        return _generate_parallel(spec.engine, params, cfg, prompts, drafter=spec.drafter,
+                                  drafter_params=spec.drafter_params, gamma=spec.gamma, max_new=max_new_tokens,
+                                  sampling=sampling, seed=seed, cache_len=cache_len, mesh=mesh,
+                                  hrad_params=spec.policy_params)
+    else:
+        drafter, drafter_params, policy, policy_params = spec.drafter, spec.drafter_params, spec.policy, spec.policy_params
+        k_max, verify, tree = spec.k_max, spec.verify_rule, spec.tree
     mesh = parse_mesh(mesh)
     if isinstance(drafter, str):
         drafter, drafter_params = build_drafter(drafter, cfg, params, k_max=k_max)

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
-from .checkpoint.gguf_io import load_gguf
-from .checkpoint.hf import load_hf
-from .checkpoint.orbax_io import is_orbax_dir, restore_params
+from .checkpoint.gguf_io import config_from_gguf, load_gguf, open_gguf
+from .checkpoint.hf import config_from_hf_file, load_hf
+from .checkpoint.orbax_io import is_orbax_dir, read_config, restore_params
 from .model import cast_params
 from .tokenizer import ORBAX_TOKENIZER_DIR, load_tokenizer
 
@@ -198,6 +198,23 @@ def resolve_model(name_or_path: str | os.PathLike, dtype=None, *, tokenizer: boo
     return cfg, params, tok
 
 
+def resolve_config(name_or_path: str | os.PathLike):
+    """The ModelConfig of a preset or checkpoint, read from its header or config file alone (no
+    weights): what a command line checks its arguments against before the model loads."""
+    path, kind, _ = resolve_checkpoint(name_or_path)
+    if kind == "gguf":
+        return config_from_gguf(open_gguf(path), path)
+    if kind == "hf":
+        return config_from_hf_file(path)
+    return read_config(path)
+
+
+def resolve_tokenizer(name_or_path: str | os.PathLike):
+    """The tokenizer of a preset or checkpoint (None when it has none), without loading weights."""
+    path, kind, _ = resolve_checkpoint(name_or_path)
+    return load_tokenizer_if_any(path, kind)
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -218,5 +235,7 @@ __all__ = [
     "load_preset",
     "models_dir",
     "resolve_checkpoint",
+    "resolve_config",
     "resolve_model",
+    "resolve_tokenizer",
 ]

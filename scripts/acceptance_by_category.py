@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from jspec.bench.acceptance import chain_calls  # noqa: E402
 from jspec.bench.prompts import encode_questions  # noqa: E402
-from jspec.generate import generate  # noqa: E402
+from jspec.generate import SpeculativeConfig, generate  # noqa: E402
 from jspec.presets import list_presets, load_preset, resolve_model  # noqa: E402
 from jspec.speculative.factory import build_drafter  # noqa: E402
 from jspec.tasks import load_task  # noqa: E402
@@ -84,8 +84,8 @@ def main(argv=None) -> int:
                 row[f"tokens_per_call_k{k}"] = round(row["tokens"] / max(row[f"calls_k{k}"], 1), 3)
         engine = []
         for p, calls_w, ref in checks:
-            sp = generate(params, cfg, [p], max_new_tokens=a.max_new_tokens, drafter=drafter, drafter_params=dparams,
-                          k_max=k_max)
+            sp = generate(params, cfg, [p], max_new_tokens=a.max_new_tokens,
+                          speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, k_max=k_max))
             engine.append({"walk_calls": calls_w, "engine_calls": int(sp.target_calls[0]), "tokens": len(ref),
                            "identical_output": sp.row(0) == ref})
         report["tasks"][task] = {"all": total, "by_category": by_cat, "engine_check": engine}

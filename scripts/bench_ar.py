@@ -9,4 +9,4 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and torch
 from jspec.bench.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    main(tasks="mt_bench", methods="ar,hf", batch="1,16", max_new_tokens=256, out="ar_vs_hf")
+    main(tasks="mt_bench", methods="ar,hf", batch="1,16", max_new_tokens=256, out="jspec-results/ar_vs_hf")

@@ -35,7 +35,7 @@ LAYERS = [
     ["jspec.speculative", "jspec.speculative.state"],
     ["jspec.speculative.drafters", "jspec.speculative.verify", "jspec.speculative.policies"],
     ["jspec.speculative.engines"],
-    ["jspec.speculative.factory"],
+    ["jspec.speculative.factory", "jspec.speculative.config"],
     ["jspec.generate"],
     ["jspec.train", "jspec.bench"],
     ["jspec.cli"],

@@ -1,11 +1,11 @@
 """Measure the `auto` policy's per-card cost table with random weights of a preset's shape.
 
-Timing does not depend on the weights' values, so a new card's table can be measured before its
-checkpoint is staged (and in parallel, one batch size per GPU):
+Timing does not depend on the weights' values, so a new card's table can be measured without the
+checkpoint (and in parallel, one batch size per GPU):
 
-    CUDA_VISIBLE_DEVICES=0 python3 scripts/measure_card_costs.py --batch 1 --out /root/costs/b1.json
-    python3 scripts/measure_card_costs.py --batch 8 16 32 --out /root/costs/b8_16_32.json  # several, one process
-    python3 scripts/measure_card_costs.py --merge /root/costs/b*.json --out models/smollm2-135m-instruct/round_cost_<card>.json
+    CUDA_VISIBLE_DEVICES=0 python3 scripts/measure_card_costs.py --batch 1 --out costs/b1.json
+    python3 scripts/measure_card_costs.py --batch 8 16 32 --out costs/b8_16_32.json  # several, one process
+    python3 scripts/measure_card_costs.py --merge costs/b*.json --out models/smollm2-135m-instruct/round_cost_<card>.json
 
 The shape is SmolLM2-135M's with an EAGLE-3 head (the shipped preset's drafter).
 """

@@ -1,7 +1,7 @@
 """Where an EAGLE draft step and an EAGLE-2 tree level spend their time, kernel by kernel.
 
 Random weights of SmolLM2-135M's shape with an EAGLE-3 head (32k draft vocabulary): timing does not
-depend on the weights' values, so nothing needs staging. For each program (chain draft loop at K = 1
+depend on the weights' values, so no checkpoint is needed. For each program (chain draft loop at K = 1
 and K = 6, tree build at depth 1 and depth 6) it runs `n` iterations in one jitted fori_loop under
 `jax.profiler.trace`, reads the Perfetto trace and sums the GPU kernels by name. The per-step
 (per-level) cost of a kernel is its difference between the long and the short program, divided by the

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from jspec import model as M
 from jspec.config import ModelConfig
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.heads import eagle as H
 from jspec.speculative.drafters.eagle import EagleDrafter
 from jspec.speculative.drafters.early_exit import EarlyExitDrafter
@@ -93,8 +93,8 @@ def check_greedy_identical_to_ar(target, drafter_name, policy_name):
     def check(seed):
         prompts = _prompts(seed)
         ar = generate(target, CFG, prompts, max_new_tokens=MAX_NEW)
-        sp = generate(target, CFG, prompts, max_new_tokens=MAX_NEW, drafter=drafter, drafter_params=dparams,
-                      policy=policy, policy_params=pp, k_max=K)
+        sp = generate(target, CFG, prompts, max_new_tokens=MAX_NEW,
+                      speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, policy=policy, policy_params=pp, k_max=K))
         for b in range(len(prompts)):
             assert sp.row(b) == ar.row(b), (drafter_name, policy_name, b)
         assert (sp.target_calls <= ar.target_calls).all()

@@ -5,7 +5,7 @@ import jax
 
 from jspec import model as M
 from jspec.bench.acceptance import chain_calls, walk
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from test_spec import CFG, _drafters, _prompts
 
 
@@ -24,6 +24,7 @@ def test_walk_matches_the_chain_engine():
     answers = [ar.row(b) for b in range(len(prompts))]
     counted = chain_calls(drafter.head, dparams, target, prompts, answers, [3], pad_id=0, multiple=8)
     for k in (3,):
-        sp = generate(target, CFG, prompts, max_new_tokens=24, drafter=drafter, drafter_params=dparams, k_max=k)
+        sp = generate(target, CFG, prompts, max_new_tokens=24,
+                      speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, k_max=k))
         assert [sp.row(b) for b in range(len(prompts))] == answers
         assert [c[k] for c in counted] == [int(n) for n in sp.target_calls], k

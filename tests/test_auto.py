@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from jspec import model as M
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.policies import make_policy
 from jspec.speculative.policies.auto import REFERENCE_COSTS, ROW_SPREAD, TREE_SIZES, AutoPolicy, plan
@@ -67,12 +67,14 @@ def test_auto_greedy_identical_to_ar(target, tree):
     p = plan(costs, batch=len(prompts), drafter_name="eagle", parallel=False, tree=tree is not None,
              tree_top_k=3, tree_depth=4, alpha=0.8)
     assert p.mode != "ar"
-    out = generate(target, CFG, prompts, max_new_tokens=12, drafter=drafter, drafter_params=dparams, policy=p, tree=tree)
+    out = generate(target, CFG, prompts, max_new_tokens=12,
+                   speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, policy=p, tree=tree))
     for b in range(len(prompts)):
         assert out.row(b) == ar.row(b)
     assert int(out.drafted.sum()) > 0
     slow = plan(COSTLY, batch=len(prompts), drafter_name="eagle", parallel=False)
-    out = generate(target, CFG, prompts, max_new_tokens=12, drafter=drafter, drafter_params=dparams, policy=slow)
+    out = generate(target, CFG, prompts, max_new_tokens=12,
+                   speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, policy=slow))
     assert int(out.drafted.sum()) == 0 and all(out.row(b) == ar.row(b) for b in range(len(prompts)))
 
 
@@ -98,7 +100,7 @@ def test_bench_cli_auto_rows_carry_round_costs(tmp_path, monkeypatch):
     args = cli.add_bench_args(argparse.ArgumentParser()).parse_args(
         ["--model", "tiny", "--tasks", "mt_bench", "--n-prompts", "2", "--max-new-tokens", "4", "--batch", "1",
          "--methods", "ar,spec:ngram:auto", "--round-cost", "1", "--no-plots",
-         "--models-dir", str(tmp_path / "models"), "--benchmarks-md", str(tmp_path / "B.md")])
+         "--models-dir", str(tmp_path / "models"), "--out", str(tmp_path / "results")])
     rows = cli.run_bench(args)
     spec = [r for r in rows if r["method"] == "spec"][0]
     assert spec["policy"] == "auto"

@@ -186,7 +186,9 @@ def test_jspec_adapter_reads_generation_result():
     m = JspecMethod({}, None, parse_method_spec("spec:ngram:static"), dtype="float32", batch=2,
                     max_new_tokens=4, generate_kwargs={"k_max": 3}, generate_fn=fake_generate)
     rows = m.run([[1, 2], [3]])
-    assert seen == {"max_new_tokens": 4, "k_max": 3, "drafter": "ngram", "policy": "static", "prompts": [[1, 2], [3]]}
+    spec = seen.pop("speculative")  # the method's settings, grouped as generate() takes them
+    assert seen == {"max_new_tokens": 4, "prompts": [[1, 2], [3]]}
+    assert (spec.drafter, spec.policy, spec.k_max, spec.tree, spec.verify) == ("ngram", "static", 3, None, "lossless")
     assert rows[0] == RowResult([4, 5, 2], 2, 3, 1, draft_lengths=[2, 1], step_tokens=None)
     assert rows[1].new_tokens == [6] and rows[1].draft_lengths == [0]
     assert rows_from_generation(result)[1].target_calls == 1
@@ -231,7 +233,7 @@ def test_benchmarks_md_keeps_prose_and_regenerates_tables(clock, tmp_path):
     assert text.startswith("# My notes\n\nhand-written\n") and "stale" not in text
     assert "## tiny — cpu, JAX 0.0.test" in text
     assert "| mt_bench | `spec:ngram:static` | 1 | float32 | 2 | 4 | 4.0 | 2.00× | 2.00 | 0.50 | 2.00 | 0.50 |" in text
-    assert "python scripts/bench.py --model tiny" in text
+    assert "jspec bench --model tiny" in text  # rows written as `python scripts/bench.py` read in today's spelling
 
 
 def test_plots_render(clock, tmp_path):
@@ -254,7 +256,7 @@ class CharTokenizer:
         return {"input_ids": [1] + [2 + (b % 60) for b in text.encode()][:20]}
 
 
-def test_cli_end_to_end_with_jspec_ar(tmp_path, monkeypatch):
+def test_cli_end_to_end_with_jspec_ar(tmp_path, monkeypatch, capsys):
     import jax
 
     from jspec.bench import cli
@@ -265,16 +267,27 @@ def test_cli_end_to_end_with_jspec_ar(tmp_path, monkeypatch):
                       num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128, eos_token_ids=(3,))
     params = init_params(cfg, jax.random.PRNGKey(0))
     monkeypatch.setattr(cli, "resolve_model", lambda name: (cfg, params, CharTokenizer()))
-    args = cli.add_bench_args(argparse.ArgumentParser()).parse_args(
-        ["--model", "tiny", "--tasks", "mt_bench", "--n-prompts", "3", "--max-new-tokens", "4", "--batch", "1,2",
-         "--methods", "ar", "--models-dir", str(tmp_path / "models"), "--benchmarks-md", str(tmp_path / "B.md"),
-         "--unroll", "2"])
-    rows = cli.run_bench(args)
+    common = ["--model", "tiny", "--tasks", "mt_bench", "--n-prompts", "3", "--max-new-tokens", "4", "--batch", "1,2",
+              "--methods", "ar", "--models-dir", str(tmp_path / "models"), "--benchmarks-md", str(tmp_path / "B.md"),
+              "--unroll", "2", "--no-plots"]
+    # a user's run: rows, table and plots in a results folder of theirs (default ./jspec-results/<date-time>),
+    # the table printed; nothing under models/ or in BENCHMARKS.md
+    monkeypatch.chdir(tmp_path)
+    rows = cli.run_bench(cli.add_bench_args(argparse.ArgumentParser()).parse_args(common))
+    (results,) = (tmp_path / "jspec-results").iterdir()
+    assert json.loads((results / "rows.json").read_text()) == rows
+    assert "`ar` (unroll 2)" in (results / "table.md").read_text() and "`ar` (unroll 2)" in capsys.readouterr().out
+    assert not (tmp_path / "models").exists() and not (tmp_path / "B.md").exists()
     assert [(r["batch"], r["n_prompts"], r["mean_accepted_tokens"]) for r in rows] == [(1, 3, 1.0), (2, 3, 1.0)]
-    assert all(r["unroll"] == 2 for r in rows) and "`ar` (unroll 2)" in (tmp_path / "B.md").read_text()
     assert rows[0]["dtype"] == "float32" and rows[0]["card"] == "cpu" and rows[0]["tokens_per_s"] > 0
-    assert json.loads((tmp_path / "models/tiny/bench/bench.json").read_text()) == rows
-    assert "--batch 1,2" in (tmp_path / "B.md").read_text() and "--unroll 2" in (tmp_path / "B.md").read_text()
+    assert rows[0]["reproduce"].startswith("jspec bench --model tiny ")
+    # the project's rows: only with --commit-rows, which regenerates BENCHMARKS.md
+    rows = cli.run_bench(cli.add_bench_args(argparse.ArgumentParser()).parse_args(common + ["--commit-rows", "b"]))
+    assert all(r["unroll"] == 2 for r in rows) and "`ar` (unroll 2)" in (tmp_path / "B.md").read_text()
+    assert json.loads((tmp_path / "models/tiny/bench/b.json").read_text()) == rows
+    table = (tmp_path / "B.md").read_text()
+    assert "jspec bench --model tiny" in table and "--batch 1,2" in table and "--unroll 2" in table
+    assert "--commit-rows b" in table
 
 
 def test_hf_peer_batches_and_prompt_lookup_accounting(tmp_path):

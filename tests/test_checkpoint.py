@@ -113,6 +113,20 @@ def test_export_hf_bfloat16_keeps_dtype(tiny, tmp_path):
     assert_trees_equal(got, cast_params(params, jnp.bfloat16))
 
 
+def test_export_hf_files_honour_the_umask(tiny, tmp_path):
+    """safetensors writes through a 0600 temporary file; the exported weights get 0666 & ~umask."""
+    import os
+
+    _, cfg, params = tiny("qwen3")
+    old = os.umask(0o022)
+    try:
+        export_hf(params, cfg, tmp_path / "a")
+    finally:
+        os.umask(old)
+    assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "a").iterdir()} == {
+        "config.json": 0o644, "generation_config.json": 0o644, "model.safetensors": 0o644}
+
+
 def test_hf_missing_directory_and_weights(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="nope"):
         load_hf(tmp_path / "nope")

@@ -3,6 +3,7 @@ exit code 2, caught before the model loads; the limits are named; the stats line
 steady-state tok/s; `jspec bench` checks every method before running any."""
 
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -38,9 +39,13 @@ class ModelLoaded(Exception):
 
 @pytest.fixture
 def no_model(monkeypatch):
+    """The model's header (config) and tokenizer read as the CLI reads them before the weights;
+    loading the weights raises ModelLoaded."""
     def refuse(*args, **kwargs):
         raise ModelLoaded
 
+    monkeypatch.setattr(cli, "resolve_config", lambda *a, **k: CFG)
+    monkeypatch.setattr(cli, "resolve_tokenizer", lambda *a, **k: FakeTokenizer())
     monkeypatch.setattr(cli, "resolve_model", refuse)
     monkeypatch.setattr(bench_cli, "resolve_model", refuse)
 
@@ -48,7 +53,9 @@ def no_model(monkeypatch):
 @pytest.fixture
 def tiny_model(monkeypatch):
     params = M.init_params(CFG, jax.random.PRNGKey(0), scale=0.35)
-    monkeypatch.setattr(cli, "resolve_model", lambda *a, **k: (CFG, params, FakeTokenizer()))
+    monkeypatch.setattr(cli, "resolve_config", lambda *a, **k: CFG)
+    monkeypatch.setattr(cli, "resolve_tokenizer", lambda *a, **k: FakeTokenizer())
+    monkeypatch.setattr(cli, "resolve_model", lambda *a, **k: (CFG, params, None))
 
 
 def run(capsys, *argv):
@@ -69,9 +76,20 @@ def run(capsys, *argv):
     (["--drafter", "ngram", "--verify", "consultant", "--consultant-eps", "-1"], "eps must be > 0"),
     (["--drafter", "ngram", "--policy", "ldlp"], "policy ldlp predicts draft lengths for an EAGLE head"),
     (["--drafter", "ngram", "--ldlp-weights", "x"], "--ldlp-weights needs --policy ldlp"),
+    (["--dtype", "foo"], "--dtype 'foo': choose from auto, float32, bfloat16, float16"),
+    (["--drafter", "eagle3:{tmp}"], "is not an EAGLE head directory (no config.json or model.safetensors"),
+    (["--drafter", "model:/nonexistent"], "/nonexistent is neither a draft-model checkpoint path nor a preset"),
+    (["--drafter", "early-exit:99"], "exit layer 99 is outside the target's layers: use 1 to 1 (the target has 2)"),
+    (["--drafter", "ngram", "--tree"], "trees need an EAGLE head drafter"),
+    (["--drafter", "eagle3", "--tree", "--verify", "consultant"], "Consultant Decoding verifies chains, not trees"),
+    (["--drafter", "eagle3", "--tree-nodes", "9"], "--tree-nodes needs --tree"),
+    (["--drafter", "eagle3", "--tree", "--k-max", "4"], "--k-max sets a chain's draft length"),
+    (["--drafter", "ngram", "--k-max", "100000"], "context of 512 positions"),
+    (["--stop", ""], "--stop needs a non-empty string"),
+    (["--prompt-file", "/nonexistent.txt"], "--prompt-file /nonexistent.txt: No such file or directory"),
 ])
-def test_user_errors_are_one_line_before_the_model_loads(no_model, capsys, argv, message):
-    rc, err = run(capsys, "generate", *argv, "hello")
+def test_user_errors_are_one_line_before_the_model_loads(no_model, capsys, tmp_path, argv, message):
+    rc, err = run(capsys, "generate", *[a.format(tmp=tmp_path) for a in argv], "hello")
     assert rc == 2
     assert err.startswith("jspec: error: ") and err.count("\n") == 1, err
     assert message in err, err
@@ -221,3 +239,137 @@ def test_shipped_dlm_generate_matches_ar(monkeypatch, capsys):
     assert cli.main(["generate", "--drafter", "dlm", "--policy", "adl", *prompt]) == 0
     sp = capsys.readouterr()
     assert sp.out == ar and "drafter dlm policy adl" in sp.err, sp.err
+
+
+# ---- checks before loading, bench arguments, convert, Orbax ------------------------------------------
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ("", "prompt 1 is empty"),
+    ("x" * 600, "exceeds the model's context of 512 positions"),  # tokenized before the weights load
+])
+def test_prompts_are_checked_before_the_weights_load(no_model, capsys, prompt, message):
+    rc, err = run(capsys, "generate", "hello", prompt)
+    assert rc == 2 and err.startswith("jspec: error: ") and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tasks", "mtbench"], "--tasks: unknown task 'mtbench'; known tasks: mt_bench"),
+    (["--n-prompts", "0"], "--n-prompts must be >= 1, got 0"),
+    (["--batch", "0"], "--batch '0': expected a comma list of batch sizes >= 1"),
+    (["--questions", "MISSING.jsonl"], "--questions MISSING.jsonl: no such file"),
+    (["--dtype", "float16x"], "--dtype: unknown dtype 'float16x'"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1, got -1"),
+    (["--out", "x", "--commit-rows", "y"], "exclude each other"),
+])
+def test_bench_argument_errors_are_one_line_before_loading(no_model, capsys, argv, message):
+    rc, err = run(capsys, "bench", "--model", "tiny", *argv)
+    assert rc == 2 and err.startswith("jspec: error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_bench_help_documents_results_and_committed_rows(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "./jspec-results/" in out and "--commit-rows NAME" in out and "regenerate --benchmarks-md" in out
+    assert "whose tables (below its marker line) are rebuilt" in out  # --benchmarks-md's own help
+
+
+def test_convert_to_a_non_empty_directory_names_the_flag(capsys, tmp_path):
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "file").write_text("x")
+    rc, err = run(capsys, "convert", "anything", str(tmp_path / "dst"))
+    assert rc == 2 and err.count("\n") == 1 and "add --overwrite to replace it" in err and "overwrite=True" not in err
+
+
+def test_truncated_orbax_checkpoint_is_one_line(tmp_path):
+    """orbax's failed reads leave coroutines and tensorstore callbacks behind, which print dozens of
+    traceback lines at exit unless restore_params collects them: the process prints one line."""
+    import os
+    import subprocess
+    import sys
+
+    from jspec.checkpoint.orbax_io import save_params
+
+    save_params(tmp_path / "ck", M.init_params(CFG, jax.random.PRNGKey(0)), CFG)
+    data = max((p for p in (tmp_path / "ck" / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[:1000])
+    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parent.parent)}
+    proc = subprocess.run([sys.executable, "-m", "jspec.cli", "info", "--model", str(tmp_path / "ck")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("jspec: error: ") and "truncated or corrupt?" in proc.stderr
+
+
+def test_mesh_on_cpu_asks_xla_for_the_devices(tmp_path):
+    """--mesh data=2 on a CPU host: the CLI sets --xla_force_host_platform_device_count before jax
+    starts, so the mesh finds its devices (a fresh process: here jax already runs)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PYTHONPATH=str(Path(cli.__file__).parent.parent), JAX_PLATFORMS="cpu")
+    code = "from jspec import cli; cli.ensure_cpu_devices('data=2,model=2'); import jax; print(jax.device_count())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.stdout.strip() == "4", out.stderr
+
+
+# ---- new command-line features ---------------------------------------------------------------------
+
+
+def test_version(capsys):
+    import jspec
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"jspec {jspec.__version__}"
+
+
+def test_prompts_from_a_file_or_stdin(tmp_path, monkeypatch):
+    import io
+
+    (tmp_path / "lines.txt").write_text("first prompt\n\nsecond prompt\n")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a\nmulti-line prompt"}) + "\n" + json.dumps("plain") + "\n")
+    assert cli.prompts_from_file(str(tmp_path / "lines.txt")) == ["first prompt", "second prompt"]
+    assert cli.prompts_from_file(str(tmp_path / "p.jsonl")) == ["a\nmulti-line prompt", "plain"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("x" * 300_000 + "\n"))  # beyond a command line's length
+    assert cli.prompts_from_file("-") == ["x" * 300_000]
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
+    with pytest.raises(cli.UsageError, match="bad.jsonl line 2: expected a JSON object with a \"prompt\" string"):
+        cli.prompts_from_file(str(tmp_path / "bad.jsonl"))
+
+
+def _rows(out: str) -> list[str]:
+    """The generated texts of a several-prompt run (each headed by --- [i])."""
+    return [part.strip() for part in out.split("--- [")[1:]]
+
+
+def test_several_prompts_stream_in_turn_with_stop_strings(tiny_model, capsys, tmp_path):
+    """Several prompts stream one after another with the batch's greedy text; a stop string ends a
+    prompt's output right after it (lossless: a prefix of the text without it), streamed or
+    batched, and the reason each prompt stopped is printed."""
+    (tmp_path / "p.txt").write_text("hello\nworld!\n")
+    assert cli.main(["generate", "--max-new-tokens", "6", "--no-stream", "--prompt-file", str(tmp_path / "p.txt")]) == 0
+    batch = capsys.readouterr()
+    texts = [t.partition("\n")[2] for t in _rows(batch.out)]
+    assert len(texts) == 2 and all(texts) and batch.err.count("stopped: ") == 2
+    assert cli.main(["generate", "--max-new-tokens", "6", "hello", "world!"]) == 0
+    streamed = capsys.readouterr()
+    assert [t.partition("\n")[2] for t in _rows(streamed.out)] == texts
+    assert "stopped: --max-new-tokens 6 reached" in streamed.err or "stopped: EOS" in streamed.err
+    stop = " ".join(texts[0].split()[:2])  # the first two tokens of prompt 0's text
+    for mode in ([], ["--no-stream"]):
+        assert cli.main(["generate", "--max-new-tokens", "6", *mode, "--stop", stop, "hello", "world!"]) == 0
+        out = capsys.readouterr()
+        cut = [t.partition("\n")[2] for t in _rows(out.out)]
+        assert cut[0] == stop and f"stopped: stop string {stop!r}" in out.err, out
+        assert texts[1].startswith(cut[1])
+
+
+def test_stop_reason_names_eos_or_the_budget():
+    cfg = CFG
+    assert cli.stop_reason([5, 3], None, cfg, 8).startswith("EOS")
+    assert cli.stop_reason([5, 6], None, cfg, 2) == "--max-new-tokens 2 reached"
+    assert cli.stop_reason([5, 6], "x", cfg, 2) == "stop string 'x'"
+    assert cli.cut_at_stop("ab. cd. ef", [" cd", "."]) == ("ab.", ".")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jspec.checkpoint.draft_format import load_draft_model, save_draft_model
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.heads import draft_model as DM
 from jspec.model import init_params
 from jspec.speculative.factory import build_drafter
@@ -64,7 +64,8 @@ def test_train_export_load_and_draft(target, data_dir, tmp_path):
     drafter, dp = build_drafter(f"model:{tmp_path / 'draft'}", TARGET, target)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13]]
     ar = generate(target, TARGET, prompts, max_new_tokens=12)
-    sd = generate(target, TARGET, prompts, max_new_tokens=12, drafter=drafter, drafter_params=dp, k_max=3)
+    sd = generate(target, TARGET, prompts, max_new_tokens=12,
+                  speculative=SpeculativeConfig(drafter=drafter, drafter_params=dp, k_max=3))
     np.testing.assert_array_equal(sd.tokens, ar.tokens)
 
 

@@ -23,7 +23,7 @@ import torch
 
 from jspec.checkpoint.hf import params_from_hf_state_dict
 from jspec.config import config_from_hf
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.drafters.eagle import EagleDrafter
 from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.policies import POLICY_NAMES, make_policy
@@ -116,7 +116,8 @@ def test_eagle_chain_matches_transformers(setup):
     # Other drafters and policies on chains: test_spec.py, test_spec_heads.py, against jspec's AR (= this reference).
     cfg, params, rows = setup
     drafter, dparams = _eagle(cfg, params)
-    res = generate(params, cfg, PROMPTS, max_new_tokens=MAX_NEW, drafter=drafter, drafter_params=dparams, k_max=K)
+    res = generate(params, cfg, PROMPTS, max_new_tokens=MAX_NEW,
+                   speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, k_max=K))
     _assert_rows(res, rows, "eagle chain")
     assert (res.step_tokens == K + 1).any()  # some round accepted every draft: bonus tokens ran
 
@@ -128,7 +129,7 @@ def test_tree_matches_transformers(setup, policy_name):
     pp = None
     if policy_name == "ldlp":  # a random predictor, biased to predict lengths around the depth
         pp = {**init_ldlp(cfg.hidden_size, jax.random.PRNGKey(5), hidden=16), "b_out": np.float32(TREE.depth - 1)}
-    res = generate(params, cfg, PROMPTS, max_new_tokens=MAX_NEW, drafter=drafter, drafter_params=dparams, tree=TREE,
-                   policy=make_policy(policy_name, k_max=TREE.depth), policy_params=pp)
+    res = generate(params, cfg, PROMPTS, max_new_tokens=MAX_NEW,
+                   speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, tree=TREE, policy=make_policy(policy_name, k_max=TREE.depth), policy_params=pp))
     _assert_rows(res, rows, f"tree/{policy_name}")
     assert (res.step_tokens >= 3).any()  # paths of depth >= 2 were accepted

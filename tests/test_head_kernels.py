@@ -14,7 +14,7 @@ import pytest
 
 from jspec import model as M
 from jspec.config import ModelConfig
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.heads import eagle as H
 from jspec.speculative.drafters.eagle import EagleDrafter
 from jspec.speculative.engines.tree import TreeConfig
@@ -119,8 +119,8 @@ def test_generation_same_drafts_with_pallas(weights, tree):
     # a random head is rarely accepted; a confidence stop makes every round's draft length depend
     # on the head's distributions, so a difference between the paths would show
     policy = make_policy("confidence", k_max=3, threshold=0.3)
-    ref, got = (generate(tparams, CFG, prompts, max_new_tokens=12, drafter=EagleDrafter(HCFG, kernels=impl),
-                         drafter_params=hparams, k_max=3, tree=tree, policy=policy) for impl in ("xla", "pallas"))
+    ref, got = (generate(tparams, CFG, prompts, max_new_tokens=12,
+                         speculative=SpeculativeConfig(drafter=EagleDrafter(HCFG, kernels=impl), drafter_params=hparams, k_max=3, tree=tree, policy=policy)) for impl in ("xla", "pallas"))
     for b in range(len(prompts)):
         assert got.row(b) == ref.row(b)
     np.testing.assert_array_equal(got.draft_lengths, ref.draft_lengths)

@@ -1,13 +1,11 @@
-"""The head-training pipeline end to end on CPU with a tiny random target, as the device driver
-(scripts/device_train_heads.sh) runs it: corpus -> distillation on 8 devices -> EAGLE-3 training
-on the v2 shards -> LDLP -> export in pieces and unpack.
+"""The head-training pipeline end to end on CPU with a tiny random target, as
+scripts/gpu_pipeline.py runs it on a GPU host: corpus -> distillation on 8 devices -> EAGLE-3
+training on the v2 shards -> LDLP, and the commands that script runs.
 
 One module-scoped run; the tests check what each stage left behind."""
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -117,19 +115,32 @@ def test_ldlp_weights_saved_beside_the_head(pipeline):
     assert val["positions"] > 0 and set(val["rounds"]) >= {"ldlp", "static_2"}
 
 
-def test_driver_exports_in_pieces_and_unpacks(pipeline, tmp_path):
-    run_root = pipeline["root"] / "run"
-    out = tmp_path / "out"
-    env = {**os.environ, "JSPEC_RUN": str(run_root), "OUT": str(out), "PYTHON": sys.executable}
-    subprocess.run(["bash", "scripts/device_train_heads.sh", "export", "eagle3"], cwd=ROOT, env=env, check=True,
-                   capture_output=True)
-    files = sorted(os.listdir(out))
-    assert "eagle3.tar.part0" in files and "eagle3_summary.json" in files and len(files) <= 8
-    subprocess.run(["bash", "scripts/unpack_device_out.sh", str(out), str(tmp_path / "back")], cwd=ROOT, check=True,
-                   capture_output=True)
-    back = tmp_path / "back" / "eagle3"
-    for name in ("eagle/model.safetensors", "eagle/jspec/ldlp.safetensors", "metrics.jsonl"):
-        assert (back / name).read_bytes() == (pipeline["run"] / name).read_bytes()
+def test_gpu_pipeline_runs_jspec_commands_on_paths(capsys):
+    """scripts/gpu_pipeline.py (distill -> train -> LDLP -> bench on a host's GPUs) runs `jspec`
+    commands that take paths: each one it would run parses with jspec's own parser, on the GPUs
+    it names, and writes under the run directory."""
+    import importlib.util
+    import shlex
+
+    from jspec.cli import build_parser
+
+    spec = importlib.util.spec_from_file_location("gpu_pipeline", os.path.join(ROOT, "scripts", "gpu_pipeline.py"))
+    gp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gp)
+    assert gp.main(["pipeline", "--corpus", "c.npz", "--out", "/run", "--devices", "2", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    steps = []
+    for line in lines:
+        env, *argv = shlex.split(line.partition(" > ")[0])
+        args = build_parser().parse_args(argv[argv.index("jspec.cli") + 1 :])  # every flag exists
+        steps.append((args.cmd, env.partition("=")[2]))
+        out = getattr(args, "out", None) or getattr(args, "head", None)
+        assert str(out).startswith("/run/"), line
+    assert steps == [("distill", "0,1"), ("train-head", "0,1"), ("train-ldlp", "0"), ("bench", "0"), ("bench", "1"),
+                     ("bench", "0")]
+    with pytest.raises(SystemExit):
+        gp.main(["distill", "--out", "/run", "--dry-run"])  # no corpus
+    assert "needs --corpus" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["build-corpus", "distill", "merge-data", "train-ldlp", "train-head"])

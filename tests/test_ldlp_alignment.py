@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.heads import eagle as H
 from jspec.model import forward, init_cache, init_params
 from jspec.speculative.drafters.eagle import EagleDrafter
@@ -65,8 +65,8 @@ def test_engine_rounds_match_ldlp_pairs_and_labels():
     ldlp = init_ldlp(TARGET.hidden_size, jax.random.PRNGKey(3), hidden=16)
     ldlp["w_out"] = ldlp["w_out"] * -10.0  # spread the predictions over 1..K (long ones inside repeats)
     ldlp["b_out"] = jnp.float32(3.0)
-    res = generate(tparams, TARGET, PROMPTS, max_new_tokens=MAX_NEW, drafter=EagleDrafter(hcfg), drafter_params=head,
-                   policy=LDLPPolicy(k_max=K), policy_params=ldlp, k_max=K)
+    res = generate(tparams, TARGET, PROMPTS, max_new_tokens=MAX_NEW,
+                   speculative=SpeculativeConfig(drafter=EagleDrafter(hcfg), drafter_params=head, policy=LDLPPolicy(k_max=K), policy_params=ldlp, k_max=K))
     tokens, mask = _sequences(tparams)
     out = forward(tparams, TARGET, jnp.asarray(tokens), init_cache(TARGET, *tokens.shape, jnp.float32))
     e, f = TL.round_pairs(tparams, jnp.asarray(tokens), out.hidden)

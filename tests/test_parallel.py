@@ -11,7 +11,7 @@ import pytest
 from jspec import model as M
 from jspec.cli import main as cli_main
 from jspec.decode import generate_ar_jit, pack_prompts
-from jspec.generate import _data_parallel, _items, generate
+from jspec.generate import SpeculativeConfig, _data_parallel, _items, generate
 from jspec.sampling import GREEDY, Sampling
 from jspec.sharding import mesh_label, parse_mesh, shard_params
 from jspec.speculative.drafters.ngram import NgramDrafter
@@ -65,13 +65,13 @@ def test_data_parallel_ar_equals_one_device_without_cross_device_ops(target, ref
 
 
 def test_data_parallel_speculative_equals_one_device(target, ref):
-    chain = generate(target, CFG, PROMPTS, max_new_tokens=MAX_NEW, mesh="data=4", drafter=NgramDrafter(),
-                     policy="heuristic", k_max=4)
+    chain = generate(target, CFG, PROMPTS, max_new_tokens=MAX_NEW, mesh="data=4",
+                     speculative=SpeculativeConfig(drafter=NgramDrafter(), policy="heuristic", k_max=4))
     _same(chain, ref)
     assert chain.accepted.sum() > 0 and chain.target_calls.shape == (len(PROMPTS),)
     drafter, dparams = _drafters(target)["eagle"]
-    tree = generate(target, CFG, PROMPTS, max_new_tokens=MAX_NEW, mesh="data=2", drafter=drafter,
-                    drafter_params=dparams, tree=TreeConfig(top_k=3, depth=3, num_nodes=8))
+    tree = generate(target, CFG, PROMPTS, max_new_tokens=MAX_NEW, mesh="data=2",
+                    speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, tree=TreeConfig(top_k=3, depth=3, num_nodes=8)))
     _same(tree, ref)
 
 
@@ -79,8 +79,8 @@ def test_tensor_parallel_equals_one_device(target, ref):
     mesh = parse_mesh("model=2")
     _same(generate(target, CFG, PROMPTS, max_new_tokens=MAX_NEW, mesh=mesh), ref)
     drafter, dparams = _drafters(target)["eagle3"]
-    _same(generate(target, CFG, PROMPTS, max_new_tokens=MAX_NEW, mesh=mesh, drafter=drafter, drafter_params=dparams,
-                   policy="static", k_max=3), ref)
+    _same(generate(target, CFG, PROMPTS, max_new_tokens=MAX_NEW, mesh=mesh,
+                   speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, policy="static", k_max=3)), ref)
     # Acceptance runs sharded: the verify logits come out of the vocab-split LM head, each device
     # takes the argmax over its half of the vocabulary, and only (max, index) pairs cross devices;
     # no vocab-wide array is ever gathered.

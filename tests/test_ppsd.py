@@ -16,7 +16,7 @@ from jspec import model as M
 from jspec.checkpoint.draft_format import exit_layer_of, load_draft_model
 from jspec.config import ModelConfig
 from jspec.decode import pack_prompts
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.heads import exit_head as EH
 from jspec.sampling import GREEDY, Sampling, probs
 from jspec.speculative.engines.ppsd import ppsd_generate, ppsd_mesh
@@ -183,7 +183,8 @@ def test_exit_head_training_lowers_kl(tmp_path):
     spec = f"early-exit:{out / 'draft'}"
     drafter, hp = build_drafter(spec, tcfg, tparams)
     assert drafter.exit_layer == 1 and drafter.head == ecfg
-    chain = generate(tparams, tcfg, prompts, max_new_tokens=8, drafter=drafter, drafter_params=hp, k_max=3)
+    chain = generate(tparams, tcfg, prompts, max_new_tokens=8,
+                     speculative=SpeculativeConfig(drafter=drafter, drafter_params=hp, k_max=3))
     np.testing.assert_array_equal(chain.tokens, ar.tokens)
     assert chain.drafted.sum() > 0
 
@@ -197,19 +198,21 @@ def test_generate_dispatches_parallel_engines(models):
     tparams, ecfg, eparams = models
     prompts = _prompts(batch=3, seed=3)
     ar = generate(tparams, CFG, prompts, max_new_tokens=MAX_NEW)
-    r = generate(tparams, CFG, prompts, max_new_tokens=MAX_NEW, engine="ppsd", drafter=EarlyExitDrafter(E, head=ecfg),
-                 drafter_params=eparams, mesh="data=2,role=2")
+    r = generate(tparams, CFG, prompts, max_new_tokens=MAX_NEW,
+                 speculative=SpeculativeConfig(engine="ppsd", drafter=EarlyExitDrafter(E, head=ecfg), drafter_params=eparams), mesh="data=2,role=2")
     np.testing.assert_array_equal(r.tokens, ar.tokens)
     assert r.devices == 4 and r.tokens.shape[0] == 3
     dcfg, dparams = DM.init_from_target(tparams, CFG, (0, 3))
-    r = generate(tparams, CFG, prompts, max_new_tokens=MAX_NEW, engine="pearl", drafter=ModelDrafter(dcfg),
-                 drafter_params=dparams, gamma=2, mesh="role=2")
+    r = generate(tparams, CFG, prompts, max_new_tokens=MAX_NEW,
+                 speculative=SpeculativeConfig(engine="pearl", drafter=ModelDrafter(dcfg), drafter_params=dparams, gamma=2), mesh="role=2")
     np.testing.assert_array_equal(r.tokens, ar.tokens)
     assert r.gamma == 2 and 0 <= r.rollback_rate <= 1
     with pytest.raises(ValueError, match="draft model"):
-        generate(tparams, CFG, prompts, engine="pearl", drafter=EarlyExitDrafter(E), gamma=2)
+        generate(tparams, CFG, prompts,
+                 speculative=SpeculativeConfig(engine="pearl", drafter=EarlyExitDrafter(E), gamma=2))
     with pytest.raises(ValueError, match="role"):
-        generate(tparams, CFG, prompts, engine="ppsd", drafter=EarlyExitDrafter(E), mesh="model=2")
+        generate(tparams, CFG, prompts,
+                 speculative=SpeculativeConfig(engine="ppsd", drafter=EarlyExitDrafter(E)), mesh="model=2")
 
 
 @pytest.mark.parametrize("argv, message", [

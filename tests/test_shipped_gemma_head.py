@@ -3,7 +3,7 @@ minute, and pytest-xdist's --dist loadfile then runs it beside the SmolLM2 heads
 
 import pytest
 
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.presets import resolve_model
 from jspec.speculative.factory import build_drafter, shipped_head_path
 
@@ -21,6 +21,7 @@ def test_shipped_gemma_head_is_lossless_and_accepts():
     assert drafter.head.capture_layers == (2, 9, 15) and "fc_in_scale" not in dparams
     prompts = [tok("The three primary colors are")["input_ids"]]
     ar = generate(params, cfg, prompts, max_new_tokens=32)
-    sp = generate(params, cfg, prompts, max_new_tokens=32, drafter=drafter, drafter_params=dparams, k_max=4)
+    sp = generate(params, cfg, prompts, max_new_tokens=32,
+                  speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, k_max=4))
     assert sp.row(0) == ar.row(0)
     assert sp.accepted[0] > 0 and sp.target_calls[0] < ar.target_calls[0]

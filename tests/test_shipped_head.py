@@ -3,7 +3,7 @@ greedy output identical; a bare `early-exit` loads the shipped exit head."""
 
 import pytest
 
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.presets import resolve_model
 from jspec.speculative.factory import build_drafter, shipped_head_path
 from jspec.tokenizer import apply_chat
@@ -26,7 +26,8 @@ def test_shipped_eagle_head_is_lossless_and_accepts(target, kind):
     assert drafter.head.kind == ("eagle3" if kind == "eagle3" else "eagle1")
     prompts = [apply_chat(tok, "Give me three tips for better sleep.")]
     ar = generate(params, cfg, prompts, max_new_tokens=24)
-    sp = generate(params, cfg, prompts, max_new_tokens=24, drafter=drafter, drafter_params=dparams, k_max=4)
+    sp = generate(params, cfg, prompts, max_new_tokens=24,
+                  speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, k_max=4))
     assert sp.row(0) == ar.row(0)
     assert sp.accepted[0] > 0 and sp.target_calls[0] < ar.target_calls[0]
 

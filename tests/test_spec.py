@@ -10,7 +10,7 @@ from spec_tiny import make_target
 
 from jspec import model as M
 from jspec.decode import PromptError
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.drafters.base import DrafterError
 from jspec.speculative.drafters.model import ModelDrafter
 from jspec.speculative.drafters.ngram import NgramDrafter
@@ -33,28 +33,32 @@ def test_greedy_identical_to_ar(target, drafter_name, policy_name):
 def test_row_alone_equals_row_in_batch(target):
     drafter, dparams = _drafters(target)["early-exit"]
     prompts = _prompts(7, batch=3)
-    batch = generate(target, CFG, prompts, max_new_tokens=MAX_NEW, drafter=drafter, k_max=K)
-    alone = generate(target, CFG, prompts[1:2], max_new_tokens=MAX_NEW, drafter=drafter, k_max=K)
+    batch = generate(target, CFG, prompts, max_new_tokens=MAX_NEW,
+                     speculative=SpeculativeConfig(drafter=drafter, k_max=K))
+    alone = generate(target, CFG, prompts[1:2], max_new_tokens=MAX_NEW,
+                     speculative=SpeculativeConfig(drafter=drafter, k_max=K))
     assert alone.row(0) == batch.row(1)
 
 
 def test_policy_needing_logits_rejects_ngram(target):
     with pytest.raises(DrafterError, match="draft distributions"):
-        generate(target, CFG, [[5, 6]], max_new_tokens=4, drafter=NgramDrafter(), policy=make_policy("svip", k_max=K), k_max=K)
+        generate(target, CFG, [[5, 6]], max_new_tokens=4,
+                 speculative=SpeculativeConfig(drafter=NgramDrafter(), policy=make_policy("svip", k_max=K), k_max=K))
 
 
 def test_vocab_mismatch_is_an_error(target):
     other = CFG.replace(vocab_size=64, num_layers=1)
     with pytest.raises(DrafterError, match="vocabulary"):
-        generate(target, CFG, [[5, 6]], max_new_tokens=4, drafter=ModelDrafter(other),
-                 drafter_params=M.init_params(other, jax.random.PRNGKey(0)), k_max=K)
+        generate(target, CFG, [[5, 6]], max_new_tokens=4,
+                 speculative=SpeculativeConfig(drafter=ModelDrafter(other), drafter_params=M.init_params(other, jax.random.PRNGKey(0)), k_max=K))
 
 
 def test_unknown_policy_and_k_max_beyond_cache(target):
     with pytest.raises(ValueError, match="unknown"):
         make_policy("nope")
     with pytest.raises(PromptError, match="cache"):
-        generate(target, CFG, [[5, 6]], max_new_tokens=4, drafter=NgramDrafter(), k_max=200, cache_len=64)
+        generate(target, CFG, [[5, 6]], max_new_tokens=4,
+                 speculative=SpeculativeConfig(drafter=NgramDrafter(), k_max=200), cache_len=64)
 
 
 @pytest.mark.parametrize("policy_name", ["static", "heuristic"])
@@ -74,7 +78,7 @@ def test_known_length_draft_loop_equals_the_early_exit_loop(target, policy_name)
         **{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)})
     drafter, dparams = _drafters(target)["eagle3"]
     prompts = _prompts(11, batch=3)
-    runs = [generate(target, CFG, prompts, max_new_tokens=MAX_NEW, drafter=drafter, drafter_params=dparams,
-                     policy=p, k_max=K, sampling=Sampling(temperature=0.8), seed=3) for p in (policy, early_exit)]
+    runs = [generate(target, CFG, prompts, max_new_tokens=MAX_NEW,
+                     speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, policy=p, k_max=K), sampling=Sampling(temperature=0.8), seed=3) for p in (policy, early_exit)]
     for field in ("tokens", "lengths", "drafted", "accepted", "draft_lengths"):
         np.testing.assert_array_equal(getattr(runs[0], field), getattr(runs[1], field), err_msg=field)

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jspec import model as M
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.sampling import Sampling
 from jspec.speculative.engines.tree import TreeConfig, build_tree
 from jspec.speculative.policies import make_policy
@@ -64,8 +64,8 @@ def test_tree_greedy_identical_to_ar(target, drafter_name, policy_name):
     def check(seed):
         prompts = _prompts(seed)
         ar = generate(target, CFG, prompts, max_new_tokens=16)
-        tr = generate(target, CFG, prompts, max_new_tokens=16, drafter=drafter, drafter_params=dparams,
-                      tree=TC, policy=policy_name)
+        tr = generate(target, CFG, prompts, max_new_tokens=16,
+                      speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, tree=TC, policy=policy_name))
         for b in range(len(prompts)):
             assert tr.row(b) == ar.row(b)
         assert (tr.step_tokens.sum(1) == tr.lengths).all() and (tr.draft_lengths.sum(1) == tr.drafted).all()

@@ -1,9 +1,12 @@
-"""`jspec bench`: run methods over tasks on one model, write JSON rows, plots and BENCHMARKS.md."""
+"""`jspec bench`: run methods over tasks on one model; print the table and write the rows, the table
+and plots to a results folder (--out), or, for the project's own results (--commit-rows), to
+models/<preset>/bench/ with BENCHMARKS.md regenerated."""
 
 from __future__ import annotations
 
 import argparse
 import shlex
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +15,7 @@ from jspec.bench.harness import RunContext, batches_of, benchmark_group
 from jspec.bench.methods import HFGenerateMethod, JspecMethod, canonical_dtype, load_hf_model
 from jspec.bench.prompts import encode_questions
 from jspec.bench.protocol import METHOD_GRAMMAR, PARALLEL_METHODS, MethodSpec, parse_method_specs
-from jspec.bench.report import bench_dir, write_benchmarks_md, write_rows
+from jspec.bench.report import bench_dir, group_tables, write_benchmarks_md, write_rows
 from jspec.heads.hrad import load_hrad
 from jspec.model import cast_params
 from jspec.sharding import parse_mesh
@@ -24,7 +27,8 @@ from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.policies.auto import AutoPlan
 from jspec.speculative.policies.auto import plan as auto_plan
 from jspec.bench.round_cost import VERIFY_TS, attach_profile, ensure_costs, plot_round_cost, profile_method
-from jspec.tasks import Question, load_questions_file, load_task
+from jspec.errors import UsageError
+from jspec.tasks import TASK_NAMES, Question, load_questions_file, load_task
 
 
 def _int_list(text: str) -> list[int]:
@@ -55,9 +59,19 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="hf_pld draft length")
     parser.add_argument("--hf-checkpoint", help="checkpoint dir or .gguf file for the HF peer (default: from --model)")
     parser.add_argument("--no-chat-template", action="store_true", help="feed raw text even to chat models")
-    parser.add_argument("--out", default="bench", help="results go to models/<preset>/bench/<out>.json")
-    parser.add_argument("--models-dir", default="models")
-    parser.add_argument("--benchmarks-md", default="BENCHMARKS.md")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="results folder: rows.json, table.md and plots/ (default ./jspec-results/<date-time>); "
+                             "the table is also printed")
+    parser.add_argument("--commit-rows", default=None, metavar="NAME",
+                        help="for the project's own results: write the rows to <models-dir>/<preset>/bench/NAME.json "
+                             "and the plots beside them, and regenerate --benchmarks-md from every such file "
+                             "(instead of --out)")
+    parser.add_argument("--models-dir", default="models",
+                        help="--commit-rows: the repository's models/ folder, whose <preset>/bench/*.json hold the "
+                             "committed rows")
+    parser.add_argument("--benchmarks-md", default="BENCHMARKS.md",
+                        help="--commit-rows: the markdown file whose tables (below its marker line) are rebuilt "
+                             "from every committed row")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--round-cost", default="", help="comma list of batch sizes at which to add a round-cost profile "
                         "(draft_step_us, verify_us, round_us, ...) to the spec rows (jspec.bench.round_cost)")
@@ -98,13 +112,60 @@ def preset_name(model: str) -> str:
 
 
 def load_questions(args: argparse.Namespace) -> dict[str, list[Question]]:
+    unknown = [name for name in _str_list(args.tasks) if name not in TASK_NAMES]
+    if unknown:
+        raise UsageError(f"--tasks: unknown task {unknown[0]!r}; known tasks: {', '.join(TASK_NAMES)}")
     questions = {name: load_task(name, args.n_prompts) for name in _str_list(args.tasks)}
     if args.questions:
+        if not Path(args.questions).is_file():
+            raise UsageError(f"--questions {args.questions}: no such file")
         qs = load_questions_file(args.questions)
         questions[Path(args.questions).stem] = qs if args.n_prompts is None else qs[: args.n_prompts]
     if not questions:
-        raise SystemExit("no prompts: give --tasks and/or --questions")
+        raise UsageError("no prompts: give --tasks and/or --questions")
+    empty = [name for name, qs in questions.items() if not qs]
+    if empty:
+        raise UsageError(f"task {empty[0]!r} has no questions")
     return questions
+
+
+def check_bench_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
+    """The numbers and names of the command line, checked before anything loads: (batch sizes, dtypes)."""
+    if args.n_prompts is not None and args.n_prompts < 1:
+        raise UsageError(f"--n-prompts must be >= 1, got {args.n_prompts}")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.k_max is not None and args.k_max < 1:
+        raise UsageError(f"--k-max must be >= 1, got {args.k_max}")
+    if args.min_timed_s < 0:
+        raise UsageError(f"--min-timed-s must be >= 0, got {args.min_timed_s}")
+    batches = _batch_sizes("--batch", args.batch)
+    if args.round_cost:
+        _batch_sizes("--round-cost", args.round_cost)
+    try:
+        dtypes = [canonical_dtype(d) for d in _str_list(args.dtype or default_dtype_name())]
+    except ValueError as e:
+        raise UsageError(f"--dtype: {e}") from None
+    if args.commit_rows and args.out:
+        raise UsageError("--out (a results folder of yours) and --commit-rows (the project's rows) exclude each other")
+    return batches, dtypes
+
+
+def _batch_sizes(flag: str, text: str) -> list[int]:
+    try:
+        values = _int_list(text)
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise UsageError(f"{flag} {text!r}: expected a comma list of batch sizes >= 1, e.g. 1,16")
+    return values
+
+
+def results_dir(args: argparse.Namespace) -> Path:
+    """Where a run's rows, table and plots go: --out, else ./jspec-results/<date-time>."""
+    if args.out:
+        return Path(args.out)
+    return Path("jspec-results") / time.strftime("%Y%m%d-%H%M%S")
 
 
 def default_dtype_name() -> str:
@@ -129,13 +190,14 @@ def hf_checkpoint(args: argparse.Namespace) -> tuple[str, str | None]:
 
 
 def reproduce_command(args: argparse.Namespace, dtypes: list[str]) -> str:
-    parts = ["python", "scripts/bench.py", "--model", args.model, "--tasks", args.tasks]
+    parts = ["jspec", "bench", "--model", args.model, "--tasks", args.tasks]
     if args.questions:
         parts += ["--questions", args.questions]
     if args.n_prompts is not None:
         parts += ["--n-prompts", str(args.n_prompts)]
     parts += ["--max-new-tokens", str(args.max_new_tokens), "--batch", args.batch, "--dtype", ",".join(dtypes),
-              "--methods", args.methods, "--out", args.out]
+              "--methods", args.methods]
+    parts += ["--commit-rows", args.commit_rows] if args.commit_rows else []
     if args.k_max is not None:
         parts += ["--k-max", str(args.k_max)]
     if args.min_timed_s != 5.0:
@@ -245,11 +307,13 @@ def _total_batches(prompts: dict[str, list], specs, batches, dtypes, factory) ->
 def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
+    batches, dtypes = check_bench_args(args)
     specs = parse_method_specs(args.methods)  # every method checked before the model loads
-    batches = _int_list(args.batch)
-    dtypes = [canonical_dtype(d) for d in _str_list(args.dtype or default_dtype_name())]
     questions = load_questions(args)
-    parse_mesh(args.mesh)  # a bad --mesh fails here, before the model loads
+    try:
+        parse_mesh(args.mesh)  # a bad --mesh fails here, before the model loads
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     cfg, params, tokenizer = resolve_model(args.model)
     chat = False if args.no_chat_template else None
     prompts = {task: encode_questions(tokenizer, qs, chat=chat) for task, qs in questions.items()}
@@ -259,7 +323,10 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                      reproduce=reproduce_command(args, dtypes))
     print(f"bench {ctx.target} on {ctx.card} (JAX {ctx.jax_version}): {len(specs)} methods, tasks {list(prompts)}")
 
-    out_dir = bench_dir(args.models_dir, ctx.target)
+    if args.commit_rows:
+        out_dir, rows_file = bench_dir(args.models_dir, ctx.target), f"{args.commit_rows}.json"
+    else:
+        out_dir, rows_file = results_dir(args), "rows.json"
     rows: list[dict[str, Any]] = []
     with tqdm(total=_total_batches(prompts, specs, batches, dtypes, factory), unit="batch") as progress:
         for dtype in dtypes:  # outermost: one param copy / HF model per dtype at a time
@@ -276,17 +343,23 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                     if batch in _int_list(args.round_cost):
                         add_round_costs(group, methods, batch, progress)
                     rows += group
-                    write_rows(out_dir / f"{args.out}.json", rows)  # after every group: a killed run keeps its rows
+                    write_rows(out_dir / rows_file, rows)  # after every group: a killed run keeps its rows
 
-    print(f"rows: {out_dir / f'{args.out}.json'}")
+    print(group_tables(rows))
+    print(f"rows: {out_dir / rows_file}")
     if not args.no_plots:
         from jspec.bench.plots import plot_all  # here, not at the top: matplotlib is slow to import
 
         for path in plot_all(rows, out_dir / "plots"):
             print(f"plot: {path}")
-        if args.round_cost and plot_round_cost(rows, out_dir / "plots" / f"{args.out}_round_cost.png"):
-            print(f"plot: {out_dir / 'plots' / f'{args.out}_round_cost.png'}")
-    print(f"table: {write_benchmarks_md(args.models_dir, args.benchmarks_md)}")
+        cost_plot = out_dir / "plots" / f"{Path(rows_file).stem}_round_cost.png"
+        if args.round_cost and plot_round_cost(rows, cost_plot):
+            print(f"plot: {cost_plot}")
+    if args.commit_rows:
+        print(f"table: {write_benchmarks_md(args.models_dir, args.benchmarks_md)}")
+    else:
+        (out_dir / "table.md").write_text(group_tables(rows))
+        print(f"table: {out_dir / 'table.md'}")
     return rows
 
 

@@ -6,7 +6,7 @@ perf_counter brackets the full generation.
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import time
 from typing import Any, Callable, Sequence
 
@@ -14,10 +14,11 @@ import numpy as np
 
 from jspec.bench.protocol import PARALLEL_METHODS, MethodSpec, RowResult
 from jspec.decode import bucket
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.engines.pearl import DATA_AXIS as PAIR_AXIS, parse_role_mesh
 from jspec.sharding import mesh_label, parse_mesh, replicate, shard_params
 
+SPECULATIVE_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig))
 TORCH_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                 "float16": "float16", "fp16": "float16"}
 
@@ -122,9 +123,13 @@ class JspecMethod:
             kwargs.update(from_spec)
         return kwargs
 
-    def _check_tree_supported(self) -> None:
-        if self.tree and "tree" not in inspect.signature(self._generate()).parameters:
-            raise NotImplementedError(f"{self.name}: jspec.generate.generate takes no 'tree' argument yet")
+    def _call_kwargs(self) -> dict[str, Any]:
+        """generate()'s keywords: the speculative settings grouped into one SpeculativeConfig."""
+        kwargs = {k: v for k, v in self._kwargs.items() if k not in SPECULATIVE_FIELDS}
+        fields = {k: v for k, v in self._kwargs.items() if k in SPECULATIVE_FIELDS and v is not None}
+        if fields:
+            kwargs["speculative"] = SpeculativeConfig(**fields)
+        return kwargs
 
     def _warmup_batches(self, example_prompts: Sequence[Sequence[int]]) -> list[list[list[int]]]:
         """One batch per prompt-length bucket among the examples: generate compiles once per bucket,
@@ -145,16 +150,15 @@ class JspecMethod:
         return jax.default_matmul_precision("highest") if self.dtype == "float32" else contextlib.nullcontext()
 
     def prepare(self, example_prompts: Sequence[Sequence[int]]) -> float:
-        self._check_tree_supported()
         start = time.perf_counter()
         with self._precision():
             for prompts in self._warmup_batches(example_prompts):
-                self._generate()(self.params, self.cfg, prompts, **self._kwargs)
+                self._generate()(self.params, self.cfg, prompts, **self._call_kwargs())
         return time.perf_counter() - start
 
     def run(self, prompts: Sequence[Sequence[int]]) -> list[RowResult]:
         with self._precision():
-            result = self._generate()(self.params, self.cfg, [list(p) for p in prompts], **self._kwargs)
+            result = self._generate()(self.params, self.cfg, [list(p) for p in prompts], **self._call_kwargs())
         return rows_from_generation(result)  # numpy fields: already on the host
 
 

@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..errors import UsageError
 from ..presets import load_checkpoint, load_tokenizer_if_any, resolve_checkpoint
 from ..tokenizer import ORBAX_TOKENIZER_DIR
 from .hf import export_hf
@@ -44,8 +45,8 @@ def convert(
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     out = Path(dst)
-    if fmt == "hf" and out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out}: directory exists and is not empty (pass overwrite=True / --overwrite)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise FileExistsError(f"{out}: exists and is not an empty directory (pass overwrite=True to replace it)")
 
     cfg, params = load_checkpoint(src_path, src_kind, jnp.dtype(dtype))
     if fmt == "orbax":
@@ -82,6 +83,9 @@ def add_convert_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def run_convert(args: argparse.Namespace) -> int:
+    dst = Path(args.dst)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not args.overwrite:
+        raise UsageError(f"{dst}: exists and is not an empty directory; add --overwrite to replace it")
     out = convert(args.src, args.dst, args.fmt, dtype=args.dtype, overwrite=args.overwrite, tokenizer=args.tokenizer)
     print(f"wrote {out}")
     return 0

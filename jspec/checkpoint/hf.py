@@ -401,7 +401,16 @@ def export_hf(params: dict, cfg: ModelConfig, out_dir: str | os.PathLike) -> Pat
     generation = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids) or None}
     (out / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
     save_file(sd, str(out / SINGLE_FILE), metadata={"format": "pt"})
+    _readable_as_umask_allows(out / SINGLE_FILE)
     return out
+
+
+def _readable_as_umask_allows(path: Path) -> None:
+    """safetensors writes through a private temporary file (mode 0600); give the file the mode any
+    other written file gets: 0666 less the umask (0644 under the usual 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 __all__ = [

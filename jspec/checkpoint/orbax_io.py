@@ -8,9 +8,15 @@ Directory layout:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import logging
 import os
 import shutil
+import sys
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -70,15 +76,49 @@ def restore_params(path: str | os.PathLike, device=None) -> tuple[ModelConfig, d
         raise CheckpointNotFoundError(f"{params_dir}: parameter directory missing")
     checkpointer = ocp.StandardCheckpointer()
     sharding = jax.sharding.SingleDeviceSharding(device or jax.local_devices()[0])
+    error = None
     try:
         meta = checkpointer.metadata(params_dir)
         tree = getattr(meta, "item_metadata", meta)
         tree = getattr(tree, "tree", tree)
         target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=sharding), tree)
-        params = checkpointer.restore(params_dir, target)
+        with _muted_async_reporters():
+            params = checkpointer.restore(params_dir, target)
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for a bad tree
-        raise CorruptCheckpointError(f"{params_dir}: cannot restore Orbax checkpoint ({type(e).__name__}: {e})") from e
+        error = f"{params_dir}: cannot restore Orbax checkpoint, truncated or corrupt? ({_root_cause(e)})"
+    if error is not None:  # out here, where the exception's frames no longer hold the failed reads
+        with _muted_async_reporters():
+            for _ in range(3):  # the other reads were still in flight: let them land, then collect them
+                time.sleep(0.1)
+                gc.collect()
+        raise CorruptCheckpointError(error)
     return cfg, params
+
+
+def _root_cause(e: BaseException) -> str:
+    """The innermost cause's message on one line: tensorstore's names the file and the byte range,
+    where orbax's wrapper prints the whole TensorStore spec (a thousand characters)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+@contextlib.contextmanager
+def _muted_async_reporters():
+    """When one array of a checkpoint fails to read, orbax returns while the other reads are still
+    in flight: their coroutines and tensorstore callbacks report later (unraisable exceptions,
+    asyncio's log, 'Event loop is closed' from worker threads), dozens of traceback lines after
+    the one error that matters. Those reporters stay muted while the restore and its clean-up run."""
+    hooks = sys.unraisablehook, threading.excepthook, sys.excepthook
+    log = logging.getLogger("asyncio")
+    level = log.level
+    sys.unraisablehook = threading.excepthook = sys.excepthook = lambda *_: None
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        sys.unraisablehook, threading.excepthook, sys.excepthook = hooks
+        log.setLevel(level)
 
 
 __all__ = ["is_orbax_dir", "read_config", "restore_params", "save_params"]

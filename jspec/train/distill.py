@@ -1,6 +1,6 @@
 """Self-distillation at scale: the target answers the prompt corpus on every local device.
 
-    jspec distill --target smollm2-135m-instruct --corpus .stage/corpus/prompts.npz \
+    jspec distill --target smollm2-135m-instruct --corpus runs/corpus/prompts.npz \
         --out runs/data --time-budget-s 540
 
 How generation runs. The batch is a set of *slots*: `rows_per_device` rows on each device of a
@@ -770,7 +770,7 @@ def _parent_rows(data_dir: str, wanted: set[int]) -> dict[int, tuple[list[int], 
 
 def add_distill_args(p):
     p.add_argument("--target", required=True, help="target preset or path")
-    p.add_argument("--corpus", default=".stage/corpus/prompts.npz", help="prompt corpus (jspec build-corpus)")
+    p.add_argument("--corpus", default="runs/corpus/prompts.npz", help="prompt corpus (jspec build-corpus)")
     p.add_argument("--recipe", default=None, help="recipe JSON whose \"distill\" section gives the defaults")
     p.add_argument("--out", required=True, help="dataset directory (jspec-distill-v2; resumed when it exists)")
     p.add_argument("--time-budget-s", type=float, default=None, help="stop cleanly within this many seconds")
