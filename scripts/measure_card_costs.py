@@ -1,11 +1,14 @@
 """Measure the `auto` policy's per-card cost table with random weights of a preset's shape.
 
 Timing does not depend on the weights' values, so a new card's table can be measured before its
-checkpoint is staged (and in parallel, one batch size per GPU):
+checkpoint is staged. One process measures every batch size the planner's committed tables hold
+(1, 8, 16, 32, 64; each timing the median of --reps loops, with the spread recorded) and writes
+them where the planner reads them, models/<preset>/round_cost_<card>.json (merged per batch into
+a table of the same version already there):
 
-    CUDA_VISIBLE_DEVICES=0 python3 scripts/measure_card_costs.py --batch 1 --out /root/costs/b1.json
-    python3 scripts/measure_card_costs.py --batch 8 16 32 --out /root/costs/b8_16_32.json  # several, one process
-    python3 scripts/measure_card_costs.py --merge /root/costs/b*.json --out models/smollm2-135m-instruct/round_cost_<card>.json
+    python3 scripts/measure_card_costs.py
+    python3 scripts/measure_card_costs.py --batch 16 --out /tmp/b16.json     # one batch size elsewhere
+    python3 scripts/measure_card_costs.py --merge /tmp/b*.json --out models/smollm2-135m-instruct/round_cost_<card>.json
 
 The shape is SmolLM2-135M's with an EAGLE-3 head (the shipped preset's drafter).
 """
@@ -22,6 +25,7 @@ import jax.numpy as jnp
 
 from jspec import model as M
 from jspec.bench.round_cost import measure_batch_costs, save_card_costs
+from jspec.speculative.policies.auto import cost_table_path
 from jspec.config import ModelConfig
 from jspec.heads import eagle as H
 from jspec.speculative.drafters.eagle import EagleDrafter
@@ -30,6 +34,7 @@ from jspec.speculative.engines.tree import TreeConfig
 SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                       num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
                       max_position_embeddings=8192, tie_word_embeddings=True, eos_token_ids=())
+TABLE_BATCHES = (1, 8, 16, 32, 64)
 
 
 def merge(paths: list[str]) -> dict:
@@ -47,27 +52,31 @@ def merge(paths: list[str]) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, nargs="+", help="batch sizes to measure")
+    ap.add_argument("--batch", type=int, nargs="+", default=list(TABLE_BATCHES), help="batch sizes to measure (default: %(default)s)")
+    ap.add_argument("--reps", type=int, default=5, help="timed loops per timing; the table keeps their median")
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--merge", nargs="*", help="per-batch tables to merge instead of measuring")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--preset", default="smollm2-135m-instruct")
+    ap.add_argument("--out", default=None, help="default: models/<preset>/round_cost_<this card>.json")
     args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = str(cost_table_path(args.preset))
     if args.merge:
         save_card_costs(merge(args.merge), Path(args.out))
         print(f"merged {len(args.merge)} tables -> {args.out}")
         return
-    if not args.batch or min(args.batch) < 1:
-        sys.exit("measure_card_costs: error: --batch takes positive batch sizes")
+    if not args.batch or min(args.batch) < 1 or args.reps < 1:
+        sys.exit("measure_card_costs: error: --batch takes positive batch sizes and --reps a positive count")
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
     tparams = M.init_params(SMOLLM2, jax.random.PRNGKey(0), dtype)
     hcfg = H.HeadConfig("eagle3", SMOLLM2, draft_vocab_size=args.draft_vocab)
     hparams = H.init_head(hcfg, jax.random.PRNGKey(1), dtype)
     costs: dict = {}
     for batch in args.batch:  # saved after each batch size: a killed run keeps what it measured
-        measure_batch_costs(costs, tparams, SMOLLM2, EagleDrafter(hcfg), hparams, batch=batch, tree=TreeConfig())
+        measure_batch_costs(costs, tparams, SMOLLM2, EagleDrafter(hcfg), hparams, batch=batch, tree=TreeConfig(), reps=args.reps)
         save_card_costs(costs, Path(args.out))
         print(f"batch {batch} measured -> {args.out}", flush=True)
-    print(json.dumps({k: v for k, v in costs.items() if k in ("card", "draft_step_us", "tree_level_us")}))
+    print(json.dumps({k: v for k, v in costs.items() if k in ("card", "draft_step_us", "tree_level_us", "spread")}))
 
 
 if __name__ == "__main__":
