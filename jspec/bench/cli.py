@@ -39,7 +39,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = METHOD_GRAMMAR.format(policies=", ".join(POLICY_NAMES))
     parser.add_argument("--model", required=True, help="preset name or checkpoint path (jspec.presets.resolve_model)")
-    parser.add_argument("--tasks", default="mt_bench", help="comma list of mt_bench, humaneval, chitchat ('' for none)")
+    parser.add_argument("--tasks", default="mt_bench", help="comma list of mt_bench, humaneval, chitchat, longdoc ('' for none)")
     parser.add_argument("--questions", help="extra Spec-Bench questions .jsonl; its task name is the file stem")
     parser.add_argument("--n-prompts", type=int, default=None, help="first N questions of each task (default all)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
