@@ -1,5 +1,5 @@
-"""`jspec` command line: generate, convert, info, bench, train-head, build-corpus, distill, merge-data,
-train-ldlp."""
+"""`jspec` command line: generate, convert, info, bench, calibrate, train-head, build-corpus, distill,
+merge-data, train-ldlp."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from .heads.hrad import load_hrad
 from .speculative.engines.chain import speculative_stream
 from .speculative.engines.pearl import parse_role_mesh
 from .speculative.engines.specbranch import SpecBranchConfig
-from .speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights
+from .speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, resolve_policy_spec
 from .speculative.policies import POLICY_NAMES, make_policy
 from .speculative.policies.ldlp import load_ldlp
 from .speculative.verify.consultant import DEFAULT_EPS, ConsultantRule
@@ -59,7 +59,9 @@ def add_generate_args(p: argparse.ArgumentParser):
                         "dlm[:PATH] (DiffuSpec, a diffusion LM drafting a block per forward; use --policy adl); "
                         "no PATH: the one shipped with the preset")
     p.add_argument("--policy", default=None,
-                   help=f"draft-length policy (needs --drafter; default static): {', '.join(POLICY_NAMES)}")
+                   help=f"draft-length policy (needs --drafter; default static): {', '.join(POLICY_NAMES)}; with an EAGLE "
+                        "head, svip/adaedl/confidence/tapout/ldlp take the constants `jspec calibrate` fit for it on this "
+                        "card when there are some (NAME:paper: the paper's; NAME:calibrated: the fit or an error)")
     p.add_argument("--ldlp-weights", default=None, metavar="DIR",
                    help="--policy ldlp: directory with ldlp.safetensors (default: the one shipped beside the EAGLE head)")
     p.add_argument("--k-max", type=int, default=None,
@@ -119,8 +121,9 @@ def check_generate_args(a) -> None:
     if a.k_max < 1:
         raise UsageError(f"--k-max must be >= 1, got {a.k_max}")
     drafter_cls = check_drafter_spec(a.drafter, model_name=a.model, k_max=a.k_max)
-    try:
-        a.policy_obj = make_policy(a.policy, k_max=a.k_max)
+    try:  # "svip" takes the head's calibrated constants when `jspec calibrate` wrote them; "svip:paper" the paper's
+        policy = resolve_policy_spec(a.policy, a.drafter, a.model, a.k_max)
+        a.policy_obj = make_policy(policy, k_max=a.k_max) if isinstance(policy, str) else policy
     except ValueError as e:
         raise UsageError(str(e)) from None
     if drafter_cls.parallel and a.policy_obj.needs_draft_logits:
@@ -138,7 +141,7 @@ def check_generate_args(a) -> None:
     else:
         a.verify_rule = "lossless"
     a.policy_params = None
-    if a.policy == "ldlp":
+    if a.policy_obj.name == "ldlp":
         a.policy_params = find_ldlp_weights(a.drafter, a.model, a.ldlp_weights)  # loaded after the checks
     elif a.ldlp_weights:
         raise UsageError("--ldlp-weights needs --policy ldlp")
@@ -337,6 +340,10 @@ def main(argv=None) -> int:
     merge.add_argument("--out", required=True, help="new dataset directory")
     merge.add_argument("inputs", nargs="+", help="distilled dataset directories (jspec distill)")
     ldlp = sub.add_parser("train-ldlp", help="train AdaEAGLE's draft-length predictor for an EAGLE head")
+    calibrate = sub.add_parser("calibrate", help="fit draft-length policies' constants to an EAGLE head on this card")
+    from .bench.calibrate import add_calibrate_args
+
+    add_calibrate_args(calibrate)
     try:
         from .train.cli import add_train_args
         from .train.corpus import add_corpus_args
@@ -385,6 +392,10 @@ def run_command(a) -> int:
         return run_distill(a)
     if a.cmd == "merge-data":
         return cmd_merge_data(a)
+    if a.cmd == "calibrate":
+        from .bench.calibrate import run_calibrate
+
+        return run_calibrate(a)
     if a.cmd == "train-ldlp":
         from .train.ldlp import run_train_ldlp
 

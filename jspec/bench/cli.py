@@ -11,13 +11,14 @@ from jspec import presets
 from jspec.bench.harness import RunContext, batches_of, benchmark_group
 from jspec.bench.methods import HFGenerateMethod, JspecMethod, canonical_dtype, load_hf_model
 from jspec.bench.prompts import encode_questions
-from jspec.bench.protocol import METHOD_GRAMMAR, PARALLEL_METHODS, MethodSpec, parse_method_specs
+from jspec.bench.protocol import ENGINE_KEYS, METHOD_GRAMMAR, PARALLEL_METHODS, MethodSpec, parse_method_specs
 from jspec.bench.report import bench_dir, write_benchmarks_md, write_rows
 from jspec.heads.hrad import load_hrad
 from jspec.model import cast_params
 from jspec.sharding import parse_mesh
-from jspec.speculative.factory import build_drafter, find_ldlp_weights
+from jspec.speculative.factory import build_drafter, find_ldlp_weights, resolve_policy_spec
 from jspec.speculative.policies import POLICY_NAMES
+from jspec.speculative.policies.calibration import CALIBRATED_POLICIES
 from jspec.speculative.policies.ldlp import load_ldlp
 from jspec.speculative.drafters.eagle import EagleDrafter
 from jspec.speculative.engines.tree import TreeConfig
@@ -228,8 +229,29 @@ class MethodFactory:
                 extra["policy_params"] = load_ldlp(str(find_ldlp_weights(spec.drafter, self.args.model)))[0]
             if spec.policy == "auto":  # the budget from this card's measured round costs (cached per card)
                 extra["policy"] = self.auto_plan(spec, params, extra["drafter"], extra["drafter_params"], batch)
-        return JspecMethod(self.jax_params(dtype), self.cfg, spec, dtype=dtype, batch=batch,
-                           max_new_tokens=a.max_new_tokens, generate_kwargs=extra)
+            constants = self.calibrated_policy(spec)
+            if constants is not None:
+                extra["policy"], label = constants
+        method = JspecMethod(self.jax_params(dtype), self.cfg, spec, dtype=dtype, batch=batch,
+                             max_new_tokens=a.max_new_tokens, generate_kwargs=extra)
+        if spec.method == "spec" and spec.policy in CALIBRATED_POLICIES:
+            method.policy_constants = label if constants is not None else spec.option_dict.get("constants", "paper")
+        return method
+
+    def calibrated_policy(self, spec: MethodSpec):
+        """(policy, "calibrated" | "paper") for a spec method of a calibrated policy without
+        explicit fields: the head's calibration for this card, unless the spec asks for :paper; None
+        when nothing is calibrated (the paper's constants, built as usual)."""
+        if spec.method != "spec" or spec.policy not in CALIBRATED_POLICIES:
+            return None
+        if any(k not in ENGINE_KEYS for k in spec.option_dict):
+            return None  # fields given on the command line are the constants
+        kw = spec.generate_kwargs(default_k_max=self.args.k_max or 8)
+        tree = kw.get("tree")
+        k = (TreeConfig().depth if tree in (True, "auto") else tree.depth) if spec.tree else kw["k_max"]
+        which = spec.option_dict.get("constants")
+        policy = resolve_policy_spec(spec.policy + (f":{which}" if which else ""), spec.drafter, self.args.model, k)
+        return None if isinstance(policy, str) else (policy, which or "calibrated")
 
 
 # ---- run ---------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from jspec.speculative.engines.specbranch import CUTS, SpecBranchConfig
 from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.factory import DRAFTER_NAMES, check_drafter_spec
 from jspec.speculative.policies import POLICY_NAMES, make_policy
+from jspec.speculative.policies.calibration import CALIBRATED_POLICIES
 from jspec.speculative.verify.consultant import DEFAULT_EPS, ConsultantRule
 
 
@@ -66,7 +67,9 @@ Methods (--methods, comma-separated; all are checked before any runs):
   spec:DRAFTER[:ARG]:POLICY[:OPTION]...
     DRAFTER[:ARG]            ngram[:N]  early-exit[:E|:PATH]  model[:PATH]  eagle[:PATH]  eagle3[:PATH]
                              dlm[:PATH] (DiffuSpec; chains only, with static, heuristic or adl)
-    POLICY                   a draft-length policy: {policies}
+    POLICY                   a draft-length policy: {policies}; svip, adaedl, confidence, tapout
+                             and ldlp with an EAGLE head run the constants `jspec calibrate` fit
+                             for it on this card when there are some; POLICY:paper the paper's
     OPTION   tree            EAGLE-2 dynamic tree (EAGLE heads; EAGLE-2's top_k 10, depth 6, 59 nodes)
              nodes=N|auto    tree: draft nodes kept, i.e. EAGLE's total_token - 1 (auto: timed on
                              this device over EAGLE's candidates, default tree shape); implies tree
@@ -78,6 +81,7 @@ Methods (--methods, comma-separated; all are checked before any runs):
   The positional fields come first: two of them are DRAFTER:POLICY, three DRAFTER:ARG:POLICY.
   e.g. spec:ngram:heuristic  spec:early-exit:8:svip:k=7  spec:eagle3:static:nodes=60  spec:dlm:adl
        spec:eagle3:svip:tree:depth=8  spec:eagle3:static:nodes=auto  spec:eagle:static:verify=consultant:eps=3
+       spec:eagle3:svip:paper
   pearl:DRAFTER[:ARG][:OPTION]...       PEARL: a draft model drafts while the target verifies
   specbranch:DRAFTER[:ARG][:OPTION]...  SpecBranch: PEARL plus branch heads and hybrid draft lengths
   ppsd:DRAFTER[:ARG][:OPTION]...        PPSD: two-stage early-exit pipeline
@@ -94,7 +98,9 @@ PARALLEL_KEYS = {"pearl": ("pairs", "gamma"), "specbranch": ("pairs", "gamma", "
                  "ppsd": ("pairs",)}
 
 TREE_KEYS = ("nodes", "topk", "depth")
-ENGINE_KEYS = ("k", "verify", "eps", "smoothing") + TREE_KEYS
+# constants=paper|calibrated: which constants a calibrated policy runs with (written POLICY:paper)
+ENGINE_KEYS = ("k", "verify", "eps", "smoothing", "constants") + TREE_KEYS
+POLICY_CONSTANTS = ("paper", "calibrated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +120,9 @@ class MethodSpec:
     @property
     def name(self) -> str:
         if self.method == "spec":
-            parts = ["spec", self.drafter or "", self.policy or ""] + (["tree"] if self.tree else [])
-            return ":".join(parts + [f"{k}={v}" for k, v in self.options])
+            constants = [v for k, v in self.options if k == "constants"]
+            parts = ["spec", self.drafter or "", self.policy or ""] + constants + (["tree"] if self.tree else [])
+            return ":".join(parts + [f"{k}={v}" for k, v in self.options if k != "constants"])
         if self.method == "hf" and self.drafter == "prompt_lookup":
             return "hf_pld"
         if self.method in PARALLEL_METHODS:
@@ -243,6 +250,9 @@ def parse_method_spec(text: str) -> MethodSpec:
     if any(not o for o in is_option[n_pos:]):
         raise MethodSpecError(f"method {text!r}: positional fields (drafter, policy) must come before the options")
     positional, raw_options = fields[1 : 1 + n_pos], fields[1 + n_pos :]
+    if len(positional) >= 3 and positional[-1] in POLICY_CONSTANTS and positional[-2] in POLICY_NAMES:
+        raw_options = [f"constants={positional[-1]}"] + raw_options  # spec:eagle3:svip:paper
+        positional = positional[:-1]
     if len(positional) not in (2, 3) or not all(positional):
         raise MethodSpecError(f"method {text!r}: expected spec:DRAFTER:POLICY or spec:DRAFTER:ARG:POLICY, then options")
     drafter, policy = ":".join(positional[:-1]), positional[-1]
@@ -322,6 +332,8 @@ def check_method_spec(spec: MethodSpec) -> None:
         _positive_int("nodes", opts["nodes"], text)
     if opts.get("nodes") == "auto" and ({"topk", "depth"} & set(opts)):
         raise MethodSpecError(f"method {text!r}: nodes=auto times EAGLE-2's default tree (top_k 10, depth 6); drop topk/depth")
+    if "constants" in opts and (opts["constants"] not in POLICY_CONSTANTS or spec.policy not in CALIBRATED_POLICIES):
+        raise MethodSpecError(f"method {text!r}: :paper / :calibrated choose the constants of {', '.join(CALIBRATED_POLICIES)}")
     if "verify" in opts and opts["verify"] not in ("lossless", "consultant"):
         raise MethodSpecError(f"method {text!r}: verify={opts['verify']}: choose lossless or consultant")
     if ({"eps", "smoothing"} & set(opts)) and opts.get("verify") != "consultant":

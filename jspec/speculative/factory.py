@@ -43,6 +43,9 @@ from .drafters.eagle import EagleDrafter
 from .drafters.early_exit import EarlyExitDrafter
 from .drafters.model import ModelDrafter
 from .drafters.ngram import NgramDrafter
+from .policies import POLICY_NAMES, make_policy
+from .policies.auto import card_name
+from .policies.calibration import CALIBRATED_POLICIES, calibrated_constants, calibration_path, policy_from_constants
 from .policies.ldlp import WEIGHTS_FILE as LDLP_WEIGHTS_FILE
 
 DRAFTER_NAMES = ("ngram", "early-exit", "model", "eagle", "eagle3", "dlm")
@@ -238,3 +241,41 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
         drafter.check(cfg)
         return drafter, hparams
     raise DrafterError(f"unknown drafter {spec!r}; choose from {', '.join(DRAFTER_NAMES)} (e.g. ngram, early-exit:8, model:PATH)")
+
+
+POLICY_CONSTANTS = ("paper", "calibrated")  # policy spec suffixes: svip:paper, svip:calibrated
+
+
+def split_policy_spec(text: str) -> tuple[str, str | None]:
+    """("svip", "paper") for "svip:paper"; ("svip", None) for "svip". Raises DrafterError, one line."""
+    name, _, which = text.partition(":")
+    if name not in POLICY_NAMES:
+        raise DrafterError(f"unknown policy {name!r}; valid names: {', '.join(POLICY_NAMES)}")
+    if which and (which not in POLICY_CONSTANTS or name not in CALIBRATED_POLICIES):
+        raise DrafterError(f"policy {text!r}: the suffix :paper or :calibrated applies to {', '.join(CALIBRATED_POLICIES)}")
+    return name, which or None
+
+
+def calibration_for(drafter_spec: str | None, model_name: str | None) -> Path | None:
+    """The calibration file of the EAGLE head a drafter spec uses (<head>/jspec/calibration.json),
+    or None when the drafter has no head. A hybrid "eagle3+ngram" uses its head's."""
+    head = head_dir(drafter_spec.split("+")[0], model_name) if drafter_spec else None
+    return None if head is None else calibration_path(head)
+
+
+def resolve_policy_spec(text: str, drafter_spec: str | None, model_name: str | None, k_max: int):
+    """A policy from a spec: "NAME" (the constants `jspec calibrate` fit for this head on this
+    card when they exist, else the paper's), "NAME:paper" (the paper's), "NAME:calibrated" (the
+    fit, or an error saying how to make one). Returns the name itself when nothing is calibrated
+    (the policy is built later as usual), else a Policy."""
+    name, which = split_policy_spec(text)
+    if which == "paper":
+        return make_policy(name, k_max=k_max)
+    path = calibration_for(drafter_spec, model_name) if name in CALIBRATED_POLICIES else None
+    found = None if path is None else calibrated_constants(path.parent.parent, name, card_name())
+    if found is None:
+        if which == "calibrated":
+            raise DrafterError(f"policy {text!r}: no calibration for {name} at {path or 'this drafter (no EAGLE head)'}: "
+                               f"run `jspec calibrate --drafter {drafter_spec or 'eagle3'} --policy {name}`")
+        return name
+    return policy_from_constants(name, found[0], k_max)
