@@ -21,6 +21,7 @@ from jspec.speculative.policies import POLICY_NAMES
 from jspec.speculative.policies.calibration import CALIBRATED_POLICIES
 from jspec.speculative.policies.ldlp import load_ldlp
 from jspec.speculative.drafters.eagle import EagleDrafter
+from jspec.speculative.drafters.hybrid import HybridDrafter
 from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.policies.auto import AutoPlan
 from jspec.speculative.policies.auto import plan as auto_plan
@@ -197,10 +198,12 @@ class MethodFactory:
         return not (spec.method == "hf" and spec.drafter == "prompt_lookup" and batch != 1)
 
     def auto_plan(self, spec: MethodSpec, params: Any, drafter: Any, dparams: Any, batch: int):
-        costs = ensure_costs(params, self.cfg, drafter, dparams, batch=batch, preset=preset_name(self.args.model),
-                             models_dir=self.args.models_dir, tree=isinstance(drafter, EagleDrafter))
-        return auto_plan(costs, batch=batch, drafter_name=drafter.name, parallel=drafter.parallel,
-                         k_cap=self.args.k_max or 8, tree=spec.tree)
+        hybrid = isinstance(drafter, HybridDrafter)
+        head = drafter.eagle if hybrid else drafter  # a hybrid's costs are its head's (the n-gram branch costs verify only)
+        costs = ensure_costs(params, self.cfg, head, dparams, batch=batch, preset=preset_name(self.args.model),
+                             models_dir=self.args.models_dir, tree=isinstance(head, EagleDrafter))
+        return auto_plan(costs, batch=batch, drafter_name=head.name, parallel=drafter.parallel,
+                         k_cap=self.args.k_max or 8, tree=spec.tree, hybrid=hybrid)
 
     def build(self, spec: MethodSpec, dtype: str, batch: int):
         a = self.args
@@ -320,13 +323,16 @@ def add_round_costs(rows: list[dict[str, Any]], methods: list, batch: int, progr
             continue
         kw = m._kwargs
         drafter, policy, k_max = kw["drafter"], kw.get("policy"), kw.get("k_max") or 8
+        if isinstance(drafter, HybridDrafter):
+            progress.write(f"round cost {m.name} b{batch}: hybrid trees are not profiled (their head's are)")
+            continue
         tree = TreeConfig() if m.tree else None
         if isinstance(policy, AutoPlan):
             if policy.mode == "ar":
                 attach_profile(rows, m, batch, {"batch": batch, "plan": "ar"})
                 continue
             k_max = policy.k_max
-            tree = TreeConfig(depth=policy.k_max, num_nodes=policy.num_nodes) if policy.mode == "tree" else None
+            tree = TreeConfig(depth=policy.k_max, num_nodes=policy.num_nodes, ngram=policy.ngram) if policy.mode == "tree" else None
             policy = policy.policy
         prof = profile_method(m.params, m.cfg, drafter, kw.get("drafter_params"), batch=batch, policy=policy,
                               k_max=k_max, tree=tree, verify_ts=verify_ts, policy_params=kw.get("policy_params"))

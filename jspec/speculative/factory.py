@@ -12,6 +12,8 @@
                        shipped with the preset, preset.json "drafters": {"model": DIR})
     eagle[:PATH]       EAGLE-1 head (default: the head shipped with the preset)
     eagle3[:PATH]      EAGLE-3 head (default: the head shipped with the preset)
+    eagle3+ngram[:N]   the head's EAGLE-2 tree plus an n-gram prompt-lookup branch per row
+                       (drafters.hybrid; trees only); eagle[:PATH]+ngram[:N] likewise
     dlm[:PATH]         DiffuSpec: a masked-diffusion LM built from the target's layers drafts a
                        block of the engine's k_max tokens in one forward (build_drafter's k_max,
                        default 8, at most the DLM's block size). PATH: dlm.safetensors from
@@ -40,6 +42,7 @@ from ..presets import list_presets, load_preset, resolve_model
 from .drafters.base import DrafterError
 from .drafters.diffusion import DiffuSpecDrafter
 from .drafters.eagle import EagleDrafter
+from .drafters.hybrid import HybridDrafter
 from .drafters.early_exit import EarlyExitDrafter
 from .drafters.model import ModelDrafter
 from .drafters.ngram import NgramDrafter
@@ -61,12 +64,30 @@ def _split(spec: str) -> tuple[str, str | None]:
     return name.strip(), (arg.strip() or None)
 
 
+def split_hybrid(spec: str) -> tuple[str, str] | None:
+    """(head spec, n-gram spec) of a hybrid spec "eagle3[:PATH]+ngram[:N]", else None. Raises
+    DrafterError when a "+" joins anything else."""
+    if "+" not in spec:
+        return None
+    parts = [p.strip() for p in spec.split("+")]
+    heads = [p for p in parts if _split(p)[0] in ("eagle", "eagle1", "eagle3")]
+    ngrams = [p for p in parts if _split(p)[0] == "ngram"]
+    if len(parts) != 2 or len(heads) != 1 or len(ngrams) != 1:
+        raise DrafterError(f"drafter {spec!r}: a hybrid joins one EAGLE head and n-gram lookup, e.g. eagle3+ngram")
+    return heads[0], ngrams[0]
+
+
 def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | None = None) -> type:
     """Validate a drafter spec without loading anything (so a CLI can reject it before the model
     loads): the name, the argument's form, and that a head path given exists; for ``dlm`` also,
     when given, that ``model_name``'s preset ships one (no PATH) and that ``k_max`` fits its block
     (read from the file's header). Returns the drafter's class (its class attributes, e.g.
     `parallel`, say what policies it can serve)."""
+    hybrid = split_hybrid(spec)
+    if hybrid is not None:
+        for part in hybrid:
+            check_drafter_spec(part, model_name, k_max)
+        return HybridDrafter
     name, arg = _split(spec)
     if name not in DRAFTER_CLASSES:
         raise DrafterError(f"unknown drafter {spec!r}; choose from {', '.join(DRAFTER_NAMES)} (e.g. ngram, early-exit:8, model:PATH)")
@@ -125,7 +146,8 @@ def _dlm_block_size(path: Path) -> int:
 def head_dir(spec: str, model_name: str | None) -> Path | None:
     """The EAGLE head directory a drafter spec uses (given by path, or shipped with the preset);
     None for other drafters or when there is none."""
-    name, arg = _split(spec)
+    hybrid = split_hybrid(spec)
+    name, arg = _split(hybrid[0] if hybrid else spec)
     if not name.startswith("eagle"):
         return None
     return Path(arg) if arg else shipped_head_path(model_name, "eagle3" if name == "eagle3" else "eagle")
@@ -139,7 +161,8 @@ def find_ldlp_weights(drafter_spec: str | None, model_name: str | None, explicit
         if not (Path(explicit) / LDLP_WEIGHTS_FILE).is_file():
             raise DrafterError(f"no LDLP predictor weights at {Path(explicit) / LDLP_WEIGHTS_FILE}")
         return Path(explicit)
-    name = _split(drafter_spec)[0] if drafter_spec else None
+    hybrid = split_hybrid(drafter_spec) if drafter_spec else None
+    name = _split(hybrid[0] if hybrid else drafter_spec)[0] if drafter_spec else None
     if not name or not name.startswith("eagle"):
         raise DrafterError(
             f"policy ldlp predicts draft lengths for an EAGLE head, and its weights ship beside the head: "
@@ -183,6 +206,11 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
     """(drafter, drafter_params) for a spec string; raises DrafterError with the fix in the message.
     ``k_max``: the engine's k_max, which a block drafter (``dlm``) drafts every round (default
     ``DEFAULT_DLM_K_MAX``); other drafters take it per call."""
+    hybrid = split_hybrid(spec)
+    if hybrid is not None:
+        head, head_params = build_drafter(hybrid[0], cfg, params, model_name=model_name, dtype=dtype)
+        ngram, _ = build_drafter(hybrid[1], cfg, params)
+        return HybridDrafter(head, ngram), head_params
     name, arg = _split(spec)
     if name == "dlm":
         path = dlm_file(spec, model_name)
@@ -259,7 +287,7 @@ def split_policy_spec(text: str) -> tuple[str, str | None]:
 def calibration_for(drafter_spec: str | None, model_name: str | None) -> Path | None:
     """The calibration file of the EAGLE head a drafter spec uses (<head>/jspec/calibration.json),
     or None when the drafter has no head. A hybrid "eagle3+ngram" uses its head's."""
-    head = head_dir(drafter_spec.split("+")[0], model_name) if drafter_spec else None
+    head = head_dir(drafter_spec, model_name) if drafter_spec else None
     return None if head is None else calibration_path(head)
 
 

@@ -47,6 +47,7 @@ from ...decode import GenerationResult, emit, is_eos
 from ...heads import eagle as H
 from ...kernels.top_k import top_k
 from ..drafters.eagle import EagleDrafter
+from ..drafters.hybrid import HybridDrafter
 from ..policies import resolve_policy
 from ..state import SpecState, record_call, result_from_device, round_features, take_row
 from ..verify.tree import Tree, path_of, verify_tree_greedy, verify_tree_sampling
@@ -62,6 +63,7 @@ class TreeConfig:
     num_nodes: int = 59  # draft nodes kept (EAGLE's total_token - 1)
     # smaller verify blocks (draft nodes) compiled for rounds a dynamic policy cut; those below num_nodes are used
     verify_sizes: tuple[int, ...] = (15, 31)
+    ngram: int = 0  # hybrid drafters (drafters.hybrid): nodes of the n-gram branch beside the head's tree
 
     def __post_init__(self):
         cands = self.top_k + (self.depth - 1) * self.top_k**2
@@ -69,12 +71,18 @@ class TreeConfig:
             raise ValueError(f"num_nodes must be in [1, {cands}] for top_k={self.top_k}, depth={self.depth}")
         if any(not isinstance(n, int) or n < 1 for n in self.verify_sizes):
             raise ValueError(f"verify_sizes must be positive node counts, got {self.verify_sizes}")
+        if not 0 <= self.ngram <= self.depth:
+            raise ValueError(f"ngram (the n-gram branch's nodes) must be in [0, depth={self.depth}], got {self.ngram}")
 
-    def block_sizes(self, prunes: bool, extra: int = 0) -> tuple[int, ...]:
+    @property
+    def total_nodes(self) -> int:
+        """Draft nodes the target verifies at most: the head's kept nodes and the n-gram branch."""
+        return self.num_nodes + self.ngram
+
+    def block_sizes(self, prunes: bool) -> tuple[int, ...]:
         """Draft-node counts the verify block is compiled for, ascending, the full tree last:
-        only the full tree unless a dynamic policy can cut it. `extra`: nodes past num_nodes
-        (a hybrid tree's n-gram branch)."""
-        full = self.num_nodes + extra
+        only the full tree unless a dynamic policy can cut it."""
+        full = self.total_nodes
         return tuple(sorted({n for n in self.verify_sizes if n < full})) + (full,) if prunes else (full,)
 
     @property
@@ -90,7 +98,7 @@ class TreeConfig:
         K/V in a pending buffer; the fused kernel writes them past the cursor as scratch, drops what
         falls past the cache end and still attends to it), so nothing grows with (depth - 1) *
         top_k. `generate` reserves this many."""
-        return max(self.num_nodes, self.depth) + 1
+        return max(self.total_nodes, self.depth) + 1
 
 
 def _children(hcfg: H.HeadConfig, dparams, logits, k: int):
@@ -263,6 +271,31 @@ def verify_pruned(tparams, tcfg, capture, unroll, sampling, max_depth: int, max_
     return jax.lax.switch(verify_size_index(tree.valid, sizes), branches, tree, cache, key)
 
 
+def with_ngram_branch(tcfg, tree: Tree, tokens: jax.Array, valid: jax.Array, max_depth: int) -> Tree:
+    """The head's tree with an n-gram continuation (tokens, valid [B, M], M <= max_depth) as one
+    more branch from the root, placed first (nodes 1..M, a chain) so that a pruned round's valid
+    nodes still come first; the head's nodes follow, their parent indices shifted by M."""
+    B, M = tokens.shape
+    chain = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (B, M))  # node i's parent is i - 1 (the root for i = 1)
+    head_parent = jnp.where(tree.parent[:, 1:] == 0, 0, tree.parent[:, 1:] + M).astype(jnp.int32)
+    parent = jnp.concatenate([tree.parent[:, :1], chain, head_parent], 1)
+    depth = jnp.concatenate([tree.depth[:, :1], jnp.broadcast_to(jnp.arange(1, M + 1, dtype=tree.depth.dtype), (B, M)),
+                             tree.depth[:, 1:]], 1)
+    tok = jnp.concatenate([tree.tokens[:, :1], tokens.astype(tree.tokens.dtype), tree.tokens[:, 1:]], 1)
+    ancestors = _ancestors(parent, max_depth)
+    prefix = jnp.cumprod(valid.astype(jnp.int32), axis=1).astype(bool)
+    valid = jnp.concatenate([tree.valid[:, :1], prefix, tree.valid[:, 1:]], 1) & ~below_eos(tcfg, tok, ancestors)
+    return Tree(tok, parent, depth, ancestors, valid)
+
+
+def tree_for(drafter, tree: TreeConfig) -> TreeConfig:
+    """The tree a drafter drafts: a hybrid's n-gram branch defaults to the tree's depth."""
+    hybrid = isinstance(drafter, HybridDrafter)
+    if tree.ngram and not hybrid:
+        raise ValueError(f"TreeConfig.ngram={tree.ngram} drafts an n-gram branch: use a hybrid drafter (eagle3+ngram)")
+    return dataclasses.replace(tree, ngram=tree.depth) if hybrid and tree.ngram == 0 else tree
+
+
 def below_eos(tcfg, tokens, ancestors):
     """[B, N+1] bool: nodes with a drafted EOS among their strict ancestors (a drafted EOS ends its
     branch; the root is the last emitted token, never a draft)."""
@@ -281,9 +314,16 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
     key, k_verify = jax.random.split(state.key)
     pstate, limit = policy.start_round(state.pstate, D, round_features(state, tparams))
     limit = jnp.clip(limit, 1, D)
-    tree, pstate, dstate = draft_tree(drafter, dparams, tparams, tcfg, state.dstate, state.last, tc, policy, pstate, limit)
+    hybrid = isinstance(drafter, HybridDrafter)
+    head_drafter, head_state = (drafter.eagle, state.dstate.eagle) if hybrid else (drafter, state.dstate)
+    tree, pstate, head_state = draft_tree(head_drafter, dparams, tparams, tcfg, head_state, state.last, tc, policy, pstate, limit)
+    dstate = state.dstate.replace(eagle=head_state) if hybrid else head_state
+    children = tc.top_k
+    if hybrid and tc.ngram:
+        tree = with_ngram_branch(tcfg, tree, *drafter.ngram.propose(state.dstate.ngram, state.last, tc.ngram), D)
+        children += 1  # the root's n-gram child beside its top_k head children
     best, n, nxt, path, path_out, feature = verify_pruned(
-        tparams, tcfg, drafter.capture_layers, unroll, sampling, D, tc.top_k, tree, state.cache, k_verify,
+        tparams, tcfg, drafter.capture_layers, unroll, sampling, D, children, tree, state.cache, k_verify,
         tc.block_sizes(policy_prunes(policy)))
     path_tok = jnp.take_along_axis(tree.tokens, path, 1)
 
@@ -324,8 +364,8 @@ def tree_generate_jit(tparams, dparams, policy_params, tokens, lens, key, policy
 
 
 def tree_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, tree: TreeConfig, max_new, cache_len, sampling, unroll, policy_state=None) -> GenerationResult:
-    if not isinstance(drafter, EagleDrafter):
-        raise ValueError(f"tree drafting needs an EAGLE head drafter, got {getattr(drafter, 'name', drafter)!r}")
+    if not isinstance(drafter, (EagleDrafter, HybridDrafter)):
+        raise ValueError(f"tree drafting needs an EAGLE head drafter (or eagle3+ngram), got {getattr(drafter, 'name', drafter)!r}")
     policy = resolve_policy(policy, tree.depth)
     check_compatible(drafter, policy, tcfg, tree.depth, "lossless")
     return result_from_device(tree_generate_jit(

@@ -63,6 +63,16 @@ TREE_SIZES = (15, 23, 31, 47, 59)  # EAGLE's total_tokens candidates, minus the 
 TREE_WIDTH_EXPONENT = 0.176  # [I] fit to jspec's H200 rows: 59-node trees accepted 2.6 tokens where chains took 1.8
 
 
+def hybrid_tokens(tree_alpha: float, depth: int, ngram_alpha: float, ngram: int) -> float:
+    """Expected tokens of a round over a head tree of per-level acceptance tree_alpha and an n-gram
+    branch of `ngram` nodes (drafters.hybrid): the longer of the two accepted paths plus the bonus,
+    1 + sum_j P(either reaches depth j), with the two branches taken as independent ([I] a model:
+    both do better on easy text, so it is optimistic where they overlap)."""
+    j = np.arange(1, depth + 1)
+    ngram_reach = np.where(j <= ngram, float(ngram_alpha) ** j, 0.0)
+    return float(1.0 + np.sum(1.0 - (1.0 - float(tree_alpha) ** j) * (1.0 - ngram_reach)))
+
+
 def tree_acceptance(alpha, nodes: int, depth: int):
     """Per-level acceptance of a tree of `nodes` nodes over `depth` levels, from the chain's alpha:
     the miss rate shrinks with the tree's width, 1 - a_tree = (1 - a) * (depth / nodes) ** 0.176
@@ -179,15 +189,18 @@ class AutoPlan:
     num_nodes: int  # tree nodes (0 for chains)
     gain: float  # expected speed-up over plain decoding at the prior acceptance
     policy: "AutoPolicy | None"
+    ngram: int = 0  # hybrid trees: nodes of the n-gram branch
 
 
 def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: int = 8, tree: bool = False,
          tree_top_k: int = 10, tree_depth: int = 6, alpha: float | None = None, min_gain: float = 1.05,
-         row_spread: float | None = None) -> AutoPlan:
+         row_spread: float | None = None, hybrid: bool = False) -> AutoPlan:
     """The static budget for one generate call (module doc). `parallel` drafters (n-gram) cost
     nothing per draft step. alpha: the drafter's mean per-token acceptance (None: the table's or
     the prior); the plan uses a slow row's (`straggler_acceptance`, with the drafter's
-    `ROW_SPREAD` unless row_spread is given)."""
+    `ROW_SPREAD` unless row_spread is given). hybrid: a head tree with an n-gram branch beside it
+    (drafters.hybrid): the plan also picks the branch's length, 0 to the depth in steps of 2,
+    by `hybrid_tokens` at the n-gram drafter's acceptance."""
     cm = CostModel(costs, batch)
     a = alpha if alpha is not None else costs.get("acceptance", {}).get(drafter_name, ACCEPTANCE_PRIOR.get(drafter_name, DEFAULT_PRIOR))
     if row_spread is None:
@@ -197,17 +210,23 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     step = 0.0 if parallel else cm.draft_step()
     first = (0.0 if parallel else cm.draft_first()) + cm.overhead(tree)  # fixed per-round cost
     best = AutoPlan("ar", 0, 0, 1.0, None)
+    a_ngram = 0.0
+    if hybrid:
+        prior = costs.get("acceptance", {}).get("ngram", ACCEPTANCE_PRIOR["ngram"])
+        a_ngram = straggler_acceptance(prior, batch, ROW_SPREAD["ngram"])
     if tree:
         level = cm.tree_level()
         for depth in range(2, tree_depth + 1):
             for n in TREE_SIZES:
                 if n > tree_top_k + (depth - 1) * tree_top_k**2:
                     continue
-                tau = float(expected_tokens(tree_acceptance(a, n, depth), depth))
-                gain = tau * ar / (first + depth * level + cm.verify(n + 1, tree=True))
-                if gain > best.gain + 1e-9:
-                    best = AutoPlan("tree", depth, n, gain, None)
-        unit, verify_at = level, cm.verify(best.num_nodes + 1, tree=True) if best.mode == "tree" else 0.0
+                for m in (range(0, depth + 1, 2) if hybrid else (0,)):
+                    tau = hybrid_tokens(float(tree_acceptance(a, n, depth)), depth, a_ngram, m)
+                    gain = tau * ar / (first + depth * level + cm.verify(n + m + 1, tree=True))
+                    if gain > best.gain + 1e-9:
+                        best = AutoPlan("tree", depth, n, gain, None, ngram=m)
+        unit = level
+        verify_at = cm.verify(best.num_nodes + best.ngram + 1, tree=True) if best.mode == "tree" else 0.0
     else:
         for k in range(1, k_cap + 1):
             gain = float(expected_tokens(a, k)) * ar / (first + k * step + cm.verify(k + 1))
@@ -313,11 +332,12 @@ def auto_budget(policy, drafter, batch: int, k_max: int, tree, costs: dict | Non
     if isinstance(policy, AutoPlan):
         p = policy
     else:
-        p = plan(costs if costs is not None else load_costs(), batch=batch, drafter_name=drafter.name,
+        hybrid = drafter.name == "hybrid"
+        p = plan(costs if costs is not None else load_costs(), batch=batch, drafter_name="eagle" if hybrid else drafter.name,
                  parallel=drafter.parallel, k_cap=k_max, tree=tree is not None, alpha=getattr(drafter, "acceptance", None),
-                 tree_top_k=getattr(tree, "top_k", 10), tree_depth=getattr(tree, "depth", 6))
+                 tree_top_k=getattr(tree, "top_k", 10), tree_depth=getattr(tree, "depth", 6), hybrid=hybrid)
     if p.mode == "ar":
         return None, None, k_max, None
     if p.mode == "tree":
-        return drafter, p.policy, k_max, dataclasses.replace(tree, depth=p.k_max, num_nodes=p.num_nodes)
+        return drafter, p.policy, k_max, dataclasses.replace(tree, depth=p.k_max, num_nodes=p.num_nodes, ngram=p.ngram)
     return drafter, p.policy, p.k_max, None
