@@ -106,3 +106,39 @@ def test_hybrid_sampling_follows_the_target_law():
         assert pval > L.PASS, f"position {n}: p = {pval:.2e} (df {df})"
     pval, df = L.group_pvalue(group)
     assert pval > L.PASS, f"all positions: p = {pval:.2e} (df {df})"
+
+
+def test_bench_runs_hybrid_auto_trees_and_paper_constants(tmp_path, monkeypatch):
+    import argparse
+    import json
+
+    from jspec import model as M
+    from jspec.bench import cli
+    from jspec.bench.round_cost import COST_TABLE_VERSION
+    from jspec.checkpoint.eagle_format import save_eagle_head
+    from jspec.config import ModelConfig
+    from jspec.heads import eagle as H
+    from jspec.speculative.policies.auto import cost_table_path
+    from test_bench import CharTokenizer
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=256, eos_token_ids=(3,))
+    params = M.init_params(cfg, jax.random.PRNGKey(0))
+    hcfg = H.default_head_config("eagle1", cfg)
+    head = tmp_path / "head"
+    save_eagle_head(str(head), hcfg, H.init_head(hcfg, jax.random.PRNGKey(1)))
+    monkeypatch.setattr(cli, "resolve_model", lambda name: (cfg, params, CharTokenizer()))
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+    path = cost_table_path("tiny", str(tmp_path / "models"))
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({**REFERENCE_COSTS, "version": COST_TABLE_VERSION, "acceptance": {"ngram": 0.9}}))
+    methods = f"ar,spec:eagle:{head}+ngram:auto:tree,spec:eagle:{head}:svip:paper"
+    args = cli.add_bench_args(argparse.ArgumentParser()).parse_args(
+        ["--model", "tiny", "--tasks", "longdoc", "--n-prompts", "2", "--max-new-tokens", "4", "--batch", "1",
+         "--methods", methods, "--no-plots", "--models-dir", str(tmp_path / "models"),
+         "--benchmarks-md", str(tmp_path / "B.md")])
+    rows = {r["name"]: r for r in cli.run_bench(args)}
+    hybrid = rows[f"spec:eagle:{head}+ngram:auto:tree"]
+    assert hybrid["greedy_identical_to_ar"] == 1.0 and hybrid["policy_constants"] is None
+    paper = rows[f"spec:eagle:{head}:svip:paper"]
+    assert paper["policy"] == "svip" and paper["policy_constants"] == "paper" and paper["greedy_identical_to_ar"] == 1.0
