@@ -7,6 +7,7 @@ them where the planner reads them, models/<preset>/round_cost_<card>.json (merge
 a table of the same version already there):
 
     python3 scripts/measure_card_costs.py
+    python3 scripts/measure_card_costs.py --gpus 4    # the batch sizes spread over 4 GPUs of one host, merged
     python3 scripts/measure_card_costs.py --batch 16 --out /tmp/b16.json     # one batch size elsewhere
     python3 scripts/measure_card_costs.py --merge /tmp/b*.json --out models/smollm2-135m-instruct/round_cost_<card>.json
 
@@ -17,7 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -56,6 +60,7 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=5, help="timed loops per timing; the table keeps their median")
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--merge", nargs="*", help="per-batch tables to merge instead of measuring")
+    ap.add_argument("--gpus", type=int, default=1, help="spread the batch sizes over this many GPUs (one process each)")
     ap.add_argument("--preset", default="smollm2-135m-instruct")
     ap.add_argument("--out", default=None, help="default: models/<preset>/round_cost_<this card>.json")
     args = ap.parse_args(argv)
@@ -65,8 +70,11 @@ def main(argv=None) -> None:
         save_card_costs(merge(args.merge), Path(args.out))
         print(f"merged {len(args.merge)} tables -> {args.out}")
         return
-    if not args.batch or min(args.batch) < 1 or args.reps < 1:
-        sys.exit("measure_card_costs: error: --batch takes positive batch sizes and --reps a positive count")
+    if not args.batch or min(args.batch) < 1 or args.reps < 1 or args.gpus < 1:
+        sys.exit("measure_card_costs: error: --batch takes positive batch sizes, --reps and --gpus positive counts")
+    if args.gpus > 1:
+        spread(args)
+        return
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
     tparams = M.init_params(SMOLLM2, jax.random.PRNGKey(0), dtype)
     hcfg = H.HeadConfig("eagle3", SMOLLM2, draft_vocab_size=args.draft_vocab)
@@ -77,6 +85,30 @@ def main(argv=None) -> None:
         save_card_costs(costs, Path(args.out))
         print(f"batch {batch} measured -> {args.out}", flush=True)
     print(json.dumps({k: v for k, v in costs.items() if k in ("card", "draft_step_us", "tree_level_us", "spread")}))
+
+
+def spread(args) -> None:
+    """One process per GPU, each measuring every gpus-th batch size into its own file; then merged
+    into --out. A process that fails leaves its batch sizes out (named in the message)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for gpu in range(args.gpus):
+            batches = args.batch[gpu :: args.gpus]
+            if not batches:
+                continue
+            out = Path(tmp) / f"gpu{gpu}.json"
+            cmd = [sys.executable, __file__, "--batch", *map(str, batches), "--reps", str(args.reps),
+                   "--draft-vocab", str(args.draft_vocab), "--out", str(out)]
+            procs.append((batches, out, subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)})))
+        parts = []
+        for batches, out, proc in procs:
+            if proc.wait() != 0 or not out.is_file():
+                print(f"measure_card_costs: batch sizes {batches} failed (exit {proc.returncode})", file=sys.stderr)
+                continue
+            parts.append(str(out))
+        if parts:
+            save_card_costs(merge(parts), Path(args.out))
+            print(f"merged {len(parts)} tables -> {args.out}")
 
 
 if __name__ == "__main__":
