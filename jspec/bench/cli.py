@@ -189,6 +189,7 @@ class MethodFactory:
                 build_drafter(spec.drafter, self.cfg, self.params, model_name=self.args.model, k_max=self.spec_k_max(spec))
                 if spec.policy == "ldlp":
                     find_ldlp_weights(spec.drafter, self.args.model)
+                self.calibrated_policy(spec)  # :calibrated without a fit fails here, before any method runs
 
     def spec_k_max(self, spec: MethodSpec) -> int:
         """A chain method's k_max (its k=, else --k-max, else 8): block drafters (dlm) are built for it."""
