@@ -1,5 +1,5 @@
-"""`jspec` command line: generate, convert, info, bench, train-head, build-corpus, distill, merge-data,
-train-ldlp, export-head."""
+"""`jspec` command line: generate, convert, info, bench, calibrate, train-head, build-corpus, distill,
+merge-data, train-ldlp, export-head."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from .speculative.engines.chain import speculative_stream
 from .speculative.engines.pearl import parse_role_mesh
 from .speculative.engines.specbranch import SpecBranchConfig
 from .speculative.engines.tree import TreeConfig
-from .speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, shipped_head_path
+from .speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, resolve_policy_spec, shipped_head_path
 from .speculative.policies import POLICY_NAMES, make_policy
 from .speculative.policies.ldlp import load_ldlp
 from .speculative.verify.consultant import DEFAULT_EPS, ConsultantRule
@@ -77,7 +77,9 @@ def add_generate_args(p: argparse.ArgumentParser):
                         "dlm[:PATH] (DiffuSpec, a diffusion LM drafting a block per forward; use --policy adl); "
                         "no PATH: the one shipped with the preset")
     p.add_argument("--policy", default=None,
-                   help=f"draft-length policy (needs --drafter; default static): {', '.join(POLICY_NAMES)}")
+                   help=f"draft-length policy (needs --drafter; default static): {', '.join(POLICY_NAMES)}; with an EAGLE "
+                        "head, svip/adaedl/confidence/tapout/ldlp take the constants `jspec calibrate` fit for it on this "
+                        "card when there are some (NAME:paper: the paper's; NAME:calibrated: the fit or an error)")
     p.add_argument("--ldlp-weights", default=None, metavar="DIR",
                    help="--policy ldlp: directory with ldlp.safetensors (default: the jspec/ folder of the EAGLE head)")
     p.add_argument("--k-max", type=int, default=None,
@@ -154,9 +156,10 @@ def check_generate_args(a) -> None:
         raise UsageError(f"--k-max must be >= 1, got {a.k_max}")
     drafter_cls = check_drafter_spec(a.drafter, model_name=a.model, k_max=a.k_max)
     tree = _tree_arg(a)
-    try:
-        depth = (tree if isinstance(tree, TreeConfig) else TreeConfig()).depth if tree is not None else a.k_max
-        policy_obj = make_policy(a.policy, k_max=depth)
+    depth = (tree if isinstance(tree, TreeConfig) else TreeConfig()).depth if tree is not None else a.k_max
+    try:  # "svip" takes the head's calibrated constants when `jspec calibrate` wrote them; "svip:paper" the paper's
+        policy = resolve_policy_spec(a.policy, a.drafter, a.model, depth)
+        policy_obj = make_policy(policy, k_max=depth) if isinstance(policy, str) else policy
     except ValueError as e:
         raise UsageError(str(e)) from None
     if drafter_cls.parallel and policy_obj.needs_draft_logits:
@@ -175,7 +178,7 @@ def check_generate_args(a) -> None:
     elif any(v is not None for v in consultant.values()):
         raise UsageError(f"{', '.join(f for f, v in consultant.items() if v is not None)} need --verify consultant")
     a.policy_params = None
-    if a.policy == "ldlp":
+    if policy_obj.name == "ldlp":
         a.policy_params = find_ldlp_weights(a.drafter, a.model, a.ldlp_weights)  # loaded after the checks
     elif a.ldlp_weights:
         raise UsageError("--ldlp-weights needs --policy ldlp")
@@ -542,6 +545,10 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("inputs", nargs="+", help="distilled dataset directories (jspec distill)")
     ldlp = sub.add_parser("train-ldlp", help="train AdaEAGLE's draft-length predictor for an EAGLE head")
     add_export_head_args(sub.add_parser("export-head", help="write an EAGLE head as SGLang or vLLM loads it"))
+    calibrate = sub.add_parser("calibrate", help="fit draft-length policies' constants to an EAGLE head on this card")
+    from .bench.calibrate import add_calibrate_args
+
+    add_calibrate_args(calibrate)
     try:
         from .train.cli import add_train_args
         from .train.corpus import add_corpus_args
@@ -618,6 +625,10 @@ def run_command(a) -> int:
         return cmd_merge_data(a)
     if a.cmd == "export-head":
         return cmd_export_head(a)
+    if a.cmd == "calibrate":
+        from .bench.calibrate import run_calibrate
+
+        return run_calibrate(a)
     if a.cmd == "train-ldlp":
         from .train.ldlp import run_train_ldlp
 

@@ -44,8 +44,8 @@ from .speculative.engines.chain import check_compatible, speculative_generate, s
 from .speculative.engines.pearl import DATA_AXIS as ROLE_MESH_DATA, measure_gamma, parse_role_mesh, pearl_generate
 from .speculative.engines.ppsd import ppsd_generate
 from .speculative.engines.specbranch import SpecBranchConfig, specbranch_generate
-from .speculative.engines.tree import TreeConfig, autotuned_tree, tree_generate, tree_generate_jit
 from .speculative.config import SpeculativeConfig
+from .speculative.engines.tree import TreeConfig, autotuned_tree, tree_for, tree_generate, tree_generate_jit
 from .speculative.factory import build_drafter
 from .speculative.policies import resolve_policy
 from .speculative.policies.auto import AutoPlan, auto_budget
@@ -142,6 +142,8 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
     autotune = tree == "auto"
     if tree is True or autotune:
         tree = TreeConfig()  # autotune: EAGLE's largest candidate (59 nodes) sizes the cache
+    if tree is not None:
+        tree = tree_for(drafter, tree)  # a hybrid drafter's n-gram branch
     if drafter is not None and (policy == "auto" or isinstance(policy, AutoPlan)):  # batch-aware budget
         drafter, policy, k_max, tree = auto_budget(policy, drafter, len(prompts), k_max, tree)
         if getattr(drafter, "block", False) and drafter.k_max != k_max:  # a block drafter drafts the planned k
@@ -150,7 +152,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
     extra = (tree.cache_slots if tree is not None else k_max + 1) if drafter is not None else 0
     tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new_tokens, extra, cache_len)
     if autotune and drafter is not None:
-        tree = autotuned_tree(params, cfg, len(prompts), cache_len, tree.top_k, tree.depth)
+        tree = tree_for(drafter, autotuned_tree(params, cfg, len(prompts), cache_len, tree.top_k, tree.depth))
     key = jax.random.PRNGKey(seed)
     if mesh is not None:
         params = shard_params(params, mesh)  # model axis: tensor parallel; data axis: replicated

@@ -7,10 +7,18 @@ dependencies, so nothing here imports them: their package directories are locate
 MT-Bench and HumanEval are evaluation-only. ``training_prompts`` draws from chitchat and never from
 the conversations that the ``chitchat`` task evaluates on, so trained heads are not scored on prompts
 they were trained on.
+
+``longdoc`` is built here, from text every Python install has: the documentation strings in the
+standard library's own source files (read with ``ast``, nothing imported). Each document is one
+module's docstring followed by its public functions', classes' and methods' signatures and
+docstrings; each gets a summary request and a question about one of its functions (picked with a
+fixed seed). Long prompts whose answers restate the prompt: the setting where prompt lookup and
+draft heads compete.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import gzip
 import importlib.util
@@ -148,10 +156,82 @@ def training_prompts(n: int, seed: int = 0) -> list[str]:
     return random.Random(seed).sample(pool, n)
 
 
+# Standard-library modules whose source carries long documentation (pure-Python in CPython 3.10+).
+LONGDOC_MODULES = (
+    "argparse", "json", "logging", "subprocess", "typing", "difflib", "inspect", "shutil", "urllib.parse",
+    "statistics", "configparser", "optparse", "fileinput", "doctest", "traceback", "ast", "tempfile", "threading",
+    "smtplib", "socket", "pydoc", "base64", "tokenize", "timeit", "ipaddress", "textwrap", "collections",
+    "dataclasses", "asyncio.tasks", "contextlib",
+)
+LONGDOC_MIN_WORDS = 500  # shorter documents are dropped: the task is about long prompts
+LONGDOC_MAX_WORDS = 1800  # a document takes whole entries until this many words (about 2,500 tokens)
+LONGDOC_SEED = 0
+
+
+def _entries(node, prefix: str = "") -> list[tuple[str, str]]:
+    """(signature, docstring) of each public documented function, class and method under `node`."""
+    out = []
+    for d in node.body:
+        if not isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or d.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(d)
+        name = prefix + d.name
+        if doc:
+            sig = f"class {name}" if isinstance(d, ast.ClassDef) else f"{name}({ast.unparse(d.args)})"
+            out.append((sig, doc))
+        if isinstance(d, ast.ClassDef):
+            out += _entries(d, name + ".")
+    return out
+
+
+def _module_document(module: str) -> tuple[str, list[tuple[str, str]]] | None:
+    """(document text, its function entries) for a standard-library module, or None when the
+    module has no Python source here or too little documentation."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    parts = [f"Documentation of the Python module `{module}`.", ast.get_docstring(tree) or ""]
+    kept, words = [], sum(len(p.split()) for p in parts)
+    for sig, doc in _entries(tree):
+        n = len(sig.split()) + len(doc.split())
+        if words + n > LONGDOC_MAX_WORDS:
+            break
+        parts.append(f"{sig}\n    {doc}")
+        kept.append((sig, doc))
+        words += n
+    if words < LONGDOC_MIN_WORDS or not any("(" in sig for sig, _ in kept):
+        return None
+    return "\n\n".join(p for p in parts if p), kept
+
+
+def _load_longdoc() -> list[Question]:
+    """Two questions per standard-library document: a summary, and a question about one of its
+    documented functions (seeded choice), in LONGDOC_MODULES order."""
+    rng = random.Random(LONGDOC_SEED)
+    questions = []
+    for module in LONGDOC_MODULES:
+        found = _module_document(module)
+        if found is None:
+            continue
+        text, entries = found
+        sig = rng.choice([sig for sig, _ in entries if "(" in sig])
+        questions.append(Question(f"{module}/summary", "summarization",
+                                  [f"{text}\n\nSummarize the documentation above in one paragraph: what the module is for "
+                                   "and its most important functions and classes."]))
+        questions.append(Question(f"{module}/qa", "qa",
+                                  [f"{text}\n\nUsing only the documentation above: what does `{sig}` do, what do its "
+                                   "arguments mean, and what does it return?"]))
+    if not questions:
+        raise TaskDataError("longdoc: no standard-library module source with documentation was found")
+    return questions
+
+
 _TASK_LOADERS = {
     "mt_bench": lambda: load_questions_file(mt_bench_file()),
     "humaneval": _load_humaneval,
     "chitchat": _load_chitchat,
+    "longdoc": _load_longdoc,
 }
 
 TASK_NAMES = tuple(_TASK_LOADERS)

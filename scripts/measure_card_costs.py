@@ -1,11 +1,15 @@
 """Measure the `auto` policy's per-card cost table with random weights of a preset's shape.
 
-Timing does not depend on the weights' values, so a new card's table can be measured without the
-checkpoint (and in parallel, one batch size per GPU):
+Timing does not depend on the weights' values, so a new card's table can be measured without its
+checkpoint. One process measures every batch size the planner's committed tables hold
+(1, 8, 16, 32, 64; each timing the median of --reps loops, with the spread recorded) and writes
+them where the planner reads them, models/<preset>/round_cost_<card>.json (merged per batch into
+a table of the same version already there):
 
-    CUDA_VISIBLE_DEVICES=0 python3 scripts/measure_card_costs.py --batch 1 --out costs/b1.json
-    python3 scripts/measure_card_costs.py --batch 8 16 32 --out costs/b8_16_32.json  # several, one process
-    python3 scripts/measure_card_costs.py --merge costs/b*.json --out models/smollm2-135m-instruct/round_cost_<card>.json
+    python3 scripts/measure_card_costs.py
+    python3 scripts/measure_card_costs.py --gpus 4    # the batch sizes spread over 4 GPUs of one host, merged
+    python3 scripts/measure_card_costs.py --batch 16 --out /tmp/b16.json     # one batch size elsewhere
+    python3 scripts/measure_card_costs.py --merge /tmp/b*.json --out models/smollm2-135m-instruct/round_cost_<card>.json
 
 The shape is SmolLM2-135M's with an EAGLE-3 head (the shipped preset's drafter).
 """
@@ -14,7 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -22,6 +29,7 @@ import jax.numpy as jnp
 
 from jspec import model as M
 from jspec.bench.round_cost import measure_batch_costs, save_card_costs
+from jspec.speculative.policies.auto import cost_table_path
 from jspec.config import ModelConfig
 from jspec.heads import eagle as H
 from jspec.speculative.drafters.eagle import EagleDrafter
@@ -30,6 +38,7 @@ from jspec.speculative.engines.tree import TreeConfig
 SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                       num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
                       max_position_embeddings=8192, tie_word_embeddings=True, eos_token_ids=())
+TABLE_BATCHES = (1, 8, 16, 32, 64)
 
 
 def merge(paths: list[str]) -> dict:
@@ -47,27 +56,59 @@ def merge(paths: list[str]) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, nargs="+", help="batch sizes to measure")
+    ap.add_argument("--batch", type=int, nargs="+", default=list(TABLE_BATCHES), help="batch sizes to measure (default: %(default)s)")
+    ap.add_argument("--reps", type=int, default=5, help="timed loops per timing; the table keeps their median")
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--merge", nargs="*", help="per-batch tables to merge instead of measuring")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--gpus", type=int, default=1, help="spread the batch sizes over this many GPUs (one process each)")
+    ap.add_argument("--preset", default="smollm2-135m-instruct")
+    ap.add_argument("--out", default=None, help="default: models/<preset>/round_cost_<this card>.json")
     args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = str(cost_table_path(args.preset))
     if args.merge:
         save_card_costs(merge(args.merge), Path(args.out))
         print(f"merged {len(args.merge)} tables -> {args.out}")
         return
-    if not args.batch or min(args.batch) < 1:
-        sys.exit("measure_card_costs: error: --batch takes positive batch sizes")
+    if not args.batch or min(args.batch) < 1 or args.reps < 1 or args.gpus < 1:
+        sys.exit("measure_card_costs: error: --batch takes positive batch sizes, --reps and --gpus positive counts")
+    if args.gpus > 1:
+        spread(args)
+        return
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
     tparams = M.init_params(SMOLLM2, jax.random.PRNGKey(0), dtype)
     hcfg = H.HeadConfig("eagle3", SMOLLM2, draft_vocab_size=args.draft_vocab)
     hparams = H.init_head(hcfg, jax.random.PRNGKey(1), dtype)
     costs: dict = {}
     for batch in args.batch:  # saved after each batch size: a killed run keeps what it measured
-        measure_batch_costs(costs, tparams, SMOLLM2, EagleDrafter(hcfg), hparams, batch=batch, tree=TreeConfig())
+        measure_batch_costs(costs, tparams, SMOLLM2, EagleDrafter(hcfg), hparams, batch=batch, tree=TreeConfig(), reps=args.reps)
         save_card_costs(costs, Path(args.out))
         print(f"batch {batch} measured -> {args.out}", flush=True)
-    print(json.dumps({k: v for k, v in costs.items() if k in ("card", "draft_step_us", "tree_level_us")}))
+    print(json.dumps({k: v for k, v in costs.items() if k in ("card", "draft_step_us", "tree_level_us", "spread")}))
+
+
+def spread(args) -> None:
+    """One process per GPU, each measuring every gpus-th batch size into its own file; then merged
+    into --out. A process that fails leaves its batch sizes out (named in the message)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for gpu in range(args.gpus):
+            batches = args.batch[gpu :: args.gpus]
+            if not batches:
+                continue
+            out = Path(tmp) / f"gpu{gpu}.json"
+            cmd = [sys.executable, __file__, "--batch", *map(str, batches), "--reps", str(args.reps),
+                   "--draft-vocab", str(args.draft_vocab), "--out", str(out)]
+            procs.append((batches, out, subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)})))
+        parts = []
+        for batches, out, proc in procs:
+            if proc.wait() != 0 or not out.is_file():
+                print(f"measure_card_costs: batch sizes {batches} failed (exit {proc.returncode})", file=sys.stderr)
+                continue
+            parts.append(str(out))
+        if parts:
+            save_card_costs(merge(parts), Path(args.out))
+            print(f"merged {len(parts)} tables -> {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """The `auto` policy: budgets from a round-cost table, AR fallback, greedy identity."""
 
+import json
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jspec import model as M
@@ -45,12 +48,68 @@ def test_larger_batches_plan_for_a_slow_row():
 def test_round_limit_follows_acceptance():
     pol = AutoPolicy(k_max=8, alpha0=0.9, step_us=75, first_us=40, verify_us=1000)
     st = pol.init(2, jax.random.PRNGKey(0))
-    st = st.replace(alpha=jnp.asarray([0.05, 0.9], jnp.float32))
+    st = st.replace(successes=jnp.asarray([0.2, 3.6], jnp.float32), trials=jnp.asarray([4.0, 4.0], jnp.float32))
     lim = pol.round_limit(st, 8)
     assert int(lim[0]) == 1 and int(lim[1]) > 3
     st2 = pol.update(st, jnp.asarray([8, 8]), jnp.asarray([0, 8]), jnp.asarray([True, True]))
     assert float(st2.alpha[0]) < 0.05 and float(st2.alpha[1]) > 0.9
     assert make_policy("auto", k_max=4).k_max == 4
+
+
+def test_acceptance_estimate_is_unbiased_on_geometric_rounds():
+    """Rounds of K = 6 drafts whose tokens are each accepted with probability 0.65 (the accepted
+    prefix is geometric, cut at K): the discounted success / trial sums estimate 0.65, where a
+    smoothed mean of each round's own ratio n / (n + 1), the estimator before, sits near 0.44."""
+    rng = np.random.default_rng(0)
+    true_alpha, K, rounds, rows = 0.65, 6, 400, 64
+    accepted_each = rng.random((rounds, rows, K)) < true_alpha
+    n_acc = np.argmin(np.concatenate([accepted_each, np.zeros((rounds, rows, 1), bool)], 2), axis=2)  # first rejection
+    pol = AutoPolicy(k_max=K, alpha0=0.45)
+    st = pol.init(rows, jax.random.PRNGKey(0))
+    update = jax.jit(pol.update)
+    old = np.full(rows, 0.45)
+    drafted, active = jnp.full((rows,), K), jnp.ones((rows,), bool)
+    for r in range(rounds):
+        st = update(st, drafted, jnp.asarray(n_acc[r]), active)
+        rejected = n_acc[r] < K
+        old = 0.7 * old + 0.3 * n_acc[r] / np.maximum(n_acc[r] + rejected, 1)  # the old smoothed per-round ratio
+    assert abs(float(np.mean(st.alpha)) - true_alpha) < 0.02
+    assert float(np.mean(old)) < 0.5
+
+
+def test_plan_is_deterministic_for_a_fixed_table():
+    table = json.loads(json.dumps(REFERENCE_COSTS))  # a copy, as read from a committed file
+    for kw in (dict(tree=False), dict(tree=True), dict(tree=False, drafter_name="ngram", parallel=True)):
+        kw = {"drafter_name": "eagle", "parallel": False, **kw}
+        plans = [plan(table, batch=b, **kw) for b in (1, 16) for _ in range(3)]
+        assert plans[0] == plans[1] == plans[2] and plans[3] == plans[4] == plans[5]
+        assert plans[0].mode != "ar"
+
+
+def test_a_noisy_on_the_fly_table_falls_back_to_the_nearest_trusted_one(tmp_path, monkeypatch):
+    """A batch measured with a large spread is replaced by the nearest trusted batch of the same
+    table, scaled by its own AR step; the spread and the source are recorded."""
+    from jspec.bench import round_cost as RC
+
+    (tmp_path / "tiny").mkdir()
+    trusted = {"version": RC.COST_TABLE_VERSION, "card": "x", "spread": {"8": 0.02},
+               "verify_us": {"8": {"1": 1000.0, "8": 1200.0}}, "draft_step_us": {"8": 100.0}}
+    RC.save_card_costs(trusted, RC.cost_table_path("tiny", str(tmp_path)))
+
+    def noisy_measure(costs, *args, batch, reps, **kw):
+        assert reps == RC.ROBUST_REPS
+        b = str(batch)
+        costs["verify_us"][b] = {"1": 500.0, "8": 9000.0}  # one bad timing
+        costs["draft_step_us"][b] = 400.0
+        costs["spread"][b], costs.setdefault("source", {})[b] = 0.8, "measured"
+        return costs
+
+    monkeypatch.setattr(RC, "measure_batch_costs", noisy_measure)
+    drafter = type("D", (), {"parallel": False})()
+    costs = RC.ensure_costs(None, None, drafter, None, batch=1, preset="tiny", models_dir=str(tmp_path), tree=False)
+    assert costs["verify_us"]["1"] == {"1": 500.0, "8": 600.0} and costs["draft_step_us"]["1"] == 50.0
+    assert costs["spread"]["1"] == 0.8 and "batch 8" in costs["source"]["1"]
+    assert plan(costs, batch=1, drafter_name="eagle", parallel=False).mode == "chain"
 
 
 @pytest.fixture(scope="module")

@@ -66,3 +66,14 @@ def test_questions_file_errors(tmp_path):
     bad.write_text('{"question_id": 1}\n')
     with pytest.raises(TaskDataError, match="turns"):
         load_questions_file(bad)
+
+
+def test_longdoc_is_long_deterministic_and_from_the_standard_library():
+    from jspec.tasks import LONGDOC_MODULES
+
+    a, b = load_task("longdoc"), load_task("longdoc")
+    assert a == b and len(a) >= 40 and len(a) % 2 == 0
+    assert {q.category for q in a} == {"summarization", "qa"}
+    assert all(len(q.turns) == 1 and len(q.turns[0].split()) >= 500 for q in a)
+    assert {str(q.question_id).split("/")[0] for q in a} <= set(LONGDOC_MODULES)
+    assert "Documentation of the Python module `json`" in a[2].turns[0]

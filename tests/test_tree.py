@@ -112,3 +112,48 @@ def test_verify_tree_sampling_is_lossless():
     np.testing.assert_allclose(np.bincount(second, minlength=V) / on_a.sum(), p_a, atol=0.015)
 
 # Tree generation's lossless sampling, every position and bonus tokens: test_lossless_sampling.py.
+
+
+PRUNED = TreeConfig(top_k=3, depth=4, num_nodes=12, verify_sizes=(3, 6))
+
+
+def test_a_pruned_tree_stops_drafting_and_verifies_fewer_nodes(target):
+    """A policy that stops after the first level: the deeper levels are skipped, the kept nodes are
+    the first level's, and the round verifies the smallest compiled block (3 nodes, not 12)."""
+    drafter, dparams = _drafters(target)["eagle3"]
+    prompts = _prompts(2)
+    from jspec.decode import pack_prompts
+    from jspec.speculative.engines.chain import start_spec
+    from jspec.speculative.engines.tree import draft_tree, verify_size_index
+
+    tokens, lens, cache_len = pack_prompts(CFG, prompts, 8, PRUNED.num_nodes + 1)
+    sizes = PRUNED.block_sizes(True)
+    assert sizes == (3, 6, 12) and PRUNED.block_sizes(False) == (12,)
+
+    def run(policy):
+        @jax.jit
+        def go(target, dparams, tokens, lens):
+            state = start_spec(target, CFG, drafter, dparams, policy, None, PRUNED.depth, 8, cache_len, Sampling(), 1,
+                               tokens, lens, jax.random.PRNGKey(0))
+            pstate, limit = policy.start_round(state.pstate, PRUNED.depth)
+            tree, _, _ = draft_tree(drafter, dparams, target, CFG, state.dstate, state.last, PRUNED, policy, pstate, limit)
+            return tree, verify_size_index(tree.valid, sizes)
+
+        return go(target, dparams, jnp.asarray(tokens), jnp.asarray(lens))
+
+    tree, index = run(make_policy("confidence", threshold=1.01))  # no draft is that sure: stop after level 1
+    assert (np.asarray(tree.valid[:, 1:]).sum(1) == PRUNED.top_k).all() and int(index) == 0
+    assert (np.asarray(tree.valid[:, 1 : PRUNED.top_k + 1])).all()  # the valid nodes come first
+    tree, index = run(make_policy("static", k_max=PRUNED.depth))
+    assert int(index) == len(sizes) - 1 and np.asarray(tree.valid).sum() > 2 * PRUNED.top_k
+
+
+@pytest.mark.parametrize("policy", [make_policy("confidence", threshold=1.01), make_policy("confidence", threshold=0.2)])
+def test_pruned_tree_greedy_identical_to_ar(target, policy):
+    drafter, dparams = _drafters(target)["eagle3"]
+    prompts = _prompts(5)
+    ar = generate(target, CFG, prompts, max_new_tokens=16)
+    tr = generate(target, CFG, prompts, max_new_tokens=16, drafter=drafter, drafter_params=dparams, tree=PRUNED, policy=policy)
+    for b in range(len(prompts)):
+        assert tr.row(b) == ar.row(b)
+    assert int(tr.accepted.sum()) > 0

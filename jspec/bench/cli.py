@@ -14,15 +14,17 @@ from jspec import presets
 from jspec.bench.harness import RunContext, batches_of, benchmark_group
 from jspec.bench.methods import HFGenerateMethod, JspecMethod, canonical_dtype, load_hf_model
 from jspec.bench.prompts import encode_questions
-from jspec.bench.protocol import METHOD_GRAMMAR, PARALLEL_METHODS, MethodSpec, parse_method_specs
+from jspec.bench.protocol import ENGINE_KEYS, METHOD_GRAMMAR, PARALLEL_METHODS, MethodSpec, parse_method_specs
 from jspec.bench.report import bench_dir, group_tables, write_benchmarks_md, write_rows
 from jspec.heads.hrad import load_hrad
 from jspec.model import cast_params
 from jspec.sharding import parse_mesh
-from jspec.speculative.factory import build_drafter, find_ldlp_weights
+from jspec.speculative.factory import build_drafter, find_ldlp_weights, resolve_policy_spec
 from jspec.speculative.policies import POLICY_NAMES
+from jspec.speculative.policies.calibration import CALIBRATED_POLICIES
 from jspec.speculative.policies.ldlp import load_ldlp
 from jspec.speculative.drafters.eagle import EagleDrafter
+from jspec.speculative.drafters.hybrid import HybridDrafter
 from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.policies.auto import AutoPlan
 from jspec.speculative.policies.auto import plan as auto_plan
@@ -43,7 +45,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = METHOD_GRAMMAR.format(policies=", ".join(POLICY_NAMES))
     parser.add_argument("--model", required=True, help="preset name or checkpoint path (jspec.presets.resolve_model)")
-    parser.add_argument("--tasks", default="mt_bench", help="comma list of mt_bench, humaneval, chitchat ('' for none)")
+    parser.add_argument("--tasks", default="mt_bench", help="comma list of mt_bench, humaneval, chitchat, longdoc ('' for none)")
     parser.add_argument("--questions", help="extra Spec-Bench questions .jsonl; its task name is the file stem")
     parser.add_argument("--n-prompts", type=int, default=None, help="first N questions of each task (default all)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -249,6 +251,7 @@ class MethodFactory:
                 build_drafter(spec.drafter, self.cfg, self.params, model_name=self.args.model, k_max=self.spec_k_max(spec))
                 if spec.policy == "ldlp":
                     find_ldlp_weights(spec.drafter, self.args.model)
+                self.calibrated_policy(spec)  # :calibrated without a fit fails here, before any method runs
 
     def spec_k_max(self, spec: MethodSpec) -> int:
         """A chain method's k_max (its k=, else --k-max, else 8): block drafters (dlm) are built for it."""
@@ -258,10 +261,12 @@ class MethodFactory:
         return not (spec.method == "hf" and spec.drafter == "prompt_lookup" and batch != 1)
 
     def auto_plan(self, spec: MethodSpec, params: Any, drafter: Any, dparams: Any, batch: int):
-        costs = ensure_costs(params, self.cfg, drafter, dparams, batch=batch, preset=preset_name(self.args.model),
-                             models_dir=self.args.models_dir, tree=isinstance(drafter, EagleDrafter))
-        return auto_plan(costs, batch=batch, drafter_name=drafter.name, parallel=drafter.parallel,
-                         k_cap=self.args.k_max or 8, tree=spec.tree)
+        hybrid = isinstance(drafter, HybridDrafter)
+        head = drafter.eagle if hybrid else drafter  # a hybrid's costs are its head's (the n-gram branch costs verify only)
+        costs = ensure_costs(params, self.cfg, head, dparams, batch=batch, preset=preset_name(self.args.model),
+                             models_dir=self.args.models_dir, tree=isinstance(head, EagleDrafter))
+        return auto_plan(costs, batch=batch, drafter_name=head.name, parallel=drafter.parallel,
+                         k_cap=self.args.k_max or 8, tree=spec.tree, hybrid=hybrid)
 
     def build(self, spec: MethodSpec, dtype: str, batch: int):
         a = self.args
@@ -290,8 +295,29 @@ class MethodFactory:
                 extra["policy_params"] = load_ldlp(str(find_ldlp_weights(spec.drafter, self.args.model)))[0]
             if spec.policy == "auto":  # the budget from this card's measured round costs (cached per card)
                 extra["policy"] = self.auto_plan(spec, params, extra["drafter"], extra["drafter_params"], batch)
-        return JspecMethod(self.jax_params(dtype), self.cfg, spec, dtype=dtype, batch=batch,
-                           max_new_tokens=a.max_new_tokens, generate_kwargs=extra)
+            constants = self.calibrated_policy(spec)
+            if constants is not None:
+                extra["policy"], label = constants
+        method = JspecMethod(self.jax_params(dtype), self.cfg, spec, dtype=dtype, batch=batch,
+                             max_new_tokens=a.max_new_tokens, generate_kwargs=extra)
+        if spec.method == "spec" and spec.policy in CALIBRATED_POLICIES:
+            method.policy_constants = label if constants is not None else spec.option_dict.get("constants", "paper")
+        return method
+
+    def calibrated_policy(self, spec: MethodSpec):
+        """(policy, "calibrated" | "paper") for a spec method of a calibrated policy without
+        explicit fields: the head's calibration for this card, unless the spec asks for :paper; None
+        when nothing is calibrated (the paper's constants, built as usual)."""
+        if spec.method != "spec" or spec.policy not in CALIBRATED_POLICIES:
+            return None
+        if any(k not in ENGINE_KEYS for k in spec.option_dict):
+            return None  # fields given on the command line are the constants
+        kw = spec.generate_kwargs(default_k_max=self.args.k_max or 8)
+        tree = kw.get("tree")
+        k = (TreeConfig().depth if tree in (True, "auto") else tree.depth) if spec.tree else kw["k_max"]
+        which = spec.option_dict.get("constants")
+        policy = resolve_policy_spec(spec.policy + (f":{which}" if which else ""), spec.drafter, self.args.model, k)
+        return None if isinstance(policy, str) else (policy, which or "calibrated")
 
 
 # ---- run ---------------------------------------------------------------------------------------
@@ -371,13 +397,16 @@ def add_round_costs(rows: list[dict[str, Any]], methods: list, batch: int, progr
             continue
         kw = m._kwargs
         drafter, policy, k_max = kw["drafter"], kw.get("policy"), kw.get("k_max") or 8
+        if isinstance(drafter, HybridDrafter):
+            progress.write(f"round cost {m.name} b{batch}: hybrid trees are not profiled (their head's are)")
+            continue
         tree = TreeConfig() if m.tree else None
         if isinstance(policy, AutoPlan):
             if policy.mode == "ar":
                 attach_profile(rows, m, batch, {"batch": batch, "plan": "ar"})
                 continue
             k_max = policy.k_max
-            tree = TreeConfig(depth=policy.k_max, num_nodes=policy.num_nodes) if policy.mode == "tree" else None
+            tree = TreeConfig(depth=policy.k_max, num_nodes=policy.num_nodes, ngram=policy.ngram) if policy.mode == "tree" else None
             policy = policy.policy
         prof = profile_method(m.params, m.cfg, drafter, kw.get("drafter_params"), batch=batch, policy=policy,
                               k_max=k_max, tree=tree, verify_ts=verify_ts, policy_params=kw.get("policy_params"))

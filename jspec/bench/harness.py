@@ -165,6 +165,7 @@ def make_row(
         "name": m.name,
         "drafter": m.drafter,
         "policy": m.policy,
+        "policy_constants": getattr(m, "policy_constants", None),  # calibrated policies: "calibrated" | "paper"
         "tree": bool(m.tree),
         "dtype": m.dtype,
         "batch": m.batch,

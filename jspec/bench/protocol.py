@@ -7,12 +7,14 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 from jspec.errors import UsageError
 from jspec.speculative.drafters.eagle import EagleDrafter
+from jspec.speculative.drafters.hybrid import HybridDrafter
 from jspec.speculative.drafters.early_exit import EarlyExitDrafter
 from jspec.speculative.drafters.model import ModelDrafter
 from jspec.speculative.engines.specbranch import CUTS, SpecBranchConfig
 from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.factory import DRAFTER_NAMES, check_drafter_spec
 from jspec.speculative.policies import POLICY_NAMES, make_policy
+from jspec.speculative.policies.calibration import CALIBRATED_POLICIES
 from jspec.speculative.verify.consultant import DEFAULT_EPS, ConsultantRule
 
 
@@ -65,12 +67,17 @@ Methods (--methods, comma-separated; all are checked before any runs):
   hf_pld                     transformers prompt-lookup decoding (batch 1 only)
   spec:DRAFTER[:ARG]:POLICY[:OPTION]...
     DRAFTER[:ARG]            ngram[:N]  early-exit[:E|:PATH]  model[:PATH]  eagle[:PATH]  eagle3[:PATH]
+                             eagle3+ngram (trees only: the head's tree plus a prompt-lookup branch)
                              dlm[:PATH] (DiffuSpec; chains only, with static, heuristic or adl)
-    POLICY                   a draft-length policy: {policies}
+    POLICY                   a draft-length policy: {policies}; svip, adaedl, confidence, tapout
+                             and ldlp with an EAGLE head run the constants `jspec calibrate` fit
+                             for it on this card when there are some; POLICY:paper the paper's
     OPTION   tree            EAGLE-2 dynamic tree (EAGLE heads; EAGLE-2's top_k 10, depth 6, 59 nodes)
              nodes=N|auto    tree: draft nodes kept, i.e. EAGLE's total_token - 1 (auto: timed on
                              this device over EAGLE's candidates, default tree shape); implies tree
              topk=N depth=N  tree shape; imply tree
+             ngram=N         eagle3+ngram: nodes of the n-gram branch beside the head's tree
+                             (default the depth; with auto, the plan picks it)
              k=N             chain: most draft tokens per round (k_max; default --k-max, else 8)
              verify=consultant   Consultant Decoding's LOSSY rule; eps=X and smoothing=B set it
              FIELD=VALUE     any field of the policy, e.g. threshold=0.4, lambda_rule=B,
@@ -78,6 +85,7 @@ Methods (--methods, comma-separated; all are checked before any runs):
   The positional fields come first: two of them are DRAFTER:POLICY, three DRAFTER:ARG:POLICY.
   e.g. spec:ngram:heuristic  spec:early-exit:8:svip:k=7  spec:eagle3:static:nodes=60  spec:dlm:adl
        spec:eagle3:svip:tree:depth=8  spec:eagle3:static:nodes=auto  spec:eagle:static:verify=consultant:eps=3
+       spec:eagle3:svip:paper  spec:eagle3+ngram:auto:tree
   pearl:DRAFTER[:ARG][:OPTION]...       PEARL: a draft model drafts while the target verifies
   specbranch:DRAFTER[:ARG][:OPTION]...  SpecBranch: PEARL plus branch heads and hybrid draft lengths
   ppsd:DRAFTER[:ARG][:OPTION]...        PPSD: two-stage early-exit pipeline
@@ -93,8 +101,10 @@ PARALLEL_METHODS = ("pearl", "specbranch", "ppsd")
 PARALLEL_KEYS = {"pearl": ("pairs", "gamma"), "specbranch": ("pairs", "gamma", "branches", "cut", "threshold", "hrad"),
                  "ppsd": ("pairs",)}
 
-TREE_KEYS = ("nodes", "topk", "depth")
-ENGINE_KEYS = ("k", "verify", "eps", "smoothing") + TREE_KEYS
+TREE_KEYS = ("nodes", "topk", "depth", "ngram")
+# constants=paper|calibrated: which constants a calibrated policy runs with (written POLICY:paper)
+ENGINE_KEYS = ("k", "verify", "eps", "smoothing", "constants") + TREE_KEYS
+POLICY_CONSTANTS = ("paper", "calibrated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +124,9 @@ class MethodSpec:
     @property
     def name(self) -> str:
         if self.method == "spec":
-            parts = ["spec", self.drafter or "", self.policy or ""] + (["tree"] if self.tree else [])
-            return ":".join(parts + [f"{k}={v}" for k, v in self.options])
+            constants = [v for k, v in self.options if k == "constants"]
+            parts = ["spec", self.drafter or "", self.policy or ""] + constants + (["tree"] if self.tree else [])
+            return ":".join(parts + [f"{k}={v}" for k, v in self.options if k != "constants"])
         if self.method == "hf" and self.drafter == "prompt_lookup":
             return "hf_pld"
         if self.method in PARALLEL_METHODS:
@@ -145,7 +156,7 @@ class MethodSpec:
             else:
                 base = TreeConfig()
                 tree = TreeConfig(top_k=int(opts.get("topk", base.top_k)), depth=int(opts.get("depth", base.depth)),
-                                  num_nodes=int(opts.get("nodes", base.num_nodes)))
+                                  num_nodes=int(opts.get("nodes", base.num_nodes)), ngram=int(opts.get("ngram", 0)))
                 tree = True if tree == base else tree
             kwargs["tree"] = tree
         fields = {k: v for k, v in self.options if k not in ENGINE_KEYS}
@@ -243,10 +254,13 @@ def parse_method_spec(text: str) -> MethodSpec:
     if any(not o for o in is_option[n_pos:]):
         raise MethodSpecError(f"method {text!r}: positional fields (drafter, policy) must come before the options")
     positional, raw_options = fields[1 : 1 + n_pos], fields[1 + n_pos :]
+    if len(positional) >= 3 and positional[-1] in POLICY_CONSTANTS and positional[-2] in POLICY_NAMES:
+        raw_options = [f"constants={positional[-1]}"] + raw_options  # spec:eagle3:svip:paper  spec:eagle3+ngram:auto:tree
+        positional = positional[:-1]
     if len(positional) not in (2, 3) or not all(positional):
         raise MethodSpecError(f"method {text!r}: expected spec:DRAFTER:POLICY or spec:DRAFTER:ARG:POLICY, then options")
     drafter, policy = ":".join(positional[:-1]), positional[-1]
-    if drafter.split(":")[0] not in DRAFTER_NAMES + ("eagle1",):
+    if any(part.split(":")[0] not in DRAFTER_NAMES + ("eagle1",) for part in drafter.split("+")):
         raise MethodSpecError(f"method {text!r}: unknown drafter {drafter.split(':')[0]!r}; choose from {', '.join(DRAFTER_NAMES)}")
     if policy not in POLICY_NAMES:
         raise MethodSpecError(f"method {text!r}: unknown policy {policy!r}; valid names: {', '.join(POLICY_NAMES)}")
@@ -315,20 +329,27 @@ def check_method_spec(spec: MethodSpec) -> None:
         return
     text, opts = spec.name, spec.option_dict
     drafter_cls = check_drafter_spec(spec.drafter)
-    for key in ("k", "topk", "depth"):
+    for key in ("k", "topk", "depth", "ngram"):
         if key in opts:
             _positive_int(key, opts[key], text)
+    if issubclass(drafter_cls, HybridDrafter) and not spec.tree:
+        raise MethodSpecError(f"method {text!r}: {spec.drafter} drafts trees (a head tree plus an n-gram branch): add :tree")
+    if "ngram" in opts and not issubclass(drafter_cls, HybridDrafter):
+        raise MethodSpecError(f"method {text!r}: ngram=N sets a hybrid tree's n-gram branch: use eagle3+ngram")
     if "nodes" in opts and opts["nodes"] != "auto":
         _positive_int("nodes", opts["nodes"], text)
     if opts.get("nodes") == "auto" and ({"topk", "depth"} & set(opts)):
         raise MethodSpecError(f"method {text!r}: nodes=auto times EAGLE-2's default tree (top_k 10, depth 6); drop topk/depth")
+    if "constants" in opts and (opts["constants"] not in POLICY_CONSTANTS or spec.policy not in CALIBRATED_POLICIES):
+        raise MethodSpecError(f"method {text!r}: :paper / :calibrated choose the constants of {', '.join(CALIBRATED_POLICIES)}")
     if "verify" in opts and opts["verify"] not in ("lossless", "consultant"):
         raise MethodSpecError(f"method {text!r}: verify={opts['verify']}: choose lossless or consultant")
     if ({"eps", "smoothing"} & set(opts)) and opts.get("verify") != "consultant":
         raise MethodSpecError(f"method {text!r}: eps / smoothing set Consultant Decoding: add verify=consultant")
     if spec.tree:
-        if not issubclass(drafter_cls, EagleDrafter):
-            raise MethodSpecError(f"method {text!r}: trees need an EAGLE head drafter (eagle, eagle3), not {spec.drafter!r}")
+        if not issubclass(drafter_cls, (EagleDrafter, HybridDrafter)):
+            raise MethodSpecError(f"method {text!r}: trees need an EAGLE head drafter (eagle, eagle3, eagle3+ngram), "
+                                  f"not {spec.drafter!r}")
         if "k" in opts:
             raise MethodSpecError(f"method {text!r}: k sets a chain's draft length; a tree's is depth=N")
         if opts.get("verify") == "consultant":

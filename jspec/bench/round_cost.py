@@ -41,7 +41,7 @@ from jspec.sampling import GREEDY
 from jspec.speculative.engines.chain import draft_autoregressive, spec_round, start_spec
 from jspec.speculative.engines.tree import TreeConfig, draft_tree, tree_round
 from jspec.speculative.policies import resolve_policy
-from jspec.speculative.policies.auto import card_name, cost_table_path, row_value
+from jspec.speculative.policies.auto import REFERENCE_COSTS, card_name, cost_table_path, row_value
 
 # Bumped whenever a change to jspec moves round costs enough to change plans. 2: per-layer weight
 # buffers in the generation loops (AR 25% faster at batch 16), chain drafts under limit-only
@@ -51,11 +51,12 @@ COST_TABLE_VERSION = 2
 VERIFY_TS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def loop_us(body, consts, carry, n: int, reps: int = 3, tcfg=None) -> float:
-    """Median µs of one `body(consts, carry) -> carry` call, run n times in one jitted fori_loop.
-    Weights and caches travel in `consts` (jit arguments, never baked-in constants). With `tcfg`,
-    consts[0] holds the target weights and goes through model.loop_params before the loop, as in
-    generation (per-layer buffers on the unrolled kernel path)."""
+def loop_times(body, consts, carry, n: int, reps: int = 3, tcfg=None) -> list[float]:
+    """µs of one `body(consts, carry) -> carry` call in each of `reps` timed runs of n iterations in
+    one jitted fori_loop (after an untimed compile + warm-up run). Weights and caches travel in
+    `consts` (jit arguments, never baked-in constants). With `tcfg`, consts[0] holds the target
+    weights and goes through model.loop_params before the loop, as in generation (per-layer
+    buffers on the unrolled kernel path)."""
 
     def program(k, c):
         if tcfg is not None:
@@ -68,8 +69,19 @@ def loop_us(body, consts, carry, n: int, reps: int = 3, tcfg=None) -> float:
     for _ in range(reps):
         t0 = time.perf_counter()
         jax.block_until_ready(run(consts, carry))
-        ts.append(time.perf_counter() - t0)
-    return 1e6 * float(np.median(ts)) / n
+        ts.append(1e6 * (time.perf_counter() - t0) / n)
+    return ts
+
+
+def loop_us(body, consts, carry, n: int, reps: int = 3, tcfg=None) -> float:
+    """Median of `loop_times`."""
+    return float(np.median(loop_times(body, consts, carry, n, reps, tcfg)))
+
+
+def relative_spread(times) -> float:
+    """(max - min) / median of repeated timings: how far one timing may be off."""
+    med = float(np.median(times))
+    return float((max(times) - min(times)) / med) if med > 0 else 0.0
 
 
 def filled_cache(tparams, tcfg, batch: int, cache_len: int, committed: int, seed: int = 1) -> M.KVCache:
@@ -93,8 +105,10 @@ def random_tree_mask(T: int, batch: int, seed: int = 0):
     return jnp.asarray(np.broadcast_to(anc, (batch, T, T))), jnp.asarray(anc.sum(1) - 1, jnp.int32)
 
 
-def verify_us(tparams, tcfg, batch: int, Ts=VERIFY_TS, tree_nodes=(), *, cache_len=512, committed=192, n=30, capture=()) -> dict[str, float]:
-    """µs of a verify forward per block size: {"1": .., "8": .., "tree60": ..}."""
+def verify_us(tparams, tcfg, batch: int, Ts=VERIFY_TS, tree_nodes=(), *, cache_len=512, committed=192, n=30, capture=(),
+              reps: int = 3, spread: dict | None = None) -> dict[str, float]:
+    """µs of a verify forward per block size (the median of `reps` timed loops): {"1": .., "8": ..,
+    "tree60": ..}; `spread`, when given, receives each size's `relative_spread`."""
     cache = filled_cache(tparams, tcfg, batch, cache_len, committed)
     out = {}
     for T, tree in [(t, False) for t in Ts] + [(t, True) for t in tree_nodes]:
@@ -109,8 +123,10 @@ def verify_us(tparams, tcfg, batch: int, Ts=VERIFY_TS, tree_nodes=(), *, cache_l
             return nxt, acc + o.cache.k[0, :, 0, 0, 0].astype(jnp.float32)  # keep the cache write live
 
         consts = (tparams, cache, pos, mask if tree else jnp.zeros((), bool))
-        out[f"tree{T}" if tree else str(T)] = loop_us(body, consts, (jnp.zeros((batch, T), jnp.int32), jnp.zeros((batch,), jnp.float32)), n,
-                                                        tcfg=tcfg)
+        times = loop_times(body, consts, (jnp.zeros((batch, T), jnp.int32), jnp.zeros((batch,), jnp.float32)), n, reps, tcfg=tcfg)
+        out[f"tree{T}" if tree else str(T)] = float(np.median(times))
+        if spread is not None:
+            spread[f"tree{T}" if tree else str(T)] = relative_spread(times)
     return out
 
 
@@ -234,15 +250,21 @@ def commit_us(tparams, tcfg, drafter, dparams, state, T: int, n: int) -> float:
 
 
 def measure_batch_costs(costs: dict, tparams, tcfg, drafter=None, dparams=None, *, batch: int, k_max: int = 6,
-                        tree: TreeConfig | None = None, Ts=(1, 2, 4, 8, 16), tree_nodes=(16, 24, 32, 48, 60), n: int = 20) -> dict:
+                        tree: TreeConfig | None = None, Ts=(1, 2, 4, 8, 16), tree_nodes=(16, 24, 32, 48, 60), n: int = 20,
+                        reps: int = 3) -> dict:
     """Add one batch size to a cost table (policies.auto's format): verify_us[B][T], and with an
     autoregressive drafter draft_step_us / draft_first_us / round_overhead_us[B] (chain) and
-    tree_level_us / tree_overhead_us[B] (when `tree` is given)."""
+    tree_level_us / tree_overhead_us[B] (when `tree` is given). Each verify timing is the median of
+    `reps` timed loops; spread[B] records the largest relative spread among them."""
     b = str(batch)
     costs["version"] = COST_TABLE_VERSION
     costs.setdefault("card", card_name())
     costs.setdefault("dtype", str(tparams["embed"].dtype))
-    v = costs.setdefault("verify_us", {})[b] = verify_us(tparams, tcfg, batch, Ts, tree_nodes if tree is not None else (), n=n)
+    spreads: dict[str, float] = {}
+    v = costs.setdefault("verify_us", {})[b] = verify_us(tparams, tcfg, batch, Ts, tree_nodes if tree is not None else (), n=n,
+                                                         reps=reps, spread=spreads)
+    costs.setdefault("spread", {})[b] = max(spreads.values())
+    costs.setdefault("source", {})[b] = f"measured, median of {reps}"
     if drafter is None or drafter.parallel:
         return costs
     prof = profile_method(tparams, tcfg, drafter, dparams, batch=batch, k_max=k_max, n=n, verify_ts=None, bookkeeping=False)
@@ -257,9 +279,36 @@ def measure_batch_costs(costs: dict, tparams, tcfg, drafter=None, dparams=None, 
     return costs
 
 
+# On-the-fly measurements (a card or batch with no committed table): more repeats, and a table
+# whose timings disagree by more than MAX_SPREAD is not trusted: the batch's costs are taken from
+# the nearest trusted table, scaled by the measured AR step (`scaled_from_nearest`).
+ROBUST_REPS = 7
+MAX_SPREAD = 0.1
+
+
+def scaled_from_nearest(costs: dict, batch: int, ar_us: float) -> tuple[dict, str]:
+    """Every per-batch entry of a table for `batch`, from the nearest trusted batch of `costs`
+    (this card's table; REFERENCE_COSTS when it has none), scaled by ar_us / that batch's AR step.
+    Returns ({key: entry}, a note saying where it came from)."""
+    spread = costs.get("spread", {})
+    trusted = [int(k) for k in costs.get("verify_us", {}) if int(k) != batch and spread.get(k, 0.0) <= MAX_SPREAD]
+    source = costs if trusted else REFERENCE_COSTS
+    pool = trusted or [int(k) for k in REFERENCE_COSTS["verify_us"]]
+    near = str(min(pool, key=lambda k: (abs(np.log(k / batch)), k)))
+    scale = ar_us / float(source["verify_us"][near]["1"])
+    out = {}
+    for key, per_batch in source.items():
+        if isinstance(per_batch, dict) and near in per_batch and key.endswith("_us"):
+            entry = per_batch[near]
+            out[key] = {k: float(x) * scale for k, x in entry.items()} if isinstance(entry, dict) else float(entry) * scale
+    return out, f"scaled from {source.get('card', 'this card')} batch {near} by the measured AR step"
+
+
 def ensure_costs(tparams, tcfg, drafter, dparams, *, batch: int, preset: str | None, models_dir: str = "models",
                  tree: bool = True) -> dict:
-    """This card's cost table with `batch` measured (measured now and cached when missing)."""
+    """This card's cost table with `batch` measured (measured now and cached when missing: each
+    timing the median of ROBUST_REPS loops, and a noisy measurement replaced by the nearest trusted
+    table scaled to this card's AR step, so one bad timing cannot plan plain decoding)."""
     path = cost_table_path(preset, models_dir)
     costs = load_card_costs(path) or {}
     if costs.get("version") != COST_TABLE_VERSION:
@@ -268,7 +317,15 @@ def ensure_costs(tparams, tcfg, drafter, dparams, *, batch: int, preset: str | N
         drafter is not None and not drafter.parallel and str(batch) not in costs.get("draft_step_us", {}))
     if need:
         print(f"round_cost: measuring batch {batch} on {card_name()} for the auto policy -> {path}")
-        measure_batch_costs(costs, tparams, tcfg, drafter, dparams, batch=batch, tree=TreeConfig() if tree else None)
+        b = str(batch)
+        measure_batch_costs(costs, tparams, tcfg, drafter, dparams, batch=batch, tree=TreeConfig() if tree else None,
+                            reps=ROBUST_REPS)
+        if costs.get("spread", {}).get(b, 0.0) > MAX_SPREAD:
+            entries, note = scaled_from_nearest(costs, batch, costs["verify_us"][b]["1"])
+            for key, entry in entries.items():
+                costs.setdefault(key, {})[b] = entry
+            costs.setdefault("source", {})[b] = f"{note} (own timings spread {costs['spread'][b]:.0%} > {MAX_SPREAD:.0%})"
+            print(f"round_cost: batch {batch} timings spread {costs['spread'][b]:.0%}: {note}")
         save_card_costs(costs, path)
     return costs
 

@@ -12,6 +12,8 @@
                        shipped with the preset, preset.json "drafters": {"model": DIR})
     eagle[:PATH]       EAGLE-1 head (default: the head shipped with the preset)
     eagle3[:PATH]      EAGLE-3 head (default: the head shipped with the preset)
+    eagle3+ngram[:N]   the head's EAGLE-2 tree plus an n-gram prompt-lookup branch per row
+                       (drafters.hybrid; trees only); eagle[:PATH]+ngram[:N] likewise
     dlm[:PATH]         DiffuSpec: a masked-diffusion LM built from the target's layers drafts a
                        block of the engine's k_max tokens in one forward (build_drafter's k_max,
                        default 8, at most the DLM's block size). PATH: dlm.safetensors from
@@ -40,9 +42,13 @@ from ..presets import list_presets, load_preset, resolve_model
 from .drafters.base import DrafterError
 from .drafters.diffusion import DiffuSpecDrafter
 from .drafters.eagle import EagleDrafter
+from .drafters.hybrid import HybridDrafter
 from .drafters.early_exit import EarlyExitDrafter
 from .drafters.model import ModelDrafter
 from .drafters.ngram import NgramDrafter
+from .policies import POLICY_NAMES, make_policy
+from .policies.auto import card_name
+from .policies.calibration import CALIBRATED_POLICIES, calibrated_constants, calibration_path, policy_from_constants
 from .policies.ldlp import WEIGHTS_FILE as LDLP_WEIGHTS_FILE
 
 DRAFTER_NAMES = ("ngram", "early-exit", "model", "eagle", "eagle3", "dlm")
@@ -58,6 +64,19 @@ def _split(spec: str) -> tuple[str, str | None]:
     return name.strip(), (arg.strip() or None)
 
 
+def split_hybrid(spec: str) -> tuple[str, str] | None:
+    """(head spec, n-gram spec) of a hybrid spec "eagle3[:PATH]+ngram[:N]", else None. Raises
+    DrafterError when a "+" joins anything else."""
+    if "+" not in spec:
+        return None
+    parts = [p.strip() for p in spec.split("+")]
+    heads = [p for p in parts if _split(p)[0] in ("eagle", "eagle1", "eagle3")]
+    ngrams = [p for p in parts if _split(p)[0] == "ngram"]
+    if len(parts) != 2 or len(heads) != 1 or len(ngrams) != 1:
+        raise DrafterError(f"drafter {spec!r}: a hybrid joins one EAGLE head and n-gram lookup, e.g. eagle3+ngram")
+    return heads[0], ngrams[0]
+
+
 def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | None = None,
                        cfg: ModelConfig | None = None) -> type:
     """Validate a drafter spec without loading any weights (so a CLI can reject it before the
@@ -68,6 +87,11 @@ def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | No
     its header, jspec.presets.resolve_config): an early-exit layer lies inside the target.
     Returns the drafter's class (its class attributes, e.g. `parallel`, say what policies it can
     serve)."""
+    hybrid = split_hybrid(spec)
+    if hybrid is not None:
+        for part in hybrid:
+            check_drafter_spec(part, model_name, k_max, cfg)
+        return HybridDrafter
     name, arg = _split(spec)
     if name not in DRAFTER_CLASSES:
         raise DrafterError(f"unknown drafter {spec!r}; choose from {', '.join(DRAFTER_NAMES)} (e.g. ngram, early-exit:8, model:PATH)")
@@ -148,7 +172,8 @@ def _dlm_block_size(path: Path) -> int:
 def head_dir(spec: str, model_name: str | None) -> Path | None:
     """The EAGLE head directory a drafter spec uses (given by path, or shipped with the preset);
     None for other drafters or when there is none."""
-    name, arg = _split(spec)
+    hybrid = split_hybrid(spec)
+    name, arg = _split(hybrid[0] if hybrid else spec)
     if not name.startswith("eagle"):
         return None
     return Path(arg) if arg else shipped_head_path(model_name, "eagle3" if name == "eagle3" else "eagle")
@@ -163,7 +188,8 @@ def find_ldlp_weights(drafter_spec: str | None, model_name: str | None, explicit
         if not (Path(explicit) / LDLP_WEIGHTS_FILE).is_file():
             raise DrafterError(f"no LDLP predictor weights at {Path(explicit) / LDLP_WEIGHTS_FILE}")
         return Path(explicit)
-    name = _split(drafter_spec)[0] if drafter_spec else None
+    hybrid = split_hybrid(drafter_spec) if drafter_spec else None
+    name = _split(hybrid[0] if hybrid else drafter_spec)[0] if drafter_spec else None
     if not name or not name.startswith("eagle"):
         raise DrafterError(
             f"policy ldlp predicts draft lengths for an EAGLE head, and its weights ship beside the head: "
@@ -207,6 +233,11 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
     """(drafter, drafter_params) for a spec string; raises DrafterError with the fix in the message.
     ``k_max``: the engine's k_max, which a block drafter (``dlm``) drafts every round (default
     ``DEFAULT_DLM_K_MAX``); other drafters take it per call."""
+    hybrid = split_hybrid(spec)
+    if hybrid is not None:
+        head, head_params = build_drafter(hybrid[0], cfg, params, model_name=model_name, dtype=dtype)
+        ngram, _ = build_drafter(hybrid[1], cfg, params)
+        return HybridDrafter(head, ngram), head_params
     name, arg = _split(spec)
     if name == "dlm":
         path = dlm_file(spec, model_name)
@@ -265,3 +296,41 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
         drafter.check(cfg)
         return drafter, hparams
     raise DrafterError(f"unknown drafter {spec!r}; choose from {', '.join(DRAFTER_NAMES)} (e.g. ngram, early-exit:8, model:PATH)")
+
+
+POLICY_CONSTANTS = ("paper", "calibrated")  # policy spec suffixes: svip:paper, svip:calibrated
+
+
+def split_policy_spec(text: str) -> tuple[str, str | None]:
+    """("svip", "paper") for "svip:paper"; ("svip", None) for "svip". Raises DrafterError, one line."""
+    name, _, which = text.partition(":")
+    if name not in POLICY_NAMES:
+        raise DrafterError(f"unknown policy {name!r}; valid names: {', '.join(POLICY_NAMES)}")
+    if which and (which not in POLICY_CONSTANTS or name not in CALIBRATED_POLICIES):
+        raise DrafterError(f"policy {text!r}: the suffix :paper or :calibrated applies to {', '.join(CALIBRATED_POLICIES)}")
+    return name, which or None
+
+
+def calibration_for(drafter_spec: str | None, model_name: str | None) -> Path | None:
+    """The calibration file of the EAGLE head a drafter spec uses (<head>/jspec/calibration.json),
+    or None when the drafter has no head. A hybrid "eagle3+ngram" uses its head's."""
+    head = head_dir(drafter_spec, model_name) if drafter_spec else None
+    return None if head is None else calibration_path(head)
+
+
+def resolve_policy_spec(text: str, drafter_spec: str | None, model_name: str | None, k_max: int):
+    """A policy from a spec: "NAME" (the constants `jspec calibrate` fit for this head on this
+    card when they exist, else the paper's), "NAME:paper" (the paper's), "NAME:calibrated" (the
+    fit, or an error saying how to make one). Returns the name itself when nothing is calibrated
+    (the policy is built later as usual), else a Policy."""
+    name, which = split_policy_spec(text)
+    if which == "paper":
+        return make_policy(name, k_max=k_max)
+    path = calibration_for(drafter_spec, model_name) if name in CALIBRATED_POLICIES else None
+    found = None if path is None else calibrated_constants(path.parent.parent, name, card_name())
+    if found is None:
+        if which == "calibrated":
+            raise DrafterError(f"policy {text!r}: no calibration for {name} at {path or 'this drafter (no EAGLE head)'}: "
+                               f"run `jspec calibrate --drafter {drafter_spec or 'eagle3'} --policy {name}`")
+        return name
+    return policy_from_constants(name, found[0], k_max)

@@ -20,10 +20,16 @@ Per round and per row (docs/methods.md §2.3), all inside `jit`:
      path with the target's true features.
 
 A dynamic policy can cut the tree per row: its round limit caps the depth, and its stop rule,
-applied to the best frontier node's distribution after each level, marks deeper levels invalid (a
-rule checked before drafting, AdaEDL, also drops the level it stopped at); every level is still
-drafted (static shapes), the cut levels are just not verified. A drafted EOS ends its branch:
-nodes below it are not verified.
+applied to the best frontier node's distribution after each level, stops deeper levels (a rule
+checked before drafting, AdaEDL, also drops the level it stopped at). A drafted EOS ends its branch:
+nodes below it are not verified. A cut saves work, with static shapes throughout:
+  * levels: under any policy but static, each level runs inside a `lax.cond` and is skipped once
+    every row's depth cap is above it (no head forward for a level nobody keeps);
+  * reranking keeps only nodes within their row's depth cap (a deeper candidate ranks below every
+    kept one), so the kept nodes fill the front of the node order;
+  * verification: the target reads the smallest of a few compiled block sizes
+    (`TreeConfig.verify_sizes` below num_nodes, then num_nodes) that holds every row's last valid
+    node, picked per round by `lax.switch`.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from ...decode import GenerationResult, emit, is_eos
 from ...heads import eagle as H
 from ...kernels.top_k import top_k
 from ..drafters.eagle import EagleDrafter
+from ..drafters.hybrid import HybridDrafter
 from ..policies import resolve_policy
 from ..state import SpecState, record_call, result_from_device, round_features, take_row
 from ..verify.tree import Tree, path_of, verify_tree_greedy, verify_tree_sampling
@@ -54,11 +61,29 @@ class TreeConfig:
     top_k: int = 10
     depth: int = 6  # draft levels
     num_nodes: int = 59  # draft nodes kept (EAGLE's total_token - 1)
+    # smaller verify blocks (draft nodes) compiled for rounds a dynamic policy cut; those below num_nodes are used
+    verify_sizes: tuple[int, ...] = (15, 31)
+    ngram: int = 0  # hybrid drafters (drafters.hybrid): nodes of the n-gram branch beside the head's tree
 
     def __post_init__(self):
         cands = self.top_k + (self.depth - 1) * self.top_k**2
         if not 1 <= self.num_nodes <= cands:
             raise ValueError(f"num_nodes must be in [1, {cands}] for top_k={self.top_k}, depth={self.depth}")
+        if any(not isinstance(n, int) or n < 1 for n in self.verify_sizes):
+            raise ValueError(f"verify_sizes must be positive node counts, got {self.verify_sizes}")
+        if not 0 <= self.ngram <= self.depth:
+            raise ValueError(f"ngram (the n-gram branch's nodes) must be in [0, depth={self.depth}], got {self.ngram}")
+
+    @property
+    def total_nodes(self) -> int:
+        """Draft nodes the target verifies at most: the head's kept nodes and the n-gram branch."""
+        return self.num_nodes + self.ngram
+
+    def block_sizes(self, prunes: bool) -> tuple[int, ...]:
+        """Draft-node counts the verify block is compiled for, ascending, the full tree last:
+        only the full tree unless a dynamic policy can cut it."""
+        full = self.total_nodes
+        return tuple(sorted({n for n in self.verify_sizes if n < full})) + (full,) if prunes else (full,)
 
     @property
     def max_nodes(self) -> int:
@@ -73,7 +98,7 @@ class TreeConfig:
         K/V in a pending buffer; the fused kernel writes them past the cursor as scratch, drops what
         falls past the cache end and still attends to it), so nothing grows with (depth - 1) *
         top_k. `generate` reserves this many."""
-        return max(self.num_nodes, self.depth) + 1
+        return max(self.total_nodes, self.depth) + 1
 
 
 def _children(hcfg: H.HeadConfig, dparams, logits, k: int):
@@ -121,6 +146,7 @@ def draft_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: 
     # all levels run the same attention path; the last (largest) runs the D - 2 earlier frontiers
     # and its own as one fused block
     fused = H.fused_head_attention(hcfg, (D - 1) * k, drafter.kernels)
+    prunes = policy_prunes(policy)
     # Policies see draft-vocab logits (entropies and top probabilities are the same as over the
     # target vocab); one that reads the drafted token's id (LDLP-DDD) gets target-vocab logits.
     index = H.target_index(hcfg, dparams) if policy.needs_in_round_state else None
@@ -136,16 +162,30 @@ def draft_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: 
     f_anc = jnp.zeros((B, k, 0), bool)  # which pending entries each frontier node sees (its ancestors)
     own = jnp.broadcast_to(jnp.eye(k, dtype=bool), (B, k, k))
     n_cand = k
+    depth_cap = depth_cap.astype(jnp.int32)
     for level in range(2, D + 1):
         positions = jnp.broadcast_to(base[:, None] + (level - 2), (B, k))
-        h, logits, entries, cache = H.head_tree_level(hcfg, dparams, tparams, f_tok, f_feat, cache, positions,
-                                                      pending, f_anc, fused=fused)
-        c_score, c_tok = _children(hcfg, dparams, logits, k)  # [B, k, k]
+
+        def run_level(ops, level=level, positions=positions):
+            f_tok, f_feat, cache, pending, f_anc, pstate, depth_cap = ops
+            h, logits, entries, cache = H.head_tree_level(hcfg, dparams, tparams, f_tok, f_feat, cache, positions,
+                                                          pending, f_anc, fused=fused)
+            c_score, c_tok = _children(hcfg, dparams, logits, k)  # [B, k, k]
+            pstate, stop = policy.observe(pstate, jnp.int32(level - 1), policy_logits(logits[:, 0]), c_tok[:, 0, 0])
+            # A rule checked before drafting (AdaEDL) stops without this level; the others keep it.
+            kept = level - (stop & policy.stop_skips_token(pstate)).astype(jnp.int32)
+            depth_cap = jnp.where(stop & (depth_cap >= level), kept, depth_cap).astype(jnp.int32)
+            return h, c_score, c_tok, entries, cache, pstate, depth_cap
+
+        ops = (f_tok, f_feat, cache, pending, f_anc, pstate, depth_cap)
+        if prunes:  # no row keeps this level: skip its head forward (its candidates are masked below)
+            shapes = jax.eval_shape(run_level, ops)[:4]
+            skip = lambda ops, shapes=shapes: (*jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),  # noqa: E731
+                                               *ops[2:3], *ops[5:])
+            h, c_score, c_tok, entries, cache, pstate, depth_cap = jax.lax.cond(jnp.any(depth_cap >= level), run_level, skip, ops)
+        else:
+            h, c_score, c_tok, entries, cache, pstate, depth_cap = run_level(ops)
         cum = (f_score[:, :, None] + c_score).reshape(B, k * k)
-        pstate, stop = policy.observe(pstate, jnp.int32(level - 1), policy_logits(logits[:, 0]), c_tok[:, 0, 0])
-        # A rule checked before drafting (AdaEDL) stops without this level; the others keep it.
-        kept = level - (stop & policy.stop_skips_token(pstate)).astype(jnp.int32)
-        depth_cap = jnp.where(stop & (depth_cap >= level), kept, depth_cap)
         parent_of = jnp.repeat(frontier, k, axis=1)  # [B, k*k]
         cand_tok.append(c_tok.reshape(B, k * k))
         cand_score.append(cum)
@@ -165,8 +205,11 @@ def draft_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: 
 
     tokens = jnp.concatenate(cand_tok, 1)
     level = jnp.concatenate(cand_level, 1)
-    # Rank below every ancestor (scores are cumulative log-probs, so ties with a parent are possible)
+    # Rank below every ancestor (scores are cumulative log-probs, so ties with a parent are possible);
+    # a candidate below its row's depth cap ranks below every one within it (the kept valid nodes
+    # are then a prefix of the node order, since candidates are numbered level by level)
     score = jnp.concatenate(cand_score, 1) - 1e-4 * level
+    score = jnp.where(level <= depth_cap[:, None], score, -1e9 * level.astype(score.dtype))
     parent_cand = jnp.concatenate(cand_parent, 1)
     _, keep = top_k(score, tc.num_nodes)
     keep = jnp.sort(keep, axis=1)  # parents precede children
@@ -182,6 +225,75 @@ def draft_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: 
     ancestors = _ancestors(parent, D)
     valid = (depth <= depth_cap[:, None]) & ~below_eos(tcfg, tree_tok, ancestors)
     return Tree(tree_tok, parent, depth, ancestors, valid), pstate, dstate.replace(cache=cache)
+
+
+def policy_prunes(policy) -> bool:
+    """Whether a policy can cut trees (every policy but static): its trees get skippable levels
+    and smaller verify blocks."""
+    return policy.name != "static"
+
+
+def verify_size_index(valid: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
+    """Index into `sizes` (ascending draft-node counts) of the smallest block that holds every
+    row's last valid node. valid: [B, N+1] (node 0 the root)."""
+    last = jnp.max(jnp.where(valid, jnp.arange(valid.shape[1]), 0))
+    return jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), last), len(sizes) - 1).astype(jnp.int32)
+
+
+def first_nodes(tree: Tree, n: int) -> Tree:
+    """The tree's first n nodes (root included): a closed subtree, since parents precede children."""
+    return Tree(tree.tokens[:, :n], tree.parent[:, :n], tree.depth[:, :n], tree.ancestors[:, :n, :n], tree.valid[:, :n])
+
+
+def verify_block(tparams, tcfg, capture, unroll, sampling, max_depth: int, max_children: int, tree: Tree, cache, key):
+    """One target forward over a tree and its verification: (best node, n accepted, next token,
+    path [B, D+1], the forward's outputs along the path, the feature at the best node)."""
+    positions = cache.lengths[:, None] + tree.depth
+    vout = M.forward(tparams, tcfg, tree.tokens, cache, positions=positions, new_mask=tree.ancestors,
+                     capture=capture, unroll=unroll)
+    logits = M.lm_head(tparams, tcfg, vout.hidden)
+    if sampling.greedy:
+        best, n, nxt = verify_tree_greedy(tree, logits, max_depth)
+    else:
+        best, n, nxt = verify_tree_sampling(key, tree, logits, sampling, max_depth, max_children)
+    path = path_of(tree, best, max_depth)  # [B, D+1]
+    return best, n, nxt, path, gather_out(vout, path), take_row(vout.hidden, best)
+
+
+def verify_pruned(tparams, tcfg, capture, unroll, sampling, max_depth: int, max_children: int, tree: Tree, cache, key,
+                  sizes: tuple[int, ...]):
+    """`verify_block` over the first sizes[i] + 1 nodes, i the smallest block holding every valid
+    node (`verify_size_index`): one compiled program per size, chosen per round."""
+    run = functools.partial(verify_block, tparams, tcfg, capture, unroll, sampling, max_depth, max_children)
+    if len(sizes) == 1:
+        return run(tree, cache, key)
+    branches = [lambda t, c, k, n=n: run(first_nodes(t, n + 1), c, k) for n in sizes]
+    return jax.lax.switch(verify_size_index(tree.valid, sizes), branches, tree, cache, key)
+
+
+def with_ngram_branch(tcfg, tree: Tree, tokens: jax.Array, valid: jax.Array, max_depth: int) -> Tree:
+    """The head's tree with an n-gram continuation (tokens, valid [B, M], M <= max_depth) as one
+    more branch from the root, placed first (nodes 1..M, a chain) so that a pruned round's valid
+    nodes still come first; the head's nodes follow, their parent indices shifted by M."""
+    B, M = tokens.shape
+    chain = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (B, M))  # node i's parent is i - 1 (the root for i = 1)
+    head_parent = jnp.where(tree.parent[:, 1:] == 0, 0, tree.parent[:, 1:] + M).astype(jnp.int32)
+    parent = jnp.concatenate([tree.parent[:, :1], chain, head_parent], 1)
+    depth = jnp.concatenate([tree.depth[:, :1], jnp.broadcast_to(jnp.arange(1, M + 1, dtype=tree.depth.dtype), (B, M)),
+                             tree.depth[:, 1:]], 1)
+    tok = jnp.concatenate([tree.tokens[:, :1], tokens.astype(tree.tokens.dtype), tree.tokens[:, 1:]], 1)
+    ancestors = _ancestors(parent, max_depth)
+    prefix = jnp.cumprod(valid.astype(jnp.int32), axis=1).astype(bool)
+    valid = jnp.concatenate([tree.valid[:, :1], prefix, tree.valid[:, 1:]], 1) & ~below_eos(tcfg, tok, ancestors)
+    return Tree(tok, parent, depth, ancestors, valid)
+
+
+def tree_for(drafter, tree: TreeConfig) -> TreeConfig:
+    """The tree a drafter drafts: a hybrid's n-gram branch defaults to the tree's depth."""
+    hybrid = isinstance(drafter, HybridDrafter)
+    if tree.ngram and not hybrid:
+        raise ValueError(f"TreeConfig.ngram={tree.ngram} drafts an n-gram branch: use a hybrid drafter (eagle3+ngram)")
+    return dataclasses.replace(tree, ngram=tree.depth) if hybrid and tree.ngram == 0 else tree
 
 
 def below_eos(tcfg, tokens, ancestors):
@@ -202,16 +314,17 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
     key, k_verify = jax.random.split(state.key)
     pstate, limit = policy.start_round(state.pstate, D, round_features(state, tparams))
     limit = jnp.clip(limit, 1, D)
-    tree, pstate, dstate = draft_tree(drafter, dparams, tparams, tcfg, state.dstate, state.last, tc, policy, pstate, limit)
-    positions = state.cache.lengths[:, None] + tree.depth
-    vout = M.forward(tparams, tcfg, tree.tokens, state.cache, positions=positions, new_mask=tree.ancestors,
-                     capture=drafter.capture_layers, unroll=unroll)
-    logits = M.lm_head(tparams, tcfg, vout.hidden)
-    if sampling.greedy:
-        best, n, nxt = verify_tree_greedy(tree, logits, D)
-    else:
-        best, n, nxt = verify_tree_sampling(k_verify, tree, logits, sampling, D, tc.top_k)
-    path = path_of(tree, best, D)  # [B, D+1]
+    hybrid = isinstance(drafter, HybridDrafter)
+    head_drafter, head_state = (drafter.eagle, state.dstate.eagle) if hybrid else (drafter, state.dstate)
+    tree, pstate, head_state = draft_tree(head_drafter, dparams, tparams, tcfg, head_state, state.last, tc, policy, pstate, limit)
+    dstate = state.dstate.replace(eagle=head_state) if hybrid else head_state
+    children = tc.top_k
+    if hybrid and tc.ngram:
+        tree = with_ngram_branch(tcfg, tree, *drafter.ngram.propose(state.dstate.ngram, state.last, tc.ngram), D)
+        children += 1  # the root's n-gram child beside its top_k head children
+    best, n, nxt, path, path_out, feature = verify_pruned(
+        tparams, tcfg, drafter.capture_layers, unroll, sampling, D, children, tree, state.cache, k_verify,
+        tc.block_sizes(policy_prunes(policy)))
     path_tok = jnp.take_along_axis(tree.tokens, path, 1)
 
     active = ~state.done
@@ -219,8 +332,8 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
     emitted = jnp.where(jnp.arange(D + 1)[None] == n[:, None], nxt[:, None], emitted)
     out, n_out, done = emit(tcfg, state.out, state.n_out, state.done, emitted, n + 1, max_new)
     step = active.astype(jnp.int32)
-    cache = M.commit(vout.cache, path, (n + 1) * step)
-    dstate = drafter.commit(dparams, tparams, tcfg, dstate, path_tok, n, nxt, gather_out(vout, path))
+    cache = M.commit(path_out.cache, path, (n + 1) * step)
+    dstate = drafter.commit(dparams, tparams, tcfg, dstate, path_tok, n, nxt, path_out)
     n_drafted = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)  # chain-equivalent draft length
     pstate = policy.update(pstate, n_drafted, n, active)
     n_nodes = jnp.sum(tree.valid[:, 1:], 1).astype(jnp.int32)
@@ -229,7 +342,7 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
         trace_drafted=trace_drafted, trace_tokens=trace_tokens,
         cache=cache, dstate=dstate, pstate=pstate, out=out, n_out=n_out,
         last=jnp.where(active, nxt, state.last),
-        feature=jnp.where(active[:, None], take_row(vout.hidden, best), state.feature),
+        feature=jnp.where(active[:, None], feature, state.feature),
         done=done, key=key, target_calls=state.target_calls + step,
         drafted=state.drafted + n_nodes * step,
         accepted=state.accepted + n * step,
@@ -251,8 +364,8 @@ def tree_generate_jit(tparams, dparams, policy_params, tokens, lens, key, policy
 
 
 def tree_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, tree: TreeConfig, max_new, cache_len, sampling, unroll, policy_state=None) -> GenerationResult:
-    if not isinstance(drafter, EagleDrafter):
-        raise ValueError(f"tree drafting needs an EAGLE head drafter, got {getattr(drafter, 'name', drafter)!r}")
+    if not isinstance(drafter, (EagleDrafter, HybridDrafter)):
+        raise ValueError(f"tree drafting needs an EAGLE head drafter (or eagle3+ngram), got {getattr(drafter, 'name', drafter)!r}")
     policy = resolve_policy(policy, tree.depth)
     check_compatible(drafter, policy, tcfg, tree.depth, "lossless")
     return result_from_device(tree_generate_jit(

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from .base import Policy, count_rounds, softmax_entropy
+from .base import Policy, count_rounds
 
 
 def adaedl_stop(entropy: jax.Array, lam: jax.Array, gamma: float) -> jax.Array:
@@ -104,9 +104,9 @@ class AdaEDLPolicy(Policy):
         lam, acc_rate = self.initial_thresholds(batch)
         return AdaEDLState(lam=lam, acc_rate=acc_rate, rounds=jnp.zeros((batch,), jnp.int32))
 
-    def stop(self, state, step, draft_logits):
+    def stop_from_stats(self, state, step, stats):
         """Stop before drafting token ``step`` (never before the first ``min_draft``)."""
-        return adaedl_stop(softmax_entropy(draft_logits), state.lam, self.gamma) & (step >= self.min_draft)
+        return adaedl_stop(stats.entropy, state.lam, self.gamma) & (step >= self.min_draft)
 
     def update(self, state, n_drafted, n_accepted, active):
         lam, acc_rate = self.next_thresholds(

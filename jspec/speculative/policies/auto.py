@@ -30,8 +30,11 @@ Two decisions use it:
   `plan(..., row_spread=)` overrides it.
 * Device side, per round and per row (`round_limit`): with the verify cost of the static block,
   the draft length (or tree depth) k in [1, K] that maximises tau(k) / c(k) under the row's own
-  running acceptance estimate (a geometric fit of accepted / drafted, smoothed over rounds).
-  Rows whose drafts are rejected draft less: at worst one token per round.
+  acceptance estimate: the geometric fit successes / trials over discounted per-row sums (a round
+  that accepts n of its drafts adds n successes and n + 1 trials, or n trials when every draft was
+  accepted). A mean of each round's own ratio n / (n + 1) would be biased low: at a true
+  acceptance of 0.65 and K = 6 it averages 0.44. Rows whose drafts are rejected draft less: at
+  worst one token per round.
 
 The cost table (verify_us[B][T], draft_step_us[B], tree_level_us[B]) is measured once per card by
 `jspec.bench.round_cost.card_costs` and cached as JSON (models/<preset>/round_cost_<card>.json or
@@ -58,6 +61,16 @@ from .base import Policy, clip_limit, count_rounds
 
 TREE_SIZES = (15, 23, 31, 47, 59)  # EAGLE's total_tokens candidates, minus the root
 TREE_WIDTH_EXPONENT = 0.176  # [I] fit to jspec's H200 rows: 59-node trees accepted 2.6 tokens where chains took 1.8
+
+
+def hybrid_tokens(tree_alpha: float, depth: int, ngram_alpha: float, ngram: int) -> float:
+    """Expected tokens of a round over a head tree of per-level acceptance tree_alpha and an n-gram
+    branch of `ngram` nodes (drafters.hybrid): the longer of the two accepted paths plus the bonus,
+    1 + sum_j P(either reaches depth j), with the two branches taken as independent ([I] a model:
+    both do better on easy text, so it is optimistic where they overlap)."""
+    j = np.arange(1, depth + 1)
+    ngram_reach = np.where(j <= ngram, float(ngram_alpha) ** j, 0.0)
+    return float(1.0 + np.sum(1.0 - (1.0 - float(tree_alpha) ** j) * (1.0 - ngram_reach)))
 
 
 def tree_acceptance(alpha, nodes: int, depth: int):
@@ -176,15 +189,18 @@ class AutoPlan:
     num_nodes: int  # tree nodes (0 for chains)
     gain: float  # expected speed-up over plain decoding at the prior acceptance
     policy: "AutoPolicy | None"
+    ngram: int = 0  # hybrid trees: nodes of the n-gram branch
 
 
 def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: int = 8, tree: bool = False,
          tree_top_k: int = 10, tree_depth: int = 6, alpha: float | None = None, min_gain: float = 1.05,
-         row_spread: float | None = None) -> AutoPlan:
+         row_spread: float | None = None, hybrid: bool = False) -> AutoPlan:
     """The static budget for one generate call (module doc). `parallel` drafters (n-gram) cost
     nothing per draft step. alpha: the drafter's mean per-token acceptance (None: the table's or
     the prior); the plan uses a slow row's (`straggler_acceptance`, with the drafter's
-    `ROW_SPREAD` unless row_spread is given)."""
+    `ROW_SPREAD` unless row_spread is given). hybrid: a head tree with an n-gram branch beside it
+    (drafters.hybrid): the plan also picks the branch's length, 0 to the depth in steps of 2,
+    by `hybrid_tokens` at the n-gram drafter's acceptance."""
     cm = CostModel(costs, batch)
     a = alpha if alpha is not None else costs.get("acceptance", {}).get(drafter_name, ACCEPTANCE_PRIOR.get(drafter_name, DEFAULT_PRIOR))
     if row_spread is None:
@@ -194,17 +210,23 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     step = 0.0 if parallel else cm.draft_step()
     first = (0.0 if parallel else cm.draft_first()) + cm.overhead(tree)  # fixed per-round cost
     best = AutoPlan("ar", 0, 0, 1.0, None)
+    a_ngram = 0.0
+    if hybrid:
+        prior = costs.get("acceptance", {}).get("ngram", ACCEPTANCE_PRIOR["ngram"])
+        a_ngram = straggler_acceptance(prior, batch, ROW_SPREAD["ngram"])
     if tree:
         level = cm.tree_level()
         for depth in range(2, tree_depth + 1):
             for n in TREE_SIZES:
                 if n > tree_top_k + (depth - 1) * tree_top_k**2:
                     continue
-                tau = float(expected_tokens(tree_acceptance(a, n, depth), depth))
-                gain = tau * ar / (first + depth * level + cm.verify(n + 1, tree=True))
-                if gain > best.gain + 1e-9:
-                    best = AutoPlan("tree", depth, n, gain, None)
-        unit, verify_at = level, cm.verify(best.num_nodes + 1, tree=True) if best.mode == "tree" else 0.0
+                for m in (range(0, depth + 1, 2) if hybrid else (0,)):
+                    tau = hybrid_tokens(float(tree_acceptance(a, n, depth)), depth, a_ngram, m)
+                    gain = tau * ar / (first + depth * level + cm.verify(n + m + 1, tree=True))
+                    if gain > best.gain + 1e-9:
+                        best = AutoPlan("tree", depth, n, gain, None, ngram=m)
+        unit = level
+        verify_at = cm.verify(best.num_nodes + best.ngram + 1, tree=True) if best.mode == "tree" else 0.0
     else:
         for k in range(1, k_cap + 1):
             gain = float(expected_tokens(a, k)) * ar / (first + k * step + cm.verify(k + 1))
@@ -221,8 +243,22 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
 
 @struct.dataclass
 class AutoState:
-    alpha: jax.Array  # [B] float32 running per-token acceptance estimate
+    successes: jax.Array  # [B] float32 discounted accepted drafts (plus the prior's pseudo-count)
+    trials: jax.Array  # [B] float32 discounted Bernoulli trials behind them
     rounds: jax.Array  # [B] int32
+
+    @property
+    def alpha(self) -> jax.Array:
+        """[B] per-token acceptance estimate: the geometric fit of the discounted sums."""
+        return self.successes / jnp.maximum(self.trials, 1e-6)
+
+
+def acceptance_sums(successes, trials, n_drafted, n_accepted, discount: float):
+    """One round of the per-row geometric fit: accepted drafts are successes, and a rejected draft
+    (n_accepted < n_drafted) is one more trial; older rounds weigh `discount` per round."""
+    acc = n_accepted.astype(jnp.float32)
+    rejected = (n_accepted < n_drafted).astype(jnp.float32)
+    return discount * successes + acc, discount * trials + acc + rejected
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,21 +266,24 @@ class AutoPolicy(Policy):
     """Per-row draft length (or tree depth) maximising expected tokens per µs (module doc).
 
     step_us: one draft step / tree level; first_us: the draft's fixed start; verify_us: the static
-    verify block's forward. alpha0: acceptance prior; smoothing: weight of the past in the
-    running estimate. Built by `plan` from a card's cost table; `make_policy("auto", k_max=K)`
-    gives the reference costs at batch 1."""
+    verify block's forward. alpha0: acceptance prior, worth `prior_trials` trials; discount: weight
+    of a round one round older in the per-row sums (0.95: about the last 20 rounds count). Built
+    by `plan` from a card's cost table; `make_policy("auto", k_max=K)` gives the reference costs
+    at batch 1."""
 
     name = "auto"
 
     alpha0: float = 0.6
-    smoothing: float = 0.7
+    discount: float = 0.95
+    prior_trials: float = 4.0
     step_us: float = 75.0
     first_us: float = 40.0
     verify_us: float = 1070.0
 
     def init(self, batch, key):
         del key
-        return AutoState(alpha=jnp.full((batch,), self.alpha0, jnp.float32), rounds=jnp.zeros((batch,), jnp.int32))
+        return AutoState(successes=jnp.full((batch,), self.alpha0 * self.prior_trials, jnp.float32),
+                         trials=jnp.full((batch,), self.prior_trials, jnp.float32), rounds=jnp.zeros((batch,), jnp.int32))
 
     def round_limit(self, state, k_max, features=None):
         self._check_k_max(k_max)
@@ -253,12 +292,9 @@ class AutoPolicy(Policy):
         return clip_limit(jnp.argmax(rate, axis=1) + 1, k_max)
 
     def update(self, state, n_drafted, n_accepted, active):
-        # geometric fit of one round: successes = accepted, trials = accepted + (1 if a draft was rejected)
-        rejected = (n_accepted < n_drafted).astype(jnp.float32)
-        acc = n_accepted.astype(jnp.float32)
-        observed = jnp.where(acc + rejected > 0, acc / jnp.maximum(acc + rejected, 1.0), state.alpha)
-        alpha = self.smoothing * state.alpha + (1.0 - self.smoothing) * observed
-        return AutoState(alpha=jnp.where(active, alpha, state.alpha), rounds=count_rounds(state.rounds, active))
+        s, t = acceptance_sums(state.successes, state.trials, n_drafted, n_accepted, self.discount)
+        return AutoState(successes=jnp.where(active, s, state.successes), trials=jnp.where(active, t, state.trials),
+                         rounds=count_rounds(state.rounds, active))
 
 
 # ---- the per-card cost table and the host-side budget --------------------------------------------
@@ -296,11 +332,12 @@ def auto_budget(policy, drafter, batch: int, k_max: int, tree, costs: dict | Non
     if isinstance(policy, AutoPlan):
         p = policy
     else:
-        p = plan(costs if costs is not None else load_costs(), batch=batch, drafter_name=drafter.name,
+        hybrid = drafter.name == "hybrid"
+        p = plan(costs if costs is not None else load_costs(), batch=batch, drafter_name="eagle" if hybrid else drafter.name,
                  parallel=drafter.parallel, k_cap=k_max, tree=tree is not None, alpha=getattr(drafter, "acceptance", None),
-                 tree_top_k=getattr(tree, "top_k", 10), tree_depth=getattr(tree, "depth", 6))
+                 tree_top_k=getattr(tree, "top_k", 10), tree_depth=getattr(tree, "depth", 6), hybrid=hybrid)
     if p.mode == "ar":
         return None, None, k_max, None
     if p.mode == "tree":
-        return drafter, p.policy, k_max, dataclasses.replace(tree, depth=p.k_max, num_nodes=p.num_nodes)
+        return drafter, p.policy, k_max, dataclasses.replace(tree, depth=p.k_max, num_nodes=p.num_nodes, ngram=p.ngram)
     return drafter, p.policy, p.k_max, None

@@ -80,6 +80,28 @@ def softmax_entropy(draft_logits: jax.Array) -> jax.Array:
     return entropy_from_log_probs(draft_log_probs(draft_logits))
 
 
+@struct.dataclass
+class DraftStats:
+    """What the stop rules read of one draft distribution, per row [B]. The rules take these
+    (`Policy.stop_from_stats`) rather than logits, so that calibration can replay recorded
+    rounds through the policies' own rules (policies.calibration)."""
+
+    entropy: jax.Array  # nats
+    top1: jax.Array  # largest probability
+    top2: jax.Array  # second largest
+    token_logprob: jax.Array  # log q of the drafted token (the top log-prob when none is given)
+
+
+def draft_stats(draft_logits: jax.Array, draft_token: jax.Array | None = None) -> DraftStats:
+    log_probs = draft_log_probs(draft_logits)
+    top1, top2 = top_two_probs(log_probs)
+    if draft_token is None:
+        token_logprob = jnp.max(log_probs, axis=-1)
+    else:
+        token_logprob = jnp.take_along_axis(log_probs, draft_token[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    return DraftStats(entropy_from_log_probs(log_probs), top1, top2, token_logprob)
+
+
 # ------------------------------------------------------------------------------------------------
 # Helpers shared by the policies
 # ------------------------------------------------------------------------------------------------
@@ -152,7 +174,15 @@ class Policy:
         return full_limit(state.rounds.shape[0], k_max)
 
     def stop(self, state: Any, step: jax.Array, draft_logits: jax.Array) -> jax.Array:
-        return never_stop(draft_logits)
+        """Stop after (or, `stop_skips_token`, before) draft token `step`: the rule of
+        `stop_from_stats` on the distribution's statistics."""
+        if type(self).stop_from_stats is Policy.stop_from_stats:
+            return never_stop(draft_logits)
+        return self.stop_from_stats(state, step, draft_stats(draft_logits))
+
+    def stop_from_stats(self, state: Any, step: jax.Array, stats: DraftStats) -> jax.Array:
+        """[B] bool: the stop rule on a draft distribution's statistics (default: never)."""
+        return jnp.zeros(stats.top1.shape, jnp.bool_)
 
     def update(
         self, state: Any, n_drafted: jax.Array, n_accepted: jax.Array, active: jax.Array
@@ -165,7 +195,7 @@ class Policy:
         rule that cannot is drafted as max(limit) steps, a loop whose length the compiler knows
         (engines.chain.draft_autoregressive)."""
         cls = type(self)
-        return cls.stop is not Policy.stop or cls.observe is not Policy.observe
+        return cls.stop is not Policy.stop or cls.stop_from_stats is not Policy.stop_from_stats or cls.observe is not Policy.observe
 
     def stop_skips_token(self, state: Any) -> jax.Array:
         """[B] bool: True where a stop at this step drops the step's token (a rule checked before

@@ -240,6 +240,7 @@ class LDLPPolicy(Policy):
 
     ddd: bool = False
     ddd_threshold: float = -0.6
+    length_offset: float = 0.0  # added to the prediction before rounding (fit by `jspec calibrate`; 0: the paper)
     d_model: int | None = None
     hidden: int = DEFAULT_HIDDEN
     num_layers: int = DEFAULT_NUM_LAYERS
@@ -279,7 +280,7 @@ class LDLPPolicy(Policy):
         prediction = ldlp_apply(
             state.params, features["token_embedding"], features["target_feature"]
         )
-        return length_from_prediction(prediction, k_max)
+        return length_from_prediction(prediction + self.length_offset, k_max)
 
     def _plain_calls_unsupported(self) -> None:
         if self.ddd:

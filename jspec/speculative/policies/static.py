@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from .base import Policy, clip_limit, count_rounds, draft_log_probs, top_two_probs
+from .base import Policy, clip_limit, count_rounds
 
 
 def max_confidence_stop(top1: jax.Array, threshold: float) -> jax.Array:
@@ -44,9 +44,8 @@ class ConfidencePolicy(Policy):
 
     threshold: float = 0.5
 
-    def stop(self, state, step, draft_logits):
-        top1, _ = top_two_probs(draft_log_probs(draft_logits))
-        return max_confidence_stop(top1, self.threshold)
+    def stop_from_stats(self, state, step, stats):
+        return max_confidence_stop(stats.top1, self.threshold)
 
 
 @struct.dataclass

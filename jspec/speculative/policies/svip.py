@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .base import Policy, clip_limit, softmax_entropy
+from .base import Policy, clip_limit
 
 
 def svip_stop(entropy: jax.Array, entropy_scale: float, threshold: float) -> jax.Array:
@@ -38,5 +38,5 @@ class SVIPPolicy(Policy):
         self._check_k_max(k_max)
         return clip_limit(jnp.full(state.rounds.shape, min(self.max_draft, k_max), jnp.int32), k_max)
 
-    def stop(self, state, step, draft_logits):
-        return svip_stop(softmax_entropy(draft_logits), self.entropy_scale, self.threshold)
+    def stop_from_stats(self, state, step, stats):
+        return svip_stop(stats.entropy, self.entropy_scale, self.threshold)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from .adaedl import AdaEDLPolicy, adaedl_stop
-from .base import Policy, count_rounds, draft_log_probs, entropy_from_log_probs, keep_finished, row_keys, top_two_probs
+from .base import DraftStats, Policy, count_rounds, draft_stats, keep_finished, row_keys
 from .static import max_confidence_stop
 from .svip import SVIPPolicy, svip_stop
 
@@ -126,9 +126,10 @@ class TapOutPolicy(Policy):
     def arm_stop_flags(self, state: TapOutState, draft_logits: jax.Array, step=1) -> jax.Array:
         """[B, A] bool: each arm's stop decision at draft step ``step`` (the AdaEDL arm checks
         before drafting the token and never before its ``min_draft``-th)."""
-        log_probs = draft_log_probs(draft_logits)
-        entropy = entropy_from_log_probs(log_probs)
-        top1, top2 = top_two_probs(log_probs)
+        return self.arm_flags_from_stats(state, draft_stats(draft_logits), step)
+
+    def arm_flags_from_stats(self, state: TapOutState, stats: DraftStats, step=1) -> jax.Array:
+        entropy, top1, top2 = stats.entropy, stats.top1, stats.top2
         rules = {
             "logit_margin": lambda: logit_margin_stop(top1, top2),
             "max_conf": lambda: max_confidence_stop(top1, self.max_conf_threshold),
@@ -138,8 +139,8 @@ class TapOutPolicy(Policy):
         }
         return jnp.stack([rules[a]() for a in self.arms], axis=-1)
 
-    def stop(self, state, step, draft_logits):
-        flags = self.arm_stop_flags(state, draft_logits, step)
+    def stop_from_stats(self, state, step, stats):
+        flags = self.arm_flags_from_stats(state, stats, step)
         return jnp.take_along_axis(flags, state.arm[:, None], axis=-1)[:, 0]
 
     def stop_skips_token(self, state):

@@ -1,0 +1,121 @@
+"""`jspec calibrate`: fit draft-length policies' constants to an EAGLE head on this card.
+
+    jspec calibrate --drafter eagle3 --policy svip,adaedl,confidence,tapout,ldlp
+
+records rounds of a static K = --k-max chain on training-side prompts (chitchat's training split,
+`jspec.tasks.training_prompts`; never an evaluation set), replays them through each policy's rules
+over a grid of its constants, keeps the constants with the most tokens per µs under this card's
+cost table at --batch, and writes them beside the head (<head>/jspec/calibration.json, one entry
+per card), where a policy spec without a suffix finds them (`svip`; `svip:paper` keeps the
+paper's). The method is in jspec.speculative.policies.calibration.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from jspec import presets
+from jspec.bench.cli import preset_name
+from jspec.bench.prompts import encode_questions
+from jspec.bench.round_cost import ensure_costs
+from jspec.errors import UsageError
+from jspec.generate import generate
+from jspec.speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, head_dir
+from jspec.speculative.policies.auto import card_name
+from jspec.speculative.policies.calibration import (CALIBRATED_POLICIES, Records, RecordingPolicy, RoundCost, fit_all,
+                                                    save_calibration)
+from jspec.speculative.policies.ldlp import load_ldlp
+from jspec.tasks import Question, training_prompts
+
+STATIC_REFERENCE = 6  # the static chain the issue's bars compare against
+
+
+def add_calibrate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="preset name or checkpoint path")
+    p.add_argument("--drafter", default="eagle3", help="an EAGLE head: eagle3[:PATH] or eagle[:PATH] (default: the preset's)")
+    p.add_argument("--policy", default=",".join(CALIBRATED_POLICIES),
+                   help=f"comma list of policies to fit (default all: {', '.join(CALIBRATED_POLICIES)})")
+    p.add_argument("--k-max", type=int, default=8, help="the chain's maximum draft length the constants are fit for")
+    p.add_argument("--batch", type=int, default=1, help="batch size of the cost model the fit optimises for")
+    p.add_argument("--record-batch", type=int, default=16, help="rows per generate call while recording")
+    p.add_argument("--n-prompts", type=int, default=128, help="training-side prompts to record rounds on")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0, help="which training prompts")
+    p.add_argument("--out-dir", default=None, help="head directory to write jspec/calibration.json into (default: the head's)")
+    p.add_argument("--models-dir", default="models")
+    return p
+
+
+def check_calibrate_args(a) -> list[str]:
+    """Every check that needs no model; returns the policy names."""
+    names = [n.strip() for n in a.policy.split(",") if n.strip()]
+    bad = [n for n in names if n not in CALIBRATED_POLICIES]
+    if not names or bad:
+        raise UsageError(f"--policy {a.policy!r}: calibrate fits {', '.join(CALIBRATED_POLICIES)}")
+    for flag, value in (("--k-max", a.k_max), ("--batch", a.batch), ("--record-batch", a.record_batch),
+                        ("--n-prompts", a.n_prompts), ("--max-new-tokens", a.max_new_tokens)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if a.k_max < 2:
+        raise UsageError(f"--k-max {a.k_max}: a policy can only choose a draft length when k_max >= 2")
+    if not check_drafter_spec(a.drafter).__name__.startswith("Eagle"):
+        raise UsageError(f"--drafter {a.drafter!r}: calibration fits policies to an EAGLE head (eagle3[:PATH], eagle[:PATH])")
+    return names
+
+
+def record_rounds(params, cfg, drafter, dparams, prompts: list[list[int]], *, k_max: int, batch: int, max_new: int,
+                  ldlp_params=None) -> Records:
+    """Generate with `RecordingPolicy` (a static chain of k_max) and collect the recorded rounds."""
+    policy = RecordingPolicy(k_max=k_max, max_rounds=max_new)
+    parts = []
+    for i in range(0, len(prompts), batch):
+        res = generate(params, cfg, prompts[i : i + batch], max_new_tokens=max_new, drafter=drafter, drafter_params=dparams,
+                       policy=policy, policy_params=ldlp_params, k_max=k_max)
+        parts.append(Records.from_state(res.policy_state))
+    return Records.concat(parts)
+
+
+def calibrate(params, cfg, drafter, dparams, prompts, names, *, costs: dict, k_max: int, batch: int, record_batch: int,
+              max_new: int, ldlp_params=None) -> dict:
+    """Record, then fit every named policy: the calibration entry of one card (save_calibration)."""
+    records = record_rounds(params, cfg, drafter, dparams, prompts, k_max=k_max, batch=record_batch, max_new=max_new,
+                            ldlp_params=ldlp_params)
+    cost = RoundCost.from_table(costs, batch, k_max)
+    fits = fit_all(names, records, k_max, cost)
+    return {"k_max": k_max, "batch": batch, "rounds": records.n_rounds, "max_new_tokens": max_new,
+            "cost_table": costs.get("card", "reference"), **fits}
+
+
+def report_lines(entry: dict) -> list[str]:
+    """One line per policy: its constants (paper -> calibrated) and the replayed rates."""
+    static = entry["static"].get(str(STATIC_REFERENCE))
+    lines = [f"{entry['rounds']} rounds recorded at K = {entry['k_max']}; costs at batch {entry['batch']} ({entry['cost_table']})"]
+    for k, s in sorted(entry["static"].items(), key=lambda kv: int(kv[0])):
+        lines.append(f"  static K={k}: {s['tokens_per_round']:.2f} tokens/round, {s['speedup_vs_ar']:.2f}x AR")
+    for name, fit in entry["policies"].items():
+        for which in ("paper", "calibrated"):
+            s = fit[which]
+            vs = f", {s['speedup_vs_ar'] / static['speedup_vs_ar']:.3f}x static K={STATIC_REFERENCE}" if static else ""
+            lines.append(f"  {name} {which:10s}: drafted {s['drafted_per_round']:.2f}, {s['tokens_per_round']:.2f} tokens/round, "
+                         f"{s['round_us']:.0f} µs/round, {s['speedup_vs_ar']:.2f}x AR{vs}")
+        lines.append(f"  {name} constants: {fit['constants']}")
+    return lines
+
+
+def run_calibrate(a) -> int:
+    names = check_calibrate_args(a)
+    texts = training_prompts(a.n_prompts, seed=a.seed)  # before the model loads: a bad count fails fast
+    cfg, params, tokenizer = presets.resolve_model(a.model)
+    drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)
+    head = Path(a.out_dir) if a.out_dir else head_dir(a.drafter, a.model)
+    ldlp_params = load_ldlp(str(find_ldlp_weights(a.drafter, a.model)))[0] if "ldlp" in names else None
+    prompts = encode_questions(tokenizer, [Question(i, "train", [t]) for i, t in enumerate(texts)])
+    costs = ensure_costs(params, cfg, drafter, dparams, batch=a.batch, preset=preset_name(a.model), models_dir=a.models_dir)
+    entry = calibrate(params, cfg, drafter, dparams, prompts, names, costs=costs, k_max=a.k_max, batch=a.batch,
+                      record_batch=a.record_batch, max_new=a.max_new_tokens, ldlp_params=ldlp_params)
+    entry["prompts"] = f"chitchat training split (jspec.tasks.training_prompts): {a.n_prompts} prompts, seed {a.seed}"
+    path = save_calibration(head, card_name(), entry)
+    print("\n".join(report_lines(entry)))
+    print(f"calibration: {path}")
+    return 0

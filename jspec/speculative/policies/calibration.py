@@ -1,0 +1,338 @@
+"""Calibration: fit a policy's constants to one drafter on one card, from recorded rounds.
+
+The seed policies' constants were set for 7B-class drafters; a small EAGLE head is sure of itself
+in other places, and SVIP with its paper constants drafts 1.35 tokens a round with jspec's head.
+`jspec calibrate` (jspec.bench.calibrate) fits them instead, cheaply:
+
+1. Record (`RecordingPolicy`): generate from training-side prompts with a static chain of k_max
+   drafts every round, recording per row, round and draft step the draft distribution's
+   `DraftStats` (entropy, top two probabilities, the drafted token's log q), per round the drafted
+   and accepted counts, and LDLP's predicted length when predictor weights are given.
+2. Replay (`replay`): run a policy's own rules (start_round, stop_from_stats, stop_skips_token,
+   update) over the recorded rounds. A round the policy ends after L drafts accepts min(n, L) of
+   them, n the recorded accepted count (greedy drafts do not depend on where the round stops), and
+   costs first + L * step + verify(k_max + 1) + overhead µs from the card's cost table (the chain
+   engine verifies its padded block whatever L is). Stateful rules (AdaEDL's lambda, TapOut's
+   bandit) follow each row's rounds in order.
+3. Fit (`fit_policy`): grid search over CALIBRATION_GRIDS for the most tokens per µs, every grid
+   point replayed at once (`jax.vmap` over the constants). TapOut's arms take the SVIP, max-
+   confidence and AdaEDL fits of the same run; LDLP fits an offset added to its prediction.
+
+The result is written beside the head (`save_calibration`: <head>/jspec/calibration.json, one
+entry per card) and read back by `calibrated_constants`; `policy_from_constants` builds the
+policy. The paper's constants stay the dataclass defaults (`svip:paper` in a policy spec).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from . import make_policy
+from .auto import CostModel
+from .base import DraftStats, Policy, draft_stats, full_limit
+from .ldlp import ldlp_apply, length_from_prediction
+
+CALIBRATION_DIR = "jspec"  # a jspec-only folder beside the head's own files (other loaders never read it)
+CALIBRATION_FILE = "calibration.json"
+CALIBRATION_FORMAT = "jspec-calibration-1"
+
+# The constants each calibrated policy fits, with the grid searched. The other fields keep the
+# paper's values. TapOut's svip / adaedl arms and its max-confidence arm's start come from the fits
+# of svip, adaedl and confidence (`fit_all` fits those first).
+CALIBRATION_GRIDS: dict[str, dict[str, tuple]] = {
+    "confidence": {"threshold": tuple(np.round(np.arange(0.05, 0.951, 0.05), 2).tolist())},
+    "svip": {"threshold": tuple(np.round(np.arange(0.05, 1.251, 0.05), 2).tolist())},
+    "adaedl": {"gamma": (0.05, 0.1, 0.2, 0.4), "target_rate": (0.5, 0.6, 0.7, 0.8, 0.9), "lambda_init": (0.2, 0.5)},
+    "tapout": {"max_conf_threshold": (0.2, 0.3, 0.4, 0.5, 0.6, 0.7), "exploration": (0.1, 0.3, 1.0)},
+    "ldlp": {"length_offset": tuple(np.arange(-2.0, 3.01, 0.5).tolist())},
+}
+CALIBRATED_POLICIES = tuple(CALIBRATION_GRIDS)
+
+
+# ---- 1. recording ---------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class RecordState:
+    stats: jax.Array  # [B, R, K, 4] float32: DraftStats fields per round and draft step
+    drafted: jax.Array  # [B, R] int32
+    accepted: jax.Array  # [B, R] int32
+    predicted: jax.Array  # [B, R] float32: LDLP's predicted length (nan without predictor weights)
+    ldlp: Any  # LDLP predictor weights (shared by the rows) or None
+    rounds: jax.Array  # [B] int32
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordingPolicy(Policy):
+    """Static K = k_max that records what calibration replays (module doc). max_rounds: rounds
+    kept per row (a row's later rounds are dropped; generate's max_new_tokens is enough)."""
+
+    name = "record"
+    needs_draft_logits = True
+
+    max_rounds: int = 256
+
+    @property
+    def stops_in_round(self) -> bool:  # type: ignore[override]
+        return False  # it only records: every round drafts k_max
+
+    def init(self, batch, key, params=None):
+        del key
+        k = self._required_k_max()
+        return RecordState(
+            stats=jnp.zeros((batch, self.max_rounds, k, 4), jnp.float32),
+            drafted=jnp.zeros((batch, self.max_rounds), jnp.int32),
+            accepted=jnp.zeros((batch, self.max_rounds), jnp.int32),
+            predicted=jnp.full((batch, self.max_rounds), jnp.nan, jnp.float32),
+            ldlp=None if params is None else jax.tree_util.tree_map(jnp.asarray, params),
+            rounds=jnp.zeros((batch,), jnp.int32),
+        )
+
+    def round_limit(self, state, k_max, features=None):
+        self._check_k_max(k_max)
+        return full_limit(state.rounds.shape[0], k_max)
+
+    def start_round(self, state, k_max, features=None):
+        limit = self.round_limit(state, k_max, features)
+        if state.ldlp is None or not features:
+            return state, limit
+        pred = ldlp_apply(state.ldlp, features["token_embedding"], features["target_feature"])
+        rows = jnp.arange(limit.shape[0])
+        return state.replace(predicted=state.predicted.at[rows, state.rounds].set(pred, mode="drop")), limit
+
+    def observe(self, state, step, draft_logits, draft_token=None):
+        st = draft_stats(draft_logits, draft_token)
+        values = jnp.stack([st.entropy, st.top1, st.top2, st.token_logprob], -1)  # [B, 4]
+        rows = jnp.arange(values.shape[0])
+        stats = state.stats.at[rows, state.rounds, step].set(values, mode="drop")
+        return state.replace(stats=stats), jnp.zeros(values.shape[:1], bool)
+
+    def update(self, state, n_drafted, n_accepted, active):
+        rows = jnp.arange(n_drafted.shape[0])
+        at = jnp.where(active, state.rounds, self.max_rounds)  # finished rows: dropped
+        return state.replace(drafted=state.drafted.at[rows, at].set(n_drafted, mode="drop"),
+                             accepted=state.accepted.at[rows, at].set(n_accepted, mode="drop"),
+                             rounds=state.rounds + active.astype(jnp.int32))
+
+
+@dataclasses.dataclass
+class Records:
+    """Recorded rounds on the host, one row per prompt: stats [N, R, K, 4], drafted / accepted /
+    predicted [N, R], rounds [N] (valid rounds per row)."""
+
+    stats: np.ndarray
+    drafted: np.ndarray
+    accepted: np.ndarray
+    predicted: np.ndarray
+    rounds: np.ndarray
+
+    @classmethod
+    def from_state(cls, state: RecordState) -> "Records":
+        st = jax.device_get(state)
+        rounds = np.minimum(np.asarray(st.rounds), st.drafted.shape[1])
+        return cls(np.asarray(st.stats), np.asarray(st.drafted), np.asarray(st.accepted), np.asarray(st.predicted), rounds)
+
+    @classmethod
+    def concat(cls, parts: list["Records"]) -> "Records":
+        return cls(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(cls)))
+
+    @property
+    def k_max(self) -> int:
+        return self.stats.shape[2]
+
+    @property
+    def n_rounds(self) -> int:
+        return int(self.rounds.sum())
+
+    @property
+    def has_predictions(self) -> bool:
+        live = np.arange(self.drafted.shape[1])[None] < self.rounds[:, None]
+        return bool(np.isfinite(self.predicted[live]).all()) and bool(live.any())
+
+
+# ---- 2. replay ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundCost:
+    """µs of a chain round's parts at one batch size (from a card's cost table)."""
+
+    fixed_us: float  # draft start + round overhead
+    step_us: float  # one draft step
+    verify_us: tuple[float, ...]  # verify_us[k] = the target's forward over k + 1 tokens
+
+    @classmethod
+    def from_table(cls, costs: dict, batch: int, k_max: int) -> "RoundCost":
+        cm = CostModel(costs, batch)
+        return cls(cm.draft_first() + cm.overhead(False), cm.draft_step(), tuple(cm.verify(k + 1) for k in range(k_max + 1)))
+
+    @property
+    def ar_us(self) -> float:
+        return self.verify_us[0]
+
+
+def replay(policy: Policy, rec: Records, k_max: int, cost: RoundCost, limits: jax.Array | None = None) -> dict[str, jax.Array]:
+    """Run `policy` over the recorded rounds (module doc): totals of tokens, drafted tokens, rounds
+    and µs. `limits` [N, R]: per-round limits to use instead of the policy's round_limit (LDLP's
+    recorded prediction). Jittable and vmappable over the policy's constants."""
+    if k_max > rec.k_max:
+        raise ValueError(f"replay at k_max={k_max} needs rounds recorded with k_max >= {k_max}, got {rec.k_max}")
+    stats, drafted, accepted = jnp.asarray(rec.stats), jnp.asarray(rec.drafted), jnp.asarray(rec.accepted)
+    N, R = drafted.shape
+    rounds = jnp.asarray(rec.rounds)
+
+    def one_round(state, r):
+        if limits is None:
+            state, limit = policy.start_round(state, k_max, None)
+        else:
+            limit = limits[:, r]
+        s = stats[:, r]
+        stat = [DraftStats(s[:, i, 0], s[:, i, 1], s[:, i, 2], s[:, i, 3]) for i in range(k_max)]
+        # the chain engine's draft loop (engines.chain.draft_autoregressive), on recorded statistics
+        n_drafted = jnp.ones((N,), jnp.int32)
+        active = (limit > 1) & ~policy.stop_from_stats(state, 0, stat[0])
+        for i in range(1, k_max):
+            stop = policy.stop_from_stats(state, i, stat[i])
+            now = active & ~(stop & policy.stop_skips_token(state))
+            n_drafted = n_drafted + now.astype(jnp.int32)
+            active = now & (i + 1 < limit) & ~stop
+        n_drafted = jnp.minimum(n_drafted, jnp.maximum(drafted[:, r], 1))  # a recorded EOS ended the draft
+        n_acc = jnp.minimum(accepted[:, r], n_drafted)
+        live = r < rounds
+        state = policy.update(state, n_drafted, n_acc, live)
+        us = cost.fixed_us + n_drafted * cost.step_us + cost.verify_us[k_max]
+        return state, (jnp.where(live, n_acc + 1, 0), jnp.where(live, n_drafted, 0), jnp.where(live, us, 0.0))
+
+    state = policy.init(N, jax.random.PRNGKey(0))
+    _, (tokens, n_drafted, us) = jax.lax.scan(one_round, state, jnp.arange(R))
+    return {"tokens": tokens.sum(), "drafted": n_drafted.sum(), "rounds": rounds.sum(), "us": us.sum()}
+
+
+def summary(totals: dict, cost: RoundCost) -> dict[str, float]:
+    """Per-round numbers and the speed-up over plain decoding (AR: one token per verify(1))."""
+    t = {k: float(v) for k, v in totals.items()}
+    rounds = max(t["rounds"], 1.0)
+    return {"tokens_per_round": t["tokens"] / rounds, "drafted_per_round": t["drafted"] / rounds,
+            "round_us": t["us"] / rounds, "speedup_vs_ar": t["tokens"] * cost.ar_us / max(t["us"], 1e-9)}
+
+
+def static_summary(rec: Records, k: int, cost: RoundCost) -> dict[str, float]:
+    """Static K = k replayed on the same rounds (the baseline calibrated policies must beat)."""
+    return summary(replay(make_policy("static", k_max=k), rec, k, cost), cost)
+
+
+# ---- 3. fitting -----------------------------------------------------------------------------------
+
+
+def policy_from_constants(name: str, constants: dict, k_max: int) -> Policy:
+    """The policy `name` with calibrated constants; a dict value for a field whose default is a
+    policy (TapOut's svip / adaedl arms) sets that policy's fields."""
+    base = make_policy(name, k_max=k_max)
+    fields = {}
+    for key, value in constants.items():
+        default = getattr(base, key)
+        fields[key] = dataclasses.replace(default, **value) if isinstance(value, dict) and isinstance(default, Policy) else value
+    return dataclasses.replace(base, **fields)
+
+
+def _grid(name: str, base_constants: dict) -> list[dict]:
+    keys, values = zip(*CALIBRATION_GRIDS[name].items())
+    return [{**base_constants, **dict(zip(keys, combo))} for combo in itertools.product(*values)]
+
+
+def fit_policy(name: str, rec: Records, k_max: int, cost: RoundCost, base_constants: dict | None = None) -> dict[str, Any]:
+    """Grid-search `name`'s constants on the recorded rounds for the most tokens per µs. Returns
+    {"constants", "calibrated": summary, "paper": summary of the paper's constants}."""
+    if name not in CALIBRATION_GRIDS:
+        raise ValueError(f"policy {name!r} has no calibration; calibrated policies: {', '.join(CALIBRATED_POLICIES)}")
+    base_constants = dict(base_constants or {})
+    grid = _grid(name, base_constants)
+    keys = list(CALIBRATION_GRIDS[name])
+    values = {k: jnp.asarray([g[k] for g in grid], jnp.float32) for k in keys}
+
+    if name == "ldlp":
+        if not rec.has_predictions:
+            raise ValueError("ldlp calibration needs LDLP predictions in the records: record with the predictor's weights")
+        static = make_policy("static", k_max=k_max)
+        pred = jnp.asarray(np.nan_to_num(rec.predicted, nan=float(k_max)))
+
+        def run(v):
+            return replay(static, rec, k_max, cost, limits=length_from_prediction(pred + v["length_offset"], k_max))
+
+        paper = summary(run({"length_offset": jnp.float32(0.0)}), cost)
+    else:
+
+        def run(v):
+            return replay(policy_from_constants(name, {**base_constants, **v}, k_max), rec, k_max, cost)
+
+        paper = summary(replay(make_policy(name, k_max=k_max), rec, k_max, cost), cost)
+    totals = jax.jit(jax.vmap(run))(values)
+    rate = np.asarray(totals["tokens"], np.float64) / np.maximum(np.asarray(totals["us"], np.float64), 1e-9)
+    best = int(np.argmax(rate))  # ties: the first in grid order
+    constants = {k: float(grid[best][k]) for k in keys}
+    calibrated = summary({k: v[best] for k, v in totals.items()}, cost)
+    return {"constants": {**base_constants, **constants}, "calibrated": calibrated, "paper": paper}
+
+
+def fit_all(names, rec: Records, k_max: int, cost: RoundCost) -> dict[str, Any]:
+    """Fit each named policy (TapOut after the rules its arms use) and replay static K = 1..k_max:
+    {"policies": {name: fit_policy(...)}, "static": {k: summary}}."""
+    order = sorted(names, key=lambda n: n == "tapout")
+    fits: dict[str, Any] = {}
+    for name in order:
+        base = {}
+        if name == "tapout":
+            base = {arm: fits[arm]["constants"] if arm in fits else fit_policy(arm, rec, k_max, cost)["constants"]
+                    for arm in ("svip", "adaedl")}
+        fits[name] = fit_policy(name, rec, k_max, cost, base)
+    static = {str(k): static_summary(rec, k, cost) for k in range(1, k_max + 1)}
+    return {"policies": {n: fits[n] for n in names}, "static": static}
+
+
+# ---- the file beside the head ------------------------------------------------------------------
+
+
+def calibration_path(head_dir) -> Path:
+    return Path(head_dir) / CALIBRATION_DIR / CALIBRATION_FILE
+
+
+def save_calibration(head_dir, card: str, entry: dict) -> Path:
+    """Merge one card's calibration (entry["policies"] per policy) into <head>/jspec/calibration.json."""
+    path = calibration_path(head_dir)
+    data = load_calibration_file(path) or {"format": CALIBRATION_FORMAT, "cards": {}}
+    old = data["cards"].get(card, {})
+    data["cards"][card] = {**old, **entry, "policies": {**old.get("policies", {}), **entry.get("policies", {})}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def load_calibration_file(path) -> dict | None:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("format") == CALIBRATION_FORMAT else None
+
+
+def calibrated_constants(head_dir, name: str, card: str) -> tuple[dict, str] | None:
+    """(constants, the card they were fit on) for policy `name` beside a head: this card's, else
+    the first card's (by name) that has the policy; None when none has."""
+    data = load_calibration_file(calibration_path(head_dir))
+    if data is None:
+        return None
+    cards = [card] + sorted(c for c in data["cards"] if c != card)
+    for c in cards:
+        fit = data["cards"].get(c, {}).get("policies", {}).get(name)
+        if fit is not None:
+            return fit["constants"], c
+    return None

@@ -1,0 +1,116 @@
+"""`jspec calibrate` end to end on the tiny target and EAGLE-3 head: recorded rounds replay the
+engine's own draft lengths, every calibrated policy fits at least as well as its paper constants,
+the fit lands beside the head (jspec/calibration.json) and policy specs find it (`svip`,
+`svip:paper`, `svip:calibrated`), and calibrated policies stay greedy-identical to AR."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jspec import cli
+from jspec.bench import calibrate as C
+from jspec.checkpoint.eagle_format import save_eagle_head
+from jspec.generate import generate
+from jspec.speculative.drafters.base import DrafterError
+from jspec.speculative.factory import resolve_policy_spec
+from jspec.speculative.policies import make_policy
+from jspec.speculative.policies.auto import REFERENCE_COSTS
+from jspec.speculative.policies.calibration import (CALIBRATED_POLICIES, CALIBRATION_GRIDS, Records, RoundCost, calibration_path,
+                                                    fit_all, replay)
+from jspec.speculative.policies.ldlp import init_ldlp, save_ldlp
+from spec_tiny import CFG, _drafters, _prompts, make_target
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = make_target()
+    drafter, dparams = _drafters(target)["eagle3"]
+    ldlp = init_ldlp(CFG.hidden_size, jax.random.PRNGKey(5), hidden=16)
+    prompts = _prompts(0, batch=3) + _prompts(1, batch=3)
+    records = C.record_rounds(target, CFG, drafter, dparams, prompts, k_max=K, batch=3, max_new=24, ldlp_params=ldlp)
+    return target, drafter, dparams, ldlp, prompts, records
+
+
+def test_recorded_rounds_replay_the_engines_draft_lengths(setup):
+    target, drafter, dparams, _, prompts, rec = setup
+    assert rec.stats.shape[:3] == (6, 24, K) and rec.n_rounds > 6 and rec.has_predictions
+    live = np.arange(rec.drafted.shape[1])[None] < rec.rounds[:, None]
+    st = rec.stats[live]
+    assert (st[..., 0] >= 0).all() and (st[..., 1] >= st[..., 2]).all() and (st[..., 3] <= 0).all()
+    assert (rec.accepted[live] <= rec.drafted[live]).all() and (rec.drafted[live] <= K).all()
+    # a round's context is the engine's own only in the first round: there the replayed max-confidence
+    # rule drafts exactly what the engine drafted
+    first = dataclasses.replace(rec, rounds=np.minimum(rec.rounds, 1))
+    cost = RoundCost.from_table(REFERENCE_COSTS, 1, K)
+    for threshold in (0.3, 0.6):
+        policy = make_policy("confidence", k_max=K, threshold=threshold)
+        res = generate(target, CFG, prompts, max_new_tokens=24, drafter=drafter, drafter_params=dparams, policy=policy, k_max=K)
+        assert int(replay(policy, first, K, cost)["drafted"]) == int(res.draft_lengths[:, 1].sum())
+
+
+def test_calibration_fits_every_policy_and_specs_find_it(setup, tmp_path):
+    target, drafter, dparams, ldlp, prompts, rec = setup
+    cost = RoundCost.from_table(REFERENCE_COSTS, 1, K)
+    fits = fit_all(list(CALIBRATED_POLICIES), rec, K, cost)
+    assert set(fits["static"]) == {str(k) for k in range(1, K + 1)}
+    for name, fit in fits["policies"].items():
+        for key, grid in CALIBRATION_GRIDS[name].items():
+            assert fit["constants"][key] in grid
+        if name != "tapout":  # the paper's constants are grid points: the fit can only be as fast or faster
+            assert fit["calibrated"]["speedup_vs_ar"] >= fit["paper"]["speedup_vs_ar"] - 1e-6
+    assert set(fits["policies"]["tapout"]["constants"]) >= {"svip", "adaedl"}
+
+    head = tmp_path / "eagle3"
+    save_eagle_head(str(head), drafter.head, dparams)
+    spec = f"eagle3:{head}"
+    with pytest.raises(DrafterError, match="jspec calibrate"):
+        resolve_policy_spec("svip:calibrated", spec, None, K)
+    assert resolve_policy_spec("svip", spec, None, K) == "svip"  # nothing calibrated: the paper's, built later
+    entry = {"k_max": K, "policies": fits["policies"]}
+    from jspec.speculative.policies.auto import card_name
+    from jspec.speculative.policies.calibration import save_calibration
+
+    assert save_calibration(head, card_name(), entry) == calibration_path(head) == head / "jspec" / "calibration.json"
+    svip = resolve_policy_spec("svip", spec, None, K)
+    assert svip.threshold == fits["policies"]["svip"]["constants"]["threshold"] and svip.k_max == K
+    assert resolve_policy_spec("svip:paper", spec, None, K) == make_policy("svip", k_max=K)
+    tapout = resolve_policy_spec("tapout:calibrated", spec, None, K)
+    assert tapout.svip.threshold == fits["policies"]["svip"]["constants"]["threshold"]
+    ldlp_policy = resolve_policy_spec("ldlp", spec, None, K)
+    assert ldlp_policy.length_offset == fits["policies"]["ldlp"]["constants"]["length_offset"]
+    ar = generate(target, CFG, prompts, max_new_tokens=16)
+    for policy, params in ((tapout, None), (ldlp_policy, ldlp), (resolve_policy_spec("adaedl", spec, None, K), None)):
+        out = generate(target, CFG, prompts, max_new_tokens=16, drafter=drafter, drafter_params=dparams, policy=policy,
+                       policy_params=params, k_max=K)
+        assert all(out.row(b) == ar.row(b) for b in range(len(prompts)))
+
+
+class ShortTokenizer:
+    chat_template = None
+
+    def __call__(self, text):
+        return {"input_ids": [4 + ord(c) % 40 for c in text[:20]]}
+
+
+def test_calibrate_command_writes_beside_the_head(setup, tmp_path, monkeypatch, capsys):
+    target, drafter, dparams, ldlp, _, _ = setup
+    head = tmp_path / "eagle3"
+    save_eagle_head(str(head), drafter.head, dparams)
+    save_ldlp(str(head), ldlp, {"d_model": CFG.hidden_size, "hidden": 16})
+    monkeypatch.setattr(C.presets, "resolve_model", lambda *a, **k: (CFG, target, ShortTokenizer()))
+    monkeypatch.setattr(C, "ensure_costs", lambda *a, **k: REFERENCE_COSTS)  # timing is the round-cost tests' job
+    argv = ["calibrate", "--model", "tiny", "--drafter", f"eagle3:{head}", "--policy", "svip,ldlp", "--k-max", str(K),
+            "--n-prompts", "6", "--record-batch", "3", "--max-new-tokens", "12"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "svip calibrated" in out and "static K=4" in out
+    data = json.loads(calibration_path(head).read_text())
+    (entry,) = data["cards"].values()
+    assert set(entry["policies"]) == {"svip", "ldlp"} and entry["k_max"] == K and "training split" in entry["prompts"]
+    assert cli.main(["calibrate", "--policy", "static"]) == 2
+    assert "calibrate fits confidence, svip" in capsys.readouterr().err

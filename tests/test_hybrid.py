@@ -1,0 +1,144 @@
+"""EAGLE head + n-gram lookup in one tree ("eagle3+ngram", drafters.hybrid): greedy identity to AR
+(static, a pruning policy, auto), the tree's shape, and the lossless law of sampled tokens by
+chi-square (the machinery of test_lossless_sampling)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.generate import generate
+from jspec.sampling import Sampling
+from jspec.speculative.drafters.hybrid import HybridDrafter
+from jspec.speculative.engines.tree import TreeConfig, with_ngram_branch
+from jspec.speculative.factory import build_drafter, check_drafter_spec
+from jspec.speculative.drafters.base import DrafterError
+from jspec.speculative.policies import make_policy
+from jspec.speculative.policies.auto import REFERENCE_COSTS, hybrid_tokens, plan
+from jspec.speculative.verify.tree import Tree, ancestor_mask
+import spec_tiny
+import test_lossless_sampling as L
+
+TC = TreeConfig(top_k=3, depth=4, num_nodes=12, verify_sizes=(6,), ngram=3)
+
+
+def test_the_ngram_branch_comes_first_and_shifts_the_heads_nodes():
+    # head tree: root -> 7 (node 1) -> 8 (node 2); n-gram branch 5, 6 (valid), 9 (past the history)
+    parent = jnp.asarray([[0, 0, 1]])
+    tree = Tree(jnp.asarray([[1, 7, 8]]), parent, jnp.asarray([[0, 1, 2]]), ancestor_mask(parent, 2), jnp.ones((1, 3), bool))
+    cfg = spec_tiny.CFG
+    out = with_ngram_branch(cfg, tree, jnp.asarray([[5, 6, 9]]), jnp.asarray([[True, True, False]]), 3)
+    assert np.asarray(out.tokens).tolist() == [[1, 5, 6, 9, 7, 8]]
+    assert np.asarray(out.parent).tolist() == [[0, 0, 1, 2, 0, 4]]
+    assert np.asarray(out.depth).tolist() == [[0, 1, 2, 3, 1, 2]]
+    assert np.asarray(out.valid).tolist() == [[True, True, True, False, True, True]]
+    assert np.asarray(out.ancestors[0, 5]).tolist() == [True, False, False, False, True, True]
+
+
+def test_hybrid_spec_and_plan():
+    assert check_drafter_spec("eagle3+ngram") is HybridDrafter and check_drafter_spec("ngram:2+eagle") is HybridDrafter
+    with pytest.raises(DrafterError, match="one EAGLE head and n-gram"):
+        check_drafter_spec("eagle3+model")
+    # the expected tokens of the longer of two independent paths: a branch never lowers it
+    assert hybrid_tokens(0.5, 4, 0.9, 0) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
+    assert hybrid_tokens(0.5, 4, 0.9, 4) > hybrid_tokens(0.5, 4, 0.9, 2) > hybrid_tokens(0.5, 4, 0.9, 0)
+    costs = {**REFERENCE_COSTS, "acceptance": {"ngram": 0.95}}
+    assert plan(costs, batch=1, drafter_name="eagle", parallel=False, tree=True, alpha=0.3, hybrid=True).ngram > 0
+    costs = {**REFERENCE_COSTS, "acceptance": {"ngram": 0.0}}
+    assert plan(costs, batch=1, drafter_name="eagle", parallel=False, tree=True, alpha=0.6, hybrid=True).ngram == 0
+
+
+@pytest.fixture(scope="module")
+def target():
+    return spec_tiny.make_target()
+
+
+@pytest.mark.parametrize("policy", ["static", make_policy("confidence", threshold=0.4), "auto"])
+def test_hybrid_tree_greedy_identical_to_ar(target, policy):
+    drafter, dparams = spec_tiny._drafters(target)["eagle3"]
+    hybrid = HybridDrafter(drafter)
+    prompts = spec_tiny._prompts(7)
+    ar = generate(target, spec_tiny.CFG, prompts, max_new_tokens=16)
+    tree = TC if policy != "auto" else TreeConfig(top_k=3, depth=4, num_nodes=12)
+    out = generate(target, spec_tiny.CFG, prompts, max_new_tokens=16, drafter=hybrid, drafter_params=dparams, tree=tree,
+                   policy=policy)
+    for b in range(len(prompts)):
+        assert out.row(b) == ar.row(b)
+    if policy == "static":  # the n-gram branch is drafted: more nodes per call than the head keeps
+        calls = out.draft_lengths[:, 1:] > 0
+        assert out.draft_lengths[:, 1:][calls].max() > TC.num_nodes
+
+
+def test_build_drafter_makes_a_hybrid(target):
+    drafter, dparams = spec_tiny._drafters(target)["eagle3"]
+    from jspec.checkpoint.eagle_format import save_eagle_head
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        save_eagle_head(d, drafter.head, dparams)
+        built, _ = build_drafter(f"eagle3:{d}+ngram:2", spec_tiny.CFG, target)
+    assert isinstance(built, HybridDrafter) and built.ngram.max_ngram == 2 and built.head == drafter.head
+
+
+def test_hybrid_sampling_follows_the_target_law():
+    """Every emitted position, stratified as in test_lossless_sampling, follows the target's law
+    under the hybrid tree; the n-gram branch is drafted in most rounds."""
+    tparams = L.make_target()
+    hc, hp = L.eagle_copy_head(tparams)
+    from jspec.speculative.drafters.eagle import EagleDrafter
+
+    drafter = HybridDrafter(EagleDrafter(hc))
+    tree = TreeConfig(top_k=3, depth=L.K, num_nodes=10, ngram=L.K)
+    sampling = Sampling(temperature=1.0)
+    res = generate(tparams, L.CFG, [L.PROMPT] * L.N, max_new_tokens=L.MAX_NEW, sampling=sampling, seed=4,
+                   cache_len=L.CACHE_LEN + L.K, drafter=drafter, drafter_params=L.noised(hp, jax.random.PRNGKey(3), L.NOISE),
+                   tree=tree)
+    assert (res.lengths == L.MAX_NEW).all()
+    calls = res.draft_lengths[:, 1:] > 0
+    assert (res.draft_lengths[:, 1:][calls] > tree.num_nodes).mean() > 0.5  # n-gram nodes drafted beside the head's
+    seqs = np.concatenate([np.tile(L.PROMPT, (L.N, 1)), res.tokens], 1)
+    p = np.asarray(L.teacher_forced_probs(tparams, jnp.asarray(seqs, jnp.int32), sampling))
+    group = {"tokens": res.tokens, "probs": p, "offsets": L.round_offsets(res.step_tokens, L.MAX_NEW)}
+    reached = np.bincount(group["offsets"].ravel(), minlength=L.K + 1) / L.N
+    assert (reached[1:] > 0.2).all(), reached
+    for n in range(L.MAX_NEW):
+        pval, df = L.group_pvalue(group, positions=[n])
+        assert pval > L.PASS, f"position {n}: p = {pval:.2e} (df {df})"
+    pval, df = L.group_pvalue(group)
+    assert pval > L.PASS, f"all positions: p = {pval:.2e} (df {df})"
+
+
+def test_bench_runs_hybrid_auto_trees_and_paper_constants(tmp_path, monkeypatch):
+    import argparse
+    import json
+
+    from jspec import model as M
+    from jspec.bench import cli
+    from jspec.bench.round_cost import COST_TABLE_VERSION
+    from jspec.checkpoint.eagle_format import save_eagle_head
+    from jspec.config import ModelConfig
+    from jspec.heads import eagle as H
+    from jspec.speculative.policies.auto import cost_table_path
+    from test_bench import CharTokenizer
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=256, eos_token_ids=(3,))
+    params = M.init_params(cfg, jax.random.PRNGKey(0))
+    hcfg = H.default_head_config("eagle1", cfg)
+    head = tmp_path / "head"
+    save_eagle_head(str(head), hcfg, H.init_head(hcfg, jax.random.PRNGKey(1)))
+    monkeypatch.setattr(cli, "resolve_model", lambda name: (cfg, params, CharTokenizer()))
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+    path = cost_table_path("tiny", str(tmp_path / "models"))
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({**REFERENCE_COSTS, "version": COST_TABLE_VERSION, "acceptance": {"ngram": 0.9}}))
+    methods = f"ar,spec:eagle:{head}+ngram:auto:tree,spec:eagle:{head}:svip:paper"
+    args = cli.add_bench_args(argparse.ArgumentParser()).parse_args(
+        ["--model", "tiny", "--tasks", "longdoc", "--n-prompts", "2", "--max-new-tokens", "4", "--batch", "1",
+         "--methods", methods, "--no-plots", "--models-dir", str(tmp_path / "models"),
+         "--benchmarks-md", str(tmp_path / "B.md")])
+    rows = {r["name"]: r for r in cli.run_bench(args)}
+    hybrid = rows[f"spec:eagle:{head}+ngram:auto:tree"]
+    assert hybrid["greedy_identical_to_ar"] == 1.0 and hybrid["policy_constants"] is None
+    paper = rows[f"spec:eagle:{head}:svip:paper"]
+    assert paper["policy"] == "svip" and paper["policy_constants"] == "paper" and paper["greedy_identical_to_ar"] == 1.0
