@@ -29,6 +29,8 @@ _T0 = time.perf_counter()  # the time budget counts from when the command starte
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from .step import add_compile_cache_arg
+
     parser.add_argument("--target", required=True, help="target model preset or path (jspec.presets.resolve_model)")
     parser.add_argument("--recipe", required=True, help="recipe JSON, e.g. training/smollm2-eagle3.json")
     parser.add_argument("--out", default=None, help="run directory (default runs/<recipe>-<target>)")
@@ -40,6 +42,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="start from this exported head (its draft vocabulary and LM head kept), e.g. the "
                              "preset's shipped head, so training continues across sessions")
     parser.add_argument("--no-progress", action="store_true")
+    add_compile_cache_arg(parser)
     over = parser.add_argument_group("recipe overrides")
     over.add_argument("--steps", type=int)
     over.add_argument("--batch-size", type=int)
@@ -164,9 +167,10 @@ def run_train(args: argparse.Namespace) -> None:
 
 def train_from_args(args: argparse.Namespace):
     """run_train's work; returns the TrainResult (None with --distill-only)."""
-    from .step import maybe_initialize_distributed
+    from .step import maybe_initialize_distributed, use_compile_cache
 
     maybe_initialize_distributed()  # before any other JAX call
+    use_compile_cache(getattr(args, "compile_cache", None))
     import jax
 
     from ..checkpoint.eagle_format import save_eagle_head

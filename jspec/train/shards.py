@@ -260,6 +260,31 @@ def check_length_buckets(buckets, seq_len: int) -> None:
         raise ValueError(f"length_buckets {tuple(buckets)} must increase and end at seq_len {seq_len}")
 
 
+def plan_packing(lengths: np.ndarray, seq_len: int, window: int) -> list[np.ndarray]:
+    """Documents packed into rows of `seq_len` tokens: each row lists the indices (into `lengths`,
+    every length at most seq_len) of the documents it holds. First-fit decreasing within
+    consecutive windows of `window` documents: a shuffled order stays shuffled beyond a window,
+    and rows come out in window order."""
+    lengths = np.asarray(lengths, np.int64)
+    if len(lengths) and lengths.max() > seq_len:
+        raise ValueError(f"a document of {int(lengths.max())} tokens does not fit a row of {seq_len}")
+    rows: list[np.ndarray] = []
+    for start in range(0, len(lengths), window):
+        idx = np.arange(start, min(start + window, len(lengths)))
+        room = np.zeros(len(idx), np.int64)  # free tokens of each row opened in this window
+        members: list[list[int]] = []
+        for d in idx[np.argsort(-lengths[idx], kind="stable")]:
+            fits = room[: len(members)] >= lengths[d]
+            r = int(np.argmax(fits)) if fits.any() else len(members)
+            if r == len(members):
+                members.append([])
+                room[r] = seq_len
+            room[r] -= lengths[d]
+            members[r].append(int(d))
+        rows += [np.asarray(m, np.int64) for m in members]
+    return rows
+
+
 @dataclass
 class PackStats:
     rows: int = 0
