@@ -283,8 +283,9 @@ def test_seq_len_override_cuts_the_recipes_length_buckets():
 
     from jspec.train.cli import _apply_overrides
 
-    recipe = load_recipe("training/gemma3-eagle3-corpus.json")
-    assert recipe.train.length_buckets == (256, 384, 512, 640)
+    from jspec.train.config import recipe_from_dict
+
+    recipe = recipe_from_dict({"train": {"seq_len": 640, "length_buckets": [256, 384, 512, 640]}})
     args = argparse.Namespace(steps=None, batch_size=None, seq_len=400, lr=None, seed=None, num_prompts=None, fsdp=None,
                               ckpt_every=None, log_every=None)
     train = _apply_overrides(recipe, args).train
