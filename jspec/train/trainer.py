@@ -258,11 +258,12 @@ def train(
     meta = {"kind": hcfg.kind, "seed": tc.seed, "data_dir": os.path.abspath(data_dir)}
     fit_pending = fit_to_deadline and deadline is not None and not fitted and start == 0
     measure_from, measure_to = start + 3, start + 23  # after compilation; synced at both ends
-    if tc.length_buckets:  # compile every bucket's step now, so none compiles inside the timed window
-        for T in tc.length_buckets:
-            b = loader.batch(start)
-            shaped = {k: np.resize(v, (v.shape[0], T)) if v.ndim == 2 else v for k, v in b.items()}
-            S.train_step.lower(hcfg, tc, mesh, state, fixed, target_params, S.global_batch(mesh, shaped)).compile()
+    # Compile the step for every batch shape now (each length bucket, else seq_len), so none compiles
+    # inside the timed window, and `--stop-at 0` is a compile-only run that fills the compilation cache.
+    first_batch = loader.batch(start) if start < total else None
+    for T in (tc.length_buckets or (tc.seq_len,)) if first_batch is not None else ():
+        shaped = {k: np.resize(v, (v.shape[0], T)) if v.ndim == 2 else v for k, v in first_batch.items()}
+        S.train_step.lower(hcfg, tc, mesh, state, fixed, target_params, S.global_batch(mesh, shaped)).compile()
     if evaluate is not None:
         evaluate.compile_all(state, fixed, target_params)
     t_measure = step_seconds = None
