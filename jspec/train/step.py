@@ -60,6 +60,9 @@ def use_compile_cache(path: str | None) -> str | None:
     off. Returns the directory used."""
     path = default_compile_cache() if path is None else path
     if path.lower() in ("", "none"):
+        if jax.config.jax_compilation_cache_dir:  # also when $JAX_COMPILATION_CACHE_DIR set it
+            jax.config.update("jax_compilation_cache_dir", None)
+            compilation_cache.reset_cache()
         return None
     path = os.path.abspath(os.path.expanduser(path))
     os.makedirs(path, exist_ok=True)
