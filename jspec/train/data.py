@@ -301,7 +301,8 @@ class ShardedLoader:
         (non-padding tokens of each row)."""
         epoch, i = self.locate(step)
         if self.pack_documents:
-            return self._packed_batch(self._packed(epoch, self.process_index)[i * self.local_batch : (i + 1) * self.local_batch])
+            rows = self._packed(epoch, self.process_index)
+            return self._packed_batch(rows[i * self.local_batch : (i + 1) * self.local_batch])
         pairs = self._rows(epoch)[i * self.local_batch : (i + 1) * self.local_batch]
         rows = [{k: v[r] for k, v in self._shard(s).items()} for s, r in pairs]
         batch = {k: np.stack([row[k] for row in rows]) for k in ("tokens", "loss_mask", "lengths")}

@@ -301,7 +301,8 @@ def translation_prompts(entries, rng: np.random.Generator) -> list[str]:
     for _, doc, _ in entries:
         for para in _paragraphs(doc):
             for s in re.split(r"(?<=[.!?])\s+", para):
-                if 8 <= len(s.split()) <= 30 and s[:1].isupper() and s.endswith(".") and not re.search(r"[`(){}\[\]=_*<>]", s):
+                prose = s[:1].isupper() and s.endswith(".") and not re.search(r"[`(){}\[\]=_*<>]", s)
+                if prose and 8 <= len(s.split()) <= 30:
                     sentences.append(s)
     sentences = list(dict.fromkeys(sentences))
     return [_TRANSLATE[int(rng.integers(len(_TRANSLATE)))].format(lang=LANGUAGES[int(rng.integers(len(LANGUAGES)))], s=s)

@@ -211,7 +211,8 @@ def train(
 
     mesh = mesh or S.make_mesh(run.fsdp)  # every device of every host: data parallel (fsdp groups within)
     if tc.batch_size % mesh.size:
-        raise ValueError(f"batch_size {tc.batch_size} does not split over {mesh.size} devices: use a multiple of {mesh.size}")
+        raise ValueError(f"batch_size {tc.batch_size} does not split over {mesh.size} devices: "
+                         f"use a multiple of {mesh.size}")
     first_host = jax.process_index() == 0
     log_fn(f"training on {mesh.size} device(s): data {mesh.shape['data']} x fsdp {mesh.shape['fsdp']}, "
            f"{tc.batch_size // mesh.size} rows of {tc.seq_len} tokens per device per step"
@@ -229,7 +230,8 @@ def train(
     compute_target = cast_params(target_params, jnp.dtype(tc.compute_dtype))
     if input_scale == "rms" and "fc_in_scale" not in head_params:  # a resumed run restores the same leaf
         first_rows = ShardedLoader(data_dir, tc.batch_size, tc.seed, 0, 1, seq_len_override=tc.seq_len,
-                                   loop_cut=tc.loop_cut, length_buckets=tc.length_buckets, pack_documents=tc.pack_documents).batch(0)
+                                   loop_cut=tc.loop_cut, length_buckets=tc.length_buckets,
+                                   pack_documents=tc.pack_documents).batch(0)
         rms = capture_rms(hcfg, compute_target, first_rows)  # every host measures the same rows
         scales = H.capture_scales(rms)
         if warm_start:  # an exported head has the scale folded into fc: unfold it (exact), same function
