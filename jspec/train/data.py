@@ -288,8 +288,9 @@ class ShardedLoader:
                 self._cache.pop(next(iter(self._cache)))
             if self._v2:
                 rows = shards_v2.load_rows(self.data_dir, name)
+                kept = shards_v2.response_keep(self.data_dir, name, rows, self.loop_cut)
                 tokens, mask, lengths = shards_v2.pack_rows(rows, self.seq_len, self.meta["pad_id"],
-                                                            loop_cut=self.loop_cut)
+                                                            loop_cut=self.loop_cut, kept=kept)
                 self._cache[name] = {"tokens": tokens, "loss_mask": mask, "lengths": lengths}
             else:
                 self._cache[name] = load_shard(self.data_dir, name)

@@ -331,16 +331,32 @@ class PackStats:
                 "loop_cut_tokens": self.loop_tokens}
 
 
+_RESPONSE_KEEP: dict[tuple, np.ndarray] = {}
+
+
+def response_keep(data_dir: str, name: str, rows: dict[str, np.ndarray], loop_cut: LoopCut) -> np.ndarray:
+    """`loop_cut.cut_all` of the responses of shard `name` (its loaded `rows`), computed once per
+    process for each (shard, rule): the training loader, the held-out loader and the data report
+    read the same shards, and shard files are never rewritten."""
+    key = (os.path.abspath(data_dir), name, loop_cut)
+    if key not in _RESPONSE_KEEP:
+        offs, plen = rows["offsets"], rows["prompt_lens"]
+        _RESPONSE_KEEP[key] = loop_cut.cut_all(rows["tokens"], offs[:-1] + plen, offs[1:])
+    return _RESPONSE_KEEP[key]
+
+
 def pack_rows(rows: dict[str, np.ndarray], seq_len: int, pad_id: int, stats: PackStats | None = None,
-              loop_cut: LoopCut = NO_LOOP_CUT):
+              loop_cut: LoopCut = NO_LOOP_CUT, kept: np.ndarray | None = None):
     """(tokens [n, T] int32, loss_mask [n, T] bool, lengths [n] int32) of a v2 shard; each
-    response first cut where it starts looping (`loop_cut`), then prompt + response cut at T."""
+    response first cut where it starts looping (`loop_cut`; `kept`: its cut lengths when already
+    known, `response_keep`), then prompt + response cut at T."""
     n = len(rows["prompt_lens"])
     tokens = np.full((n, seq_len), pad_id, np.int32)
     mask = np.zeros((n, seq_len), bool)
     lengths = np.zeros((n,), np.int32)
     offs, plen = rows["offsets"], rows["prompt_lens"]
-    kept = loop_cut.cut_all(rows["tokens"], offs[:-1] + plen, offs[1:])
+    if kept is None:
+        kept = loop_cut.cut_all(rows["tokens"], offs[:-1] + plen, offs[1:])
     for r in range(n):
         seq = rows["tokens"][offs[r] : offs[r + 1]]
         p = int(plen[r])
@@ -412,7 +428,7 @@ def length_stats(data_dir: str, seq_len: int, split: str = "train", loop_cut: Lo
         offs, plen = z["offsets"], z["prompt_lens"]
         lengths = np.diff(offs)
         if loop_cut.run:
-            dropped = lengths - plen - loop_cut.cut_all(z["tokens"], offs[:-1] + plen, offs[1:])
+            dropped = lengths - plen - response_keep(data_dir, s["file"], z, loop_cut)
             looped += int((dropped > 0).sum())
             loop_tokens += int(dropped.sum())
             lengths = lengths - dropped
