@@ -208,7 +208,7 @@ def train_from_args(args: argparse.Namespace):
     budget = getattr(args, "time_budget_s", None)
     deadline = _T0 + budget if budget else None
     if first_host:
-        _write_data_report(out, data_dir, recipe.train.seq_len, recipe.train.loop_cut)
+        _write_data_report(out, data_dir, recipe.train.seq_len, recipe.train.loop_cut, recipe.train.pack_documents)
     result = train(hcfg, recipe.train, params, data_dir, out, run=recipe.run, resume=args.resume,
                    stop_at=args.stop_at, progress=progress, deadline=deadline,
                    fit_to_deadline=getattr(args, "fit_steps_to_budget", False), lm_head_init=recipe.head.lm_head_init,
@@ -234,7 +234,7 @@ def export_dir(args: argparse.Namespace, out: str, result) -> str | None:
     return None
 
 
-def _write_data_report(out: str, data_dir: str, seq_len: int, loop_cut) -> None:
+def _write_data_report(out: str, data_dir: str, seq_len: int, loop_cut, packed: bool) -> None:
     """data_report.json: the dataset's rows and tokens by split and source, and what packing to
     seq_len cuts, loops included (v2 datasets)."""
     from . import shards
@@ -246,9 +246,11 @@ def _write_data_report(out: str, data_dir: str, seq_len: int, loop_cut) -> None:
     with open(os.path.join(out, "data_report.json"), "w") as fh:
         json.dump(report, fh, indent=1)
     p = report["packing"]
+    padding = (f"packed into about {p['packed_rows']:,} rows, padding {p['packed_padding_share']:.1%} of a batch"
+               if packed else f"padding {p['padding_share']:.0%} of a batch")
     print(f"data: {p['rows']:,} training rows; {p['loop_cut_rows']:,} responses cut where they loop "
           f"({p['loop_cut_tokens']:,} tokens); {p['truncated_rows']:,} longer than seq_len {seq_len} are cut "
-          f"({p['truncated_tokens']:,} tokens), padding {p['padding_share']:.0%} of a batch")
+          f"({p['truncated_tokens']:,} tokens), {padding}")
 
 
 def _write_vocab_report(out: str, data_dir: str, cfg, head_params: dict) -> None:

@@ -417,12 +417,16 @@ def dataset_summary(data_dir: str) -> dict:
     return out
 
 
-def length_stats(data_dir: str, seq_len: int, split: str = "train", loop_cut: LoopCut = NO_LOOP_CUT) -> dict:
+def length_stats(data_dir: str, seq_len: int, split: str = "train", loop_cut: LoopCut = NO_LOOP_CUT,
+                 pack_window: int = 2048) -> dict:
     """What packing to `seq_len` does to a split: responses cut where they loop (and the tokens
     dropped), rows cut at seq_len (and tokens lost), rows with no response left, and the share of
-    a packed batch that is padding."""
+    a batch that is padding, with one distilled row per training row ("padding_share") and with
+    rows packed by `plan_packing` in windows of `pack_window` rows, in file order
+    ("packed_padding_share"; the loader packs a shuffled order)."""
     meta = read_meta(data_dir)
     rows = cut = lost = empty = tokens = looped = loop_tokens = 0
+    kept_lengths = []
     for s in shard_files(meta, split):
         z = load_rows(data_dir, s["file"])
         offs, plen = z["offsets"], z["prompt_lens"]
@@ -437,6 +441,9 @@ def length_stats(data_dir: str, seq_len: int, split: str = "train", loop_cut: Lo
         lost += int(np.maximum(lengths - seq_len, 0).sum())
         empty += int((plen >= seq_len).sum())
         tokens += int(np.minimum(lengths, seq_len).sum())
+        kept_lengths.append(np.minimum(lengths, seq_len))
+    packed_rows = len(plan_packing(np.concatenate(kept_lengths), seq_len, pack_window)) if kept_lengths else 0
     return {"rows": rows, "seq_len": seq_len, "loop_cut_rows": looped, "loop_cut_tokens": loop_tokens,
             "truncated_rows": cut, "truncated_tokens": lost, "rows_without_response": empty,
-            "padding_share": round(1 - tokens / max(rows * seq_len, 1), 4)}
+            "padding_share": round(1 - tokens / max(rows * seq_len, 1), 4),
+            "packed_rows": packed_rows, "packed_padding_share": round(1 - tokens / max(packed_rows * seq_len, 1), 4)}
