@@ -5,6 +5,8 @@ head's TTT unroll attend within the document with positions from its start, and 
 label from the next document. Tiny models, float32, one compile per shape.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,9 @@ SEQ = 32
 TC = TrainConfig(kind="eagle3", ttt_steps=3, batch_size=2, seq_len=SEQ, steps=1, compute_dtype="float32",
                  logits_chunk=8)
 HCFG = H.default_head_config("eagle3", TARGET, draft_vocab_size=48)
+HCFG1 = H.default_head_config("eagle1", TARGET)
+TC1 = TrainConfig(kind="eagle1", ttt_steps=1, batch_size=2, seq_len=SEQ, steps=1, compute_dtype="float32",
+                  logits_chunk=8)
 
 
 def test_document_positions_and_mask():
@@ -91,23 +96,27 @@ def test_packed_loader_is_deterministic_and_keeps_every_row_whole(data_dir):
         TrainConfig(seq_len=SEQ, pack_documents=True, length_buckets=(16, SEQ))
 
 
-def _models():
+def _models(hcfg=HCFG):
     target = numpy_params(init_params, TARGET, seed=0, scale=0.3)
-    head = numpy_params(H.init_head, HCFG, seed=1, scale=0.05)
+    head = numpy_params(H.init_head, hcfg, seed=1, scale=0.05)
     return target, head
 
 
-@jax.jit
-def _doc_loss(head, target, batch):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _doc_loss_of(hcfg, tc, head, target, batch):
     """The TTT loss (and its gradient) over the loss_mask's positions, and the target's features."""
-    out = losses.target_outputs(HCFG, TC, target, batch["tokens"], batch["segment_ids"])
+    out = losses.target_outputs(hcfg, tc, target, batch["tokens"], batch["segment_ids"])
 
     def loss_fn(params):
-        return losses.ttt_loss(HCFG, TC, {**params, **fixed}, target, batch, out, jax.random.PRNGKey(0))
+        return losses.ttt_loss(hcfg, tc, {**params, **fixed}, target, batch, out, jax.random.PRNGKey(0))
 
     trainable, fixed = H.split_trainable(head)
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
     return metrics, grads, out
+
+
+def _doc_loss(head, target, batch):
+    return _doc_loss_of(HCFG, TC, head, target, batch)
 
 
 def _row(docs, width=SEQ):
@@ -153,12 +162,13 @@ def test_no_token_attends_across_a_document_boundary():
     assert not np.array_equal(out.hidden[0, :11], out2.hidden[0, :11])  # A itself did change
 
 
-def test_packed_row_trains_each_document_as_alone():
-    target, head = _models()
+@pytest.mark.parametrize("hcfg, tc", [(HCFG, TC), (HCFG1, TC1)], ids=["eagle3", "eagle1"])
+def test_packed_row_trains_each_document_as_alone(hcfg, tc):
+    target, head = _models(hcfg)
     for docs, k in (([A, B, C], 2), ([A, B, C], 1), ([C, B], 2), ([A, B, C], 3)):
         alone = _row([docs[k - 1]])
-        m_packed, g_packed, _ = _doc_loss(head, target, _batch(_row(docs), only=k))
-        m_alone, g_alone, _ = _doc_loss(head, target, _batch(alone, only=1))
+        m_packed, g_packed, _ = _doc_loss_of(hcfg, tc, head, target, _batch(_row(docs), only=k))
+        m_alone, g_alone, _ = _doc_loss_of(hcfg, tc, head, target, _batch(alone, only=1))
         for key in m_packed:  # the same positions count, each reading the same features
             if key.startswith(("loss", "acc")):
                 np.testing.assert_allclose(float(m_packed[key]), float(m_alone[key]), rtol=2e-5, err_msg=key)
