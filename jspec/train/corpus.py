@@ -68,8 +68,10 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .. import tasks
+from ..errors import UsageError
 from ..presets import list_presets, load_preset, resolve_model
-from .prompt_sources import DEFAULT_COUNTS, PROMPT_SOURCES, SourceUnavailable, parse_counts, prompt_items
+from .prompt_sources import (DEFAULT_COUNTS, PROMPT_SOURCES, SourceUnavailable, check_installed, parse_counts,
+                             prompt_items)
 
 FORMAT = "jspec-prompts-v1"
 SOURCES = ("sharegpt_first", "sharegpt_split", "sharegpt_cont", "chitchat") + PROMPT_SOURCES
@@ -83,8 +85,8 @@ _USER_ROLES = ("human", "user")
 _ASSISTANT_ROLES = ("gpt", "chatgpt", "bing", "bard", "assistant")
 
 
-class CorpusError(ValueError):
-    """The corpus cannot be built or read as asked."""
+class CorpusError(UsageError):
+    """The corpus cannot be built or read as asked (the command line prints it as one line)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,6 +386,12 @@ def build_corpus(tokenizer, cfg, *, chat: bool, settings: CorpusSettings = Corpu
     """Arrays of the corpus file (see module doc). Sources default to the installed packages
     (`extra`: the prompt_sources items); tests pass small stand-ins."""
     stats = _Stats()
+    counts = {s: n for s, n in settings.counts.items() if s in settings.sources}
+    if extra is None:
+        try:
+            check_installed(counts)
+        except SourceUnavailable as e:
+            raise CorpusError(f"{e}, or leave its source out of --sources") from None
     evals = eval_questions() if evals is None else evals
     eval_texts = [t for qs in evals.values() for q in qs for t in q.turns]
     index = EvalIndex(eval_texts)
@@ -397,7 +405,6 @@ def build_corpus(tokenizer, cfg, *, chat: bool, settings: CorpusSettings = Corpu
         raw += [RawItem(it.text, it.source, -1 if it.parent < 0 else it.parent + offset, it.conv)
                 for it in (chitchat_items() if chitchat is None else chitchat)]
     if extra is None:
-        counts = {s: n for s, n in settings.counts.items() if s in settings.sources}
         try:
             pairs, provenance["prompt_sources"] = prompt_items(counts, settings.seed)
         except SourceUnavailable as e:
@@ -588,6 +595,9 @@ def run_corpus(args) -> int:
     chat = load_preset(args.target).chat if args.target in list_presets() else bool(getattr(tok, "chat_template", None))
     try:
         counts = parse_counts(args.counts)
+        check_installed({s: n for s, n in counts.items() if s in sources})
+    except SourceUnavailable as e:
+        raise CorpusError(f"{e}, or leave its source out of --sources") from None
     except ValueError as e:
         raise CorpusError(str(e)) from None
     settings = CorpusSettings(args.max_prompt_tokens, args.max_depth, args.seed, sources, counts)

@@ -112,6 +112,21 @@ def parse_counts(spec: str) -> dict[str, int]:
     return counts
 
 
+_PACKAGES = {"math_generated": ("mathematics_dataset", "mathematics-dataset==1.0.1 six"),
+             "math_champ": ("champ_dataset", "champ-dataset==1.0.0")}
+
+
+def check_installed(counts: dict[str, int]) -> None:
+    """Raise SourceUnavailable (naming the pip package) for a source asked for whose package is
+    missing: before a corpus build spends minutes on the other sources."""
+    for source, n in counts.items():
+        if n > 0 and source in _PACKAGES:
+            try:
+                _package_dir(*_PACKAGES[source])
+            except SourceUnavailable as e:
+                raise SourceUnavailable(f"source {source}: {e}") from None
+
+
 def prompt_items(counts: dict[str, int], seed: int = 0) -> tuple[list[tuple[str, str]], dict]:
     """((text, source) pairs, {source: {"pool": n, "drawn": n}}) for every source with a count > 0."""
     makers: dict[str, Callable[[np.random.Generator], list[str]]] = {
@@ -152,7 +167,7 @@ def _package_dir(name: str, pip_name: str) -> str:
 
 def _math_modules(levels: int = 3) -> list[tuple[str, int, Callable]]:
     """(name, difficulty level, generator) of mathematics-dataset's training modules."""
-    _package_dir("mathematics_dataset", "mathematics-dataset==1.0.1 six")
+    _package_dir(*_PACKAGES["math_generated"])
     # 1.0.1 imports base_solution_linear from where sympy kept it until 1.5; it lives one module down now
     dioph = importlib.import_module("sympy.solvers.diophantine")
     if not hasattr(dioph, "base_solution_linear"):
@@ -209,7 +224,7 @@ def math_generated(n: int, rng: np.random.Generator) -> list[str]:
 
 def champ_prompts(rng: np.random.Generator) -> list[str]:
     """CHAMP's problems and concepts (math facts), each in one wrapper."""
-    path = os.path.join(_package_dir("champ_dataset", "champ-dataset==1.0.0"), "dataset_files", "v0.json")
+    path = os.path.join(_package_dir(*_PACKAGES["math_champ"]), "dataset_files", "v0.json")
     with open(path, encoding="utf-8") as fh:
         data = json.load(fh)
     out = []
