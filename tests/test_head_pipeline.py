@@ -41,7 +41,8 @@ def pipeline(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     tok = CharChatTokenizer()
     sharegpt, chitchat, evals = tiny_sources()
-    arrays = C.build_corpus(tok, TARGET, chat=True, sharegpt=sharegpt, chitchat=chitchat, evals=evals, progress=False)
+    arrays = C.build_corpus(tok, TARGET, chat=True, sharegpt=sharegpt, chitchat=chitchat, extra=[], evals=evals,
+                            progress=False)
     C.save_corpus(str(root / "corpus.npz"), arrays)
     corpus = C.load_corpus(str(root / "corpus.npz"))
     target = numpy_params(init_params, TARGET, seed=0, scale=0.3)

@@ -203,7 +203,8 @@ def test_cli_distills_dataset(tmp_path, monkeypatch):
     path.write_text(json.dumps(recipe))
     out = tmp_path / "run"
     args = cli.add_train_args(__import__("argparse").ArgumentParser()).parse_args(
-        ["--target", "tiny", "--recipe", str(path), "--out", str(out), "--distill-only", "--no-progress"])
+        ["--target", "tiny", "--recipe", str(path), "--out", str(out), "--distill-only", "--no-progress",
+         "--compile-cache", "none"])  # the default cache would hold every later test's programs
     assert cli.run_train(args) is None
     meta = read_meta(str(out / "data"))
     assert meta["seq_len"] == 48 and sum(s["rows"] for s in meta["shards"]) == 8
@@ -229,6 +230,25 @@ def test_loop_cut_keeps_normal_text_and_cuts_loops():
     stats = PackStats()
     tokens, mask, lengths = pack_rows(rows, 1024, 0, stats, loop_cut=cut)
     assert lengths[0] == 3 + n and mask[0].sum() == n and stats.loop_cut == 1 and stats.loop_tokens == 570 - n
+
+
+def test_loop_cut_of_a_whole_shard_equals_the_cut_of_each_row():
+    from jspec.train.shards import LoopCut
+
+    rng = np.random.default_rng(1)
+    seqs, prompts = [], []
+    for _ in range(400):
+        text = rng.integers(0, [5, 300, 40000][rng.integers(3)], rng.integers(0, 300))
+        if rng.random() < 0.5 and len(text) > 10:  # a loop from a random point on
+            text = np.concatenate([text[: rng.integers(len(text))], np.tile(rng.integers(0, 40000, rng.integers(1, 12)), 40)])
+        prompts.append(int(rng.integers(0, 20)))
+        seqs.append(np.concatenate([rng.integers(0, 40000, prompts[-1]), text]))
+    offs = np.concatenate([[0], np.cumsum([len(x) for x in seqs])])
+    tokens, starts = np.concatenate(seqs).astype(np.uint16), offs[:-1] + np.asarray(prompts)
+    for cut in (LoopCut(), LoopCut(ngram=3, run=6, keep=0), LoopCut(run=0)):
+        each = [cut.cut(tokens[a:b]) for a, b in zip(starts, offs[1:])]
+        np.testing.assert_array_equal(cut.cut_all(tokens, starts, offs[1:]), each)
+        assert cut.run == 0 or sum(np.asarray(each) < offs[1:] - starts) > 100
 
 
 def test_warm_start_keeps_the_trained_head(straight_run, data_dir, tmp_path):
@@ -283,8 +303,9 @@ def test_seq_len_override_cuts_the_recipes_length_buckets():
 
     from jspec.train.cli import _apply_overrides
 
-    recipe = load_recipe("training/gemma3-eagle3-corpus.json")
-    assert recipe.train.length_buckets == (256, 384, 512, 640)
+    from jspec.train.config import recipe_from_dict
+
+    recipe = recipe_from_dict({"train": {"seq_len": 640, "length_buckets": [256, 384, 512, 640]}})
     args = argparse.Namespace(steps=None, batch_size=None, seq_len=400, lr=None, seed=None, num_prompts=None, fsdp=None,
                               ckpt_every=None, log_every=None)
     train = _apply_overrides(recipe, args).train

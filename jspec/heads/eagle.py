@@ -685,6 +685,23 @@ def gather_target_vocab(logits: jax.Array, index: jax.Array | None) -> jax.Array
 # ---------------------------------------------------------------------------------------------
 
 
+def document_positions(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] int32 position of each token within its document: a packed row holds several
+    documents (segment_ids [B, T]: equal ids on one contiguous document), each counted from 0."""
+    T = segment_ids.shape[1]
+    t = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], segment_ids.shape)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
+
+
+def document_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, T, T] bool: token t sees token s <= t of its own document only (causal within each
+    document of a packed row, nothing across a document boundary)."""
+    T = segment_ids.shape[1]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return same & jnp.tril(jnp.ones((T, T), bool))[None]
+
+
 def ttt_step(
     hcfg: HeadConfig,
     head_params: dict,
@@ -693,6 +710,7 @@ def ttt_step(
     step: int,
     first_kv: tuple | None,
     later_kv: tuple | None,
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple, tuple]:
     """Draft step `step` for every position of a sequence at once.
 
@@ -704,12 +722,20 @@ def ttt_step(
 
     embeds, feats [B, T, D]; first_kv = (k, v) of step 0 [B, T, Hkv, hd] (None at step 0);
     later_kv = (k, v) of steps 1..j-1 stacked [B, T, j-1, Hkv, hd] (None when empty).
+    segment_ids [B, T] (packed rows, None = one document per row): "position t" and "causal"
+    then count within t's document (`document_positions`, `document_mask`), so no row attends
+    across a document boundary.
     Returns (h_out [B, T, D], first_kv, later_kv) with this step's K/V added.
     """
     lcfg = head_layer_config(hcfg)
     B, T = embeds.shape[:2]
     p = head_params["layer"]
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None] + step, (B, T))
+    if segment_ids is None:
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None] + step, (B, T))
+        causal = jnp.tril(jnp.ones((T, T), bool))[None, None, None]
+    else:
+        positions = document_positions(segment_ids) + step
+        causal = document_mask(segment_ids)[:, None, None]
     attn_in, residual = _attention_input(hcfg, head_params, embeds, feats)
     q, k, v = _project_qkv(lcfg, p, attn_in, positions)
     if first_kv is None:
@@ -719,7 +745,6 @@ def ttt_step(
         later_kv = (k, v) if later_kv is None else tuple(
             jnp.concatenate([a, b], axis=2) for a, b in zip(later_kv, (k, v))
         )
-    causal = jnp.tril(jnp.ones((T, T), bool))[None, None, None]
     blocks = [(*first_kv, causal, False)]
     if later_kv is not None:
         blocks.append((*later_kv, jnp.ones((), bool), True))

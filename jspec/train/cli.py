@@ -29,6 +29,8 @@ _T0 = time.perf_counter()  # the time budget counts from when the command starte
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from .step import add_compile_cache_arg
+
     parser.add_argument("--target", required=True, help="target model preset or path (jspec.presets.resolve_model)")
     parser.add_argument("--recipe", required=True, help="recipe JSON, e.g. training/smollm2-eagle3.json")
     parser.add_argument("--out", default=None, help="run directory (default runs/<recipe>-<target>)")
@@ -40,6 +42,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="start from this exported head (its draft vocabulary and LM head kept), e.g. the "
                              "preset's shipped head, so training continues across sessions")
     parser.add_argument("--no-progress", action="store_true")
+    add_compile_cache_arg(parser)
     over = parser.add_argument_group("recipe overrides")
     over.add_argument("--steps", type=int)
     over.add_argument("--batch-size", type=int)
@@ -164,9 +167,10 @@ def run_train(args: argparse.Namespace) -> None:
 
 def train_from_args(args: argparse.Namespace):
     """run_train's work; returns the TrainResult (None with --distill-only)."""
-    from .step import maybe_initialize_distributed
+    from .step import maybe_initialize_distributed, use_compile_cache
 
     maybe_initialize_distributed()  # before any other JAX call
+    use_compile_cache(getattr(args, "compile_cache", None))
     import jax
 
     from ..checkpoint.eagle_format import save_eagle_head
@@ -204,7 +208,7 @@ def train_from_args(args: argparse.Namespace):
     budget = getattr(args, "time_budget_s", None)
     deadline = _T0 + budget if budget else None
     if first_host:
-        _write_data_report(out, data_dir, recipe.train.seq_len, recipe.train.loop_cut)
+        _write_data_report(out, data_dir, recipe.train.seq_len, recipe.train.loop_cut, recipe.train.pack_documents)
     result = train(hcfg, recipe.train, params, data_dir, out, run=recipe.run, resume=args.resume,
                    stop_at=args.stop_at, progress=progress, deadline=deadline,
                    fit_to_deadline=getattr(args, "fit_steps_to_budget", False), lm_head_init=recipe.head.lm_head_init,
@@ -230,7 +234,7 @@ def export_dir(args: argparse.Namespace, out: str, result) -> str | None:
     return None
 
 
-def _write_data_report(out: str, data_dir: str, seq_len: int, loop_cut) -> None:
+def _write_data_report(out: str, data_dir: str, seq_len: int, loop_cut, packed: bool) -> None:
     """data_report.json: the dataset's rows and tokens by split and source, and what packing to
     seq_len cuts, loops included (v2 datasets)."""
     from . import shards
@@ -242,9 +246,11 @@ def _write_data_report(out: str, data_dir: str, seq_len: int, loop_cut) -> None:
     with open(os.path.join(out, "data_report.json"), "w") as fh:
         json.dump(report, fh, indent=1)
     p = report["packing"]
+    padding = (f"packed into about {p['packed_rows']:,} rows, padding {p['packed_padding_share']:.1%} of a batch"
+               if packed else f"padding {p['padding_share']:.0%} of a batch")
     print(f"data: {p['rows']:,} training rows; {p['loop_cut_rows']:,} responses cut where they loop "
           f"({p['loop_cut_tokens']:,} tokens); {p['truncated_rows']:,} longer than seq_len {seq_len} are cut "
-          f"({p['truncated_tokens']:,} tokens), padding {p['padding_share']:.0%} of a batch")
+          f"({p['truncated_tokens']:,} tokens), {padding}")
 
 
 def _write_vocab_report(out: str, data_dir: str, cfg, head_params: dict) -> None:

@@ -59,6 +59,9 @@ class TrainConfig:
     # pad each batch only to the smallest of these lengths that holds its longest row (rows sorted
     # by length within windows; jspec.train.data.ShardedLoader); () = always seq_len. Must end at seq_len.
     length_buckets: tuple[int, ...] = ()
+    # several distilled rows per training row, each attending within itself only (segment ids;
+    # jspec.train.data.ShardedLoader); rows are then always seq_len long and length_buckets must be ()
+    pack_documents: bool = False
 
     @property
     def loop_cut(self) -> LoopCut:
@@ -70,6 +73,8 @@ class TrainConfig:
         if self.seq_len <= self.ttt_steps + 1:
             raise ValueError("seq_len must exceed ttt_steps + 1")
         check_length_buckets(self.length_buckets, self.seq_len)
+        if self.pack_documents and self.length_buckets:
+            raise ValueError("pack_documents fills every row to seq_len: length_buckets must be [] with it")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
 

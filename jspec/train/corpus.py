@@ -15,6 +15,11 @@ Sources (pip packages installed with --no-deps; nothing is downloaded at build t
     chitchat         every turn of chitchat-dataset's training conversations (the `chitchat` task's
                      held-out conversations, every 10th, are excluded) with 6..200 words, as a
                      standalone prompt
+    math_generated, math_champ, translation, doc_summary, doc_questions, code_docs
+                     prompts of the kinds a chat-trained head is weak on, drawn from installed packages
+                     (mathematics-dataset, champ-dataset, the documentation and code of Python's
+                     standard library and numpy) with per-source counts (`--counts`), seeded:
+                     jspec.train.prompt_sources
 Self-written prompts (code, math, ...) are not in the file: the target writes them on the device
 (jspec.train.distill, from `self_instruct_seeds`).
 
@@ -63,10 +68,13 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .. import tasks
+from ..errors import UsageError
 from ..presets import list_presets, load_preset, resolve_model
+from .prompt_sources import (DEFAULT_COUNTS, PROMPT_SOURCES, SourceUnavailable, check_installed, parse_counts,
+                             prompt_items)
 
 FORMAT = "jspec-prompts-v1"
-SOURCES = ("sharegpt_first", "sharegpt_split", "sharegpt_cont", "chitchat")
+SOURCES = ("sharegpt_first", "sharegpt_split", "sharegpt_cont", "chitchat") + PROMPT_SOURCES
 EVAL_TASKS = ("mt_bench", "humaneval", "chitchat")
 NGRAM = 13
 MIN_ASCII_SHARE = 0.9
@@ -77,8 +85,8 @@ _USER_ROLES = ("human", "user")
 _ASSISTANT_ROLES = ("gpt", "chatgpt", "bing", "bard", "assistant")
 
 
-class CorpusError(ValueError):
-    """The corpus cannot be built or read as asked."""
+class CorpusError(UsageError):
+    """The corpus cannot be built or read as asked (the command line prints it as one line)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,6 +311,7 @@ class CorpusSettings:
     max_depth: int = 4  # continuation depth kept in the file (the device drops over-long prompts)
     seed: int = 0
     sources: tuple[str, ...] = SOURCES
+    counts: dict = field(default_factory=lambda: dict(DEFAULT_COUNTS))  # prompts per prompt_sources source
 
 
 @dataclass
@@ -372,10 +381,17 @@ def select_items(raw: list[RawItem], index: EvalIndex, settings: CorpusSettings,
 
 def build_corpus(tokenizer, cfg, *, chat: bool, settings: CorpusSettings = CorpusSettings(),
                  sharegpt: tuple[list[RawItem], dict] | None = None, chitchat: list[RawItem] | None = None,
-                 evals: dict[str, list] | None = None, progress: bool = True) -> dict[str, np.ndarray]:
-    """Arrays of the corpus file (see module doc). Sources default to the installed packages;
-    tests pass small stand-ins."""
+                 extra: list[RawItem] | None = None, evals: dict[str, list] | None = None,
+                 progress: bool = True) -> dict[str, np.ndarray]:
+    """Arrays of the corpus file (see module doc). Sources default to the installed packages
+    (`extra`: the prompt_sources items); tests pass small stand-ins."""
     stats = _Stats()
+    counts = {s: n for s, n in settings.counts.items() if s in settings.sources}
+    if extra is None:
+        try:
+            check_installed(counts)
+        except SourceUnavailable as e:
+            raise CorpusError(f"{e}, or leave its source out of --sources") from None
     evals = eval_questions() if evals is None else evals
     eval_texts = [t for qs in evals.values() for q in qs for t in q.turns]
     index = EvalIndex(eval_texts)
@@ -388,6 +404,13 @@ def build_corpus(tokenizer, cfg, *, chat: bool, settings: CorpusSettings = Corpu
     if "chitchat" in settings.sources:
         raw += [RawItem(it.text, it.source, -1 if it.parent < 0 else it.parent + offset, it.conv)
                 for it in (chitchat_items() if chitchat is None else chitchat)]
+    if extra is None:
+        try:
+            pairs, provenance["prompt_sources"] = prompt_items(counts, settings.seed)
+        except SourceUnavailable as e:
+            raise CorpusError(f"{e}, or leave its source out of --sources") from None
+        extra = [RawItem(text, source) for text, source in pairs]
+    raw += extra
     keep = select_items(raw, index, settings, stats, chat)
 
     enc = PromptEncoder(tokenizer, chat)
@@ -438,7 +461,7 @@ def build_corpus(tokenizer, cfg, *, chat: bool, settings: CorpusSettings = Corpu
         "sources": list(SOURCES),
         "eval_tasks": list(EVAL_TASKS),
         "settings": {"max_prompt_tokens": settings.max_prompt_tokens, "max_depth": settings.max_depth,
-                     "seed": settings.seed, "ngram": NGRAM, "min_ascii_share": MIN_ASCII_SHARE,
+                     "seed": settings.seed, "counts": settings.counts, "ngram": NGRAM, "min_ascii_share": MIN_ASCII_SHARE,
                      "min_first_turn_words": MIN_FIRST_TURN_WORDS},
         "provenance": provenance,
         "stats": stats.by_source,
@@ -553,6 +576,9 @@ def add_corpus_args(p):
                    help="longer prompts are dropped and counted, never truncated (default %(default)s)")
     p.add_argument("--max-depth", type=int, default=4, help="deepest continuation kept (default %(default)s)")
     p.add_argument("--sources", default=",".join(SOURCES), help="comma-separated subset of " + ", ".join(SOURCES))
+    p.add_argument("--counts", default="", metavar="SOURCE=N,...",
+                   help="prompts per generated source (default " + ",".join(f"{k}={v}" for k, v in DEFAULT_COUNTS.items())
+                   + "; a smaller pool gives all it has)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -567,7 +593,14 @@ def run_corpus(args) -> int:
         raise CorpusError(f"--max-prompt-tokens {args.max_prompt_tokens} is below the minimum of 8")
     cfg, _, tok = resolve_model(args.target, tokenizer=True)
     chat = load_preset(args.target).chat if args.target in list_presets() else bool(getattr(tok, "chat_template", None))
-    settings = CorpusSettings(args.max_prompt_tokens, args.max_depth, args.seed, sources)
+    try:
+        counts = parse_counts(args.counts)
+        check_installed({s: n for s, n in counts.items() if s in sources})
+    except SourceUnavailable as e:
+        raise CorpusError(f"{e}, or leave its source out of --sources") from None
+    except ValueError as e:
+        raise CorpusError(str(e)) from None
+    settings = CorpusSettings(args.max_prompt_tokens, args.max_depth, args.seed, sources, counts)
     arrays = build_corpus(tok, cfg, chat=chat, settings=settings, progress=not args.no_progress)
     save_corpus(args.out, arrays)
     meta = json.loads(arrays["meta"].tobytes().decode())

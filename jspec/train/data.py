@@ -26,6 +26,15 @@ corpus run's batches). With buckets, a host sorts its shuffled rows by length wi
 batch only to the smallest bucket that holds its longest row (the largest over hosts: one tiny
 all-gather per step when there are several). The train step compiles once per bucket. Still a
 pure function of (seed, step).
+
+Packed rows (`pack_documents`): instead, a host packs its shuffled rows ("documents") into
+training rows of seq_len tokens, several per row, by first-fit decreasing within windows of
+`bucket_window` batches of documents (`shards.plan_packing`), shuffles the packed rows and cuts
+them into batches. Every batch has seq_len columns (one compiled step) and `segment_ids` number
+each row's documents 1, 2, ... (0 on the padding left at the end), which the train step turns
+into per-document attention masks and positions. An epoch has as many steps as the host with the
+fewest packed rows can fill; every host computes every host's packing (from row lengths alone),
+so they agree without communicating. Still a pure function of (seed, step).
 """
 
 from __future__ import annotations
@@ -160,7 +169,8 @@ class ShardedLoader:
     split: str = "train"
     loop_cut: shards_v2.LoopCut = shards_v2.NO_LOOP_CUT  # v2 rows: where looping responses are cut
     length_buckets: tuple[int, ...] = ()  # () = every batch padded to seq_len (see the module doc)
-    bucket_window: int = 32  # batches per length-sorting window
+    bucket_window: int = 32  # batches per length-sorting (or document-packing) window
+    pack_documents: bool = False  # several rows per training row (see the module doc)
 
     def __post_init__(self):
         if self.global_batch % self.process_count:
@@ -180,6 +190,11 @@ class ShardedLoader:
         self._by_shard = len(self._rows_per_shard) >= self.process_count
         self._cache: dict[str, dict[str, np.ndarray]] = {}
         self._epoch_rows: dict[int, np.ndarray] = {}
+        self._lengths: dict[int, np.ndarray] = {}  # shard index -> its rows' lengths (packing plans)
+        self._plans: dict[tuple[int, int], list[np.ndarray]] = {}  # (epoch, host) -> packed rows
+        self._steps: dict[int, int] = {}
+        if self.pack_documents and self.length_buckets:
+            raise ValueError("pack_documents fills every row to seq_len: length_buckets must be () with it")
         if self.steps_in_epoch(0) == 0:
             raise ValueError(f"{self.data_dir}: too few rows for a local batch of {self.local_batch}")
         shards_v2.check_length_buckets(self.length_buckets, self.seq_len)
@@ -197,7 +212,11 @@ class ShardedLoader:
         return every[host :: self.process_count]
 
     def steps_in_epoch(self, epoch: int) -> int:
-        """Equal on every host: the host with the fewest rows bounds the epoch."""
+        """Equal on every host: the host with the fewest rows (packed rows) bounds the epoch."""
+        if self.pack_documents:
+            if epoch not in self._steps:
+                self._steps[epoch] = min(len(self._packed(epoch, h)) for h in range(self.process_count)) // self.local_batch
+            return self._steps[epoch]
         if self._by_shard:
             order = np.random.default_rng([self.seed, epoch]).permutation(len(self._rows_per_shard))
             rows = [sum(self._rows_per_shard[s] for s in order[h :: self.process_count]) for h in range(self.process_count)]
@@ -214,11 +233,31 @@ class ShardedLoader:
             epoch += 1
         return epoch, step
 
+    def _shuffled(self, epoch: int, host: int) -> np.ndarray:
+        """[n, 2] (shard, row) pairs of `host` in `epoch`, shuffled."""
+        pairs = np.asarray(self._assignment(epoch, host), np.int64).reshape(-1, 2)
+        return pairs[np.random.default_rng([self.seed, epoch, host]).permutation(len(pairs))]
+
+    def _packed(self, epoch: int, host: int) -> list[np.ndarray]:
+        """`host`'s packed rows of `epoch`, in batch order: each an [k, 2] array of (shard, row)."""
+        if (epoch, host) not in self._plans:
+            if len(self._plans) >= 2 * self.process_count:  # about one epoch's plans in memory
+                self._plans.pop(next(iter(self._plans)))
+            pairs = self._shuffled(epoch, host)
+            lengths = np.asarray([self._row_lengths(int(s))[int(r)] for s, r in pairs], np.int64)
+            rows = shards_v2.plan_packing(lengths, self.seq_len, self.bucket_window * self.local_batch)
+            order = np.random.default_rng([self.seed, epoch, host, 2]).permutation(len(rows))
+            self._plans[(epoch, host)] = [pairs[rows[i]] for i in order]
+        return self._plans[(epoch, host)]
+
+    def _row_lengths(self, index: int) -> np.ndarray:
+        if index not in self._lengths:
+            self._lengths[index] = self._shard(index)["lengths"]
+        return self._lengths[index]
+
     def _rows(self, epoch: int) -> np.ndarray:
         if epoch not in self._epoch_rows:
-            pairs = np.asarray(self._assignment(epoch, self.process_index), np.int64).reshape(-1, 2)
-            perm = np.random.default_rng([self.seed, epoch, self.process_index]).permutation(len(pairs))
-            pairs = pairs[perm]
+            pairs = self._shuffled(epoch, self.process_index)
             if self.length_buckets:
                 pairs = self._length_grouped(epoch, pairs)
             self._epoch_rows = {epoch: pairs}  # keep one epoch's order in memory
@@ -249,8 +288,9 @@ class ShardedLoader:
                 self._cache.pop(next(iter(self._cache)))
             if self._v2:
                 rows = shards_v2.load_rows(self.data_dir, name)
+                kept = shards_v2.response_keep(self.data_dir, name, rows, self.loop_cut)
                 tokens, mask, lengths = shards_v2.pack_rows(rows, self.seq_len, self.meta["pad_id"],
-                                                            loop_cut=self.loop_cut)
+                                                            loop_cut=self.loop_cut, kept=kept)
                 self._cache[name] = {"tokens": tokens, "loss_mask": mask, "lengths": lengths}
             else:
                 self._cache[name] = load_shard(self.data_dir, name)
@@ -258,14 +298,36 @@ class ShardedLoader:
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         """This host's rows of global batch `step`: tokens [b, T] int32, loss_mask [b, T] bool,
-        lengths [b] int32."""
+        segment_ids [b, T] int32 (documents 1, 2, ... of a row; 0 on padding), lengths [b] int32
+        (non-padding tokens of each row)."""
         epoch, i = self.locate(step)
+        if self.pack_documents:
+            rows = self._packed(epoch, self.process_index)
+            return self._packed_batch(rows[i * self.local_batch : (i + 1) * self.local_batch])
         pairs = self._rows(epoch)[i * self.local_batch : (i + 1) * self.local_batch]
         rows = [{k: v[r] for k, v in self._shard(s).items()} for s, r in pairs]
         batch = {k: np.stack([row[k] for row in rows]) for k in ("tokens", "loss_mask", "lengths")}
         if self.length_buckets:
             T = self._bucket(int(batch["lengths"].max()))
             batch["tokens"], batch["loss_mask"] = batch["tokens"][:, :T], batch["loss_mask"][:, :T]
+        T = batch["tokens"].shape[1]
+        batch["segment_ids"] = (np.arange(T)[None] < batch["lengths"][:, None]).astype(np.int32)
+        return batch
+
+    def _packed_batch(self, rows: list[np.ndarray]) -> dict[str, np.ndarray]:
+        b, T = len(rows), self.seq_len
+        batch = {"tokens": np.full((b, T), self.meta["pad_id"], np.int32), "loss_mask": np.zeros((b, T), bool),
+                 "segment_ids": np.zeros((b, T), np.int32), "lengths": np.zeros((b,), np.int32)}
+        for i, docs in enumerate(rows):
+            at = 0
+            for doc, (s, r) in enumerate(docs, 1):
+                shard = self._shard(int(s))
+                n = int(shard["lengths"][r])
+                batch["tokens"][i, at : at + n] = shard["tokens"][r, :n]
+                batch["loss_mask"][i, at : at + n] = shard["loss_mask"][r, :n]
+                batch["segment_ids"][i, at : at + n] = doc
+                at += n
+            batch["lengths"][i] = at
         return batch
 
 

@@ -59,6 +59,7 @@ from ..decode import bucket, emit, prefill
 from ..presets import list_presets, load_preset, resolve_model
 from . import corpus as C
 from .shards import LoopCut, RowWriter, load_rows, read_meta, row_tokens, shard_files
+from .step import add_compile_cache_arg, use_compile_cache
 
 SELF_SOURCE = "self_instruct"
 DATA_SOURCES = tuple(C.SOURCES) + (SELF_SOURCE,) + tuple(f"eval_{t}" for t in C.EVAL_TASKS)
@@ -778,6 +779,7 @@ def add_distill_args(p):
     p.add_argument("--part", default="0/1", help="I/N: this host's share of the corpus (conversations i mod N)")
     p.add_argument("--dtype", default="auto", help="target dtype: auto (bf16 on GPU, f32 on CPU), bfloat16, float32")
     p.add_argument("--no-progress", action="store_true")
+    add_compile_cache_arg(p)
     for f in dataclasses.fields(DistillConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
@@ -803,6 +805,7 @@ def config_from_args(args) -> DistillConfig:
 
 
 def run_distill(args) -> int:
+    use_compile_cache(getattr(args, "compile_cache", None))
     dc = config_from_args(args)
     try:
         part = tuple(int(x) for x in args.part.split("/"))

@@ -3,8 +3,13 @@
 Index convention (tokens x_0..x_{T-1}; f_t = target feature after reading x_0..x_t; the target's
 distribution p_t is over x_{t+1}): at TTT step j the row at position t reads x_{t+j+1} and the
 previous step's output (f_t at step 0) and predicts x_{t+j+2}, whose target distribution is
-p_{t+j+1}. Its loss counts only where x_{t+j+2} is a response token (loss_mask), so positions
-that run past the sequence end drop out on their own.
+p_{t+j+1}. Its loss counts only where x_{t+j+2} is a response token (loss_mask) of the same
+document as x_t, so positions that run past the sequence end or into the next document of a
+packed row drop out on their own.
+
+Packed rows (batch["segment_ids"] [B, T]: 1, 2, ... per document, 0 on padding): the frozen
+target and the head's TTT unroll both attend within a document only, with positions counted
+from each document's start, so a document's losses are those it would have alone in a row.
 
 EAGLE-1 (§1.1): regression_weight * SmoothL1(h_out, f_{t+j+1}) + ce_weight * CE(softmax(lm(f_{t+j+1})),
   lm(h_out)), uniform noise on the step-0 input features; usually one step (ttt_steps=1).
@@ -51,13 +56,20 @@ def chunked_argmax_logits(tparams: dict, tcfg: ModelConfig, hidden: jax.Array, c
     return top.swapaxes(0, 1).reshape(B, T)
 
 
-def target_outputs(hcfg: H.HeadConfig, tc: TrainConfig, tparams: dict, tokens: jax.Array) -> TargetOut:
-    """One frozen target forward over the whole sequence (a cache of the sequence length)."""
+def target_outputs(hcfg: H.HeadConfig, tc: TrainConfig, tparams: dict, tokens: jax.Array,
+                   segment_ids: jax.Array | None = None) -> TargetOut:
+    """One frozen target forward over the whole sequence (a cache of the sequence length); with
+    segment_ids [B, T], each document of a packed row is read on its own (positions from its
+    start, attention within it)."""
     tcfg = hcfg.target
     B, T = tokens.shape
     cache = init_cache(tcfg, B, T, tparams["embed"].dtype)
     capture = hcfg.capture_layers if hcfg.kind == "eagle3" else ()
-    out = forward(tparams, tcfg, tokens, cache, capture=capture)
+    if segment_ids is None:
+        out = forward(tparams, tcfg, tokens, cache, capture=capture)
+    else:
+        out = forward(tparams, tcfg, tokens, cache, capture=capture, positions=H.document_positions(segment_ids),
+                      new_mask=H.document_mask(segment_ids))
     top = chunked_argmax_logits(tparams, tcfg, out.hidden, tc.logits_chunk)
     return jax.lax.stop_gradient(TargetOut(out.hidden, out.captured, top))
 
@@ -92,10 +104,12 @@ def smooth_l1(x: jax.Array) -> jax.Array:
     return jnp.where(a < 1.0, 0.5 * a * a, a - 0.5)
 
 
-def feature_noise(key: jax.Array, shape, lengths: jax.Array, std: float) -> jax.Array:
-    """EAGLE-1's augmentation: (U(0,1) - 0.5) * std * 512 / row length [B, T, D] (§1.1)."""
-    scale = std * 512.0 / jnp.maximum(lengths.astype(jnp.float32), 1.0)
-    return (jax.random.uniform(key, shape) - 0.5) * scale[:, None, None]
+def feature_noise(key: jax.Array, shape, segment_ids: jax.Array, std: float) -> jax.Array:
+    """EAGLE-1's augmentation: (U(0,1) - 0.5) * std * 512 / sequence length [B, T, D] (§1.1),
+    the length of each token's own document in a packed row."""
+    doc_len = jnp.sum(segment_ids[:, :, None] == segment_ids[:, None, :], axis=-1)
+    scale = std * 512.0 / jnp.maximum(doc_len.astype(jnp.float32), 1.0)
+    return (jax.random.uniform(key, shape) - 0.5) * scale[:, :, None]
 
 
 def chunked_ce_and_argmax(hcfg: H.HeadConfig, head_params: dict, tparams: dict, h_out: jax.Array,
@@ -124,9 +138,11 @@ def chunked_ce_and_argmax(hcfg: H.HeadConfig, head_params: dict, tparams: dict, 
 
 
 def step_loss(hcfg: H.HeadConfig, tc: TrainConfig, head_params: dict, tparams: dict, h_out: jax.Array,
-              target: TargetOut, loss_mask: jax.Array, step: int):
-    """(loss, top-1 accuracy vs the target's argmax) of TTT step `step`."""
-    counted = shift_left(loss_mask, step + 2, False)
+              target: TargetOut, loss_mask: jax.Array, step: int, segment_ids: jax.Array):
+    """(loss, top-1 accuracy vs the target's argmax) of TTT step `step`: counted where the token
+    predicted, x_{t+step+2}, is a response token of x_t's own document."""
+    same_doc = shift_left(segment_ids, step + 2, -1) == segment_ids
+    counted = shift_left(loss_mask, step + 2, False) & same_doc
     tgt_hidden = shift_left(target.hidden, step + 1)
     tgt_top = shift_left(target.top, step + 1)
     ce, pred = chunked_ce_and_argmax(hcfg, head_params, tparams, h_out, tgt_hidden, tc.logits_chunk)
@@ -147,20 +163,20 @@ def step_loss(hcfg: H.HeadConfig, tc: TrainConfig, head_params: dict, tparams: d
 def ttt_loss(hcfg: H.HeadConfig, tc: TrainConfig, head_params: dict, tparams: dict, batch: dict,
              target: TargetOut, key: jax.Array):
     """sum_j decay^j L_j over tc.ttt_steps unrolled draft steps; returns (loss, metrics)."""
-    tokens, loss_mask = batch["tokens"], batch["loss_mask"]
+    tokens, loss_mask, segments = batch["tokens"], batch["loss_mask"], batch["segment_ids"]
     dtype = head_params["fc"].dtype
     embeds = H.embed_tokens(tparams, hcfg.target, tokens).astype(dtype)
     if hcfg.kind == "eagle1":
         feats = target.hidden.astype(dtype)
         if tc.feature_noise_std:
-            noise = feature_noise(key, feats.shape, batch["lengths"], tc.feature_noise_std)
+            noise = feature_noise(key, feats.shape, segments, tc.feature_noise_std)
             feats = feats + noise.astype(dtype)
     else:
         feats = H.fuse_captured(hcfg, head_params, target.captured)
 
     def one_step(j, head_params, feats, first, later):
-        h, first, later = H.ttt_step(hcfg, head_params, shift_left(embeds, j + 1), feats, j, first, later)
-        loss, acc = step_loss(hcfg, tc, head_params, tparams, h, target, loss_mask, j)
+        h, first, later = H.ttt_step(hcfg, head_params, shift_left(embeds, j + 1), feats, j, first, later, segments)
+        loss, acc = step_loss(hcfg, tc, head_params, tparams, h, target, loss_mask, j, segments)
         return h, first, later, loss, acc
 
     if tc.remat:  # keep only each step's inputs; its logits are recomputed in the backward pass

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..heads import eagle as H
@@ -29,7 +30,7 @@ BATCH_AXES = ("data", "fsdp")
 
 
 # ---------------------------------------------------------------------------------------------
-# Multi-host and mesh
+# Multi-host, mesh and compilation cache
 # ---------------------------------------------------------------------------------------------
 
 
@@ -45,6 +46,37 @@ def maybe_initialize_distributed() -> None:
         )
     elif os.environ.get("JSPEC_DISTRIBUTED") == "1":
         jax.distributed.initialize()
+
+
+def default_compile_cache() -> str:
+    """$JAX_COMPILATION_CACHE_DIR when set, else ~/.cache/jspec/xla."""
+    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jspec", "xla")
+
+
+def use_compile_cache(path: str | None) -> str | None:
+    """Keep every compiled program in `path` (JAX's persistent compilation cache; on GPUs XLA's
+    autotuning results go there too), so a second run on the same host loads the train step
+    instead of compiling it (minutes on a GPU). None = `default_compile_cache()`; "none" turns it
+    off. Returns the directory used."""
+    path = default_compile_cache() if path is None else path
+    if path.lower() in ("", "none"):
+        if jax.config.jax_compilation_cache_dir:  # also when $JAX_COMPILATION_CACHE_DIR set it
+            jax.config.update("jax_compilation_cache_dir", None)
+            compilation_cache.reset_cache()
+        return None
+    path = os.path.abspath(os.path.expanduser(path))
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every program: reads cost less
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    compilation_cache.reset_cache()  # a process that compiled before reads the new directory from now on
+    return path
+
+
+def add_compile_cache_arg(parser) -> None:
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        help="persistent compilation cache: a second run on this host starts without compiling "
+                             "(default $JAX_COMPILATION_CACHE_DIR, else ~/.cache/jspec/xla; 'none' turns it off)")
 
 
 def make_mesh(fsdp: int = 1, devices=None) -> Mesh:
@@ -152,7 +184,7 @@ def place_replicated(mesh: Mesh, tree):
 def _train_step(hcfg: H.HeadConfig, tc: TrainConfig, mesh: Mesh, state: dict, fixed: dict,
                 target_params: dict, batch: dict):
     dtype = jnp.dtype(tc.compute_dtype)
-    target = losses.target_outputs(hcfg, tc, target_params, batch["tokens"])
+    target = losses.target_outputs(hcfg, tc, target_params, batch["tokens"], batch["segment_ids"])
     key = jax.random.fold_in(state["rng"], state["step"])  # per-step randomness, resumable
 
     def loss_fn(params):
@@ -179,7 +211,7 @@ def _train_step(hcfg: H.HeadConfig, tc: TrainConfig, mesh: Mesh, state: dict, fi
 
 def _eval_step(hcfg: H.HeadConfig, tc: TrainConfig, state: dict, fixed: dict, target_params: dict, batch: dict):
     """The training loss and per-step accuracies on a batch, without noise or an update."""
-    target = losses.target_outputs(hcfg, tc, target_params, batch["tokens"])
+    target = losses.target_outputs(hcfg, tc, target_params, batch["tokens"], batch["segment_ids"])
     head_params = {**cast_params(state["params"], jnp.dtype(tc.compute_dtype)), **fixed}
     _, metrics = losses.ttt_loss(hcfg, tc, head_params, target_params, batch, target, state["rng"])
     return metrics
@@ -190,4 +222,5 @@ eval_step = jax.jit(_eval_step, static_argnums=(0, 1))
 train_step.__doc__ = """train_step(hcfg, tc, mesh, state, fixed, target_params, batch) -> (state, metrics).
 
 state: init_state(...) placed with `place`; fixed: the head's integer leaves (d2t, t2d);
-target_params: frozen, already in the compute dtype; batch: global_batch(...) arrays."""
+target_params: frozen, already in the compute dtype; batch: global_batch(...) arrays of
+ShardedLoader.batch (tokens, loss_mask, segment_ids, lengths)."""

@@ -119,14 +119,14 @@ class MetricsLog:
 
 def capture_rms(hcfg: H.HeadConfig, target_params: dict, batch: dict, rows: int = 8) -> np.ndarray:
     """Median token RMS of each captured layer input over the first `rows` rows of a batch, real
-    positions after the first only (the first token is an attention sink whose activations are
-    outsized in most models)."""
-    tokens = batch["tokens"][:rows]
+    positions after each document's first only (the first token is an attention sink whose
+    activations are outsized in most models)."""
+    tokens, segments = batch["tokens"][:rows], jnp.asarray(batch["segment_ids"][:rows])
     B, T = tokens.shape
     cache = init_cache(hcfg.target, B, T, target_params["embed"].dtype)
-    out = forward(target_params, hcfg.target, jnp.asarray(tokens), cache, capture=hcfg.capture_layers)
-    t = np.arange(T)[None]
-    real = (t >= 1) & (t < np.asarray(batch["lengths"][:rows])[:, None])
+    out = forward(target_params, hcfg.target, jnp.asarray(tokens), cache, capture=hcfg.capture_layers,
+                  positions=H.document_positions(segments), new_mask=H.document_mask(segments))
+    real = np.asarray((H.document_positions(segments) >= 1) & (segments > 0))
     rms = [np.sqrt(np.mean(np.square(np.asarray(c, np.float32)), -1))[real] for c in out.captured]
     return np.asarray([np.median(r) for r in rms], np.float64)
 
@@ -141,7 +141,7 @@ def holdout_evaluator(hcfg: H.HeadConfig, tc: TrainConfig, run: RunConfig, mesh:
     try:
         loader = ShardedLoader(data_dir, tc.batch_size, tc.seed, jax.process_index(), jax.process_count(),
                                seq_len_override=tc.seq_len, split="holdout", loop_cut=tc.loop_cut,
-                               length_buckets=tc.length_buckets)
+                               length_buckets=tc.length_buckets, pack_documents=tc.pack_documents)
     except ValueError as e:  # no holdout split (v1 datasets, tiny test sets)
         log_fn(f"no held-out metrics: {e}")
         return None
@@ -209,8 +209,14 @@ def train(
     """
     from tqdm import tqdm
 
-    mesh = mesh or S.make_mesh(run.fsdp)
+    mesh = mesh or S.make_mesh(run.fsdp)  # every device of every host: data parallel (fsdp groups within)
+    if tc.batch_size % mesh.size:
+        raise ValueError(f"batch_size {tc.batch_size} does not split over {mesh.size} devices: "
+                         f"use a multiple of {mesh.size}")
     first_host = jax.process_index() == 0
+    log_fn(f"training on {mesh.size} device(s): data {mesh.shape['data']} x fsdp {mesh.shape['fsdp']}, "
+           f"{tc.batch_size // mesh.size} rows of {tc.seq_len} tokens per device per step"
+           + (", documents packed" if tc.pack_documents else ""))
     os.makedirs(out_dir, exist_ok=True)
     if head_params is None:
         head_params = jax.jit(H.init_head, static_argnums=0)(hcfg, jax.random.PRNGKey(tc.seed))
@@ -220,11 +226,12 @@ def train(
         head_params = init_lm_head_from_target(hcfg, jax.device_get(head_params), jax.device_get(target_params))
     loader = ShardedLoader(data_dir, tc.batch_size, tc.seed, jax.process_index(), jax.process_count(),
                            seq_len_override=tc.seq_len, loop_cut=tc.loop_cut,
-                           length_buckets=tc.length_buckets)
+                           length_buckets=tc.length_buckets, pack_documents=tc.pack_documents)
     compute_target = cast_params(target_params, jnp.dtype(tc.compute_dtype))
     if input_scale == "rms" and "fc_in_scale" not in head_params:  # a resumed run restores the same leaf
         first_rows = ShardedLoader(data_dir, tc.batch_size, tc.seed, 0, 1, seq_len_override=tc.seq_len,
-                                   loop_cut=tc.loop_cut, length_buckets=tc.length_buckets).batch(0)
+                                   loop_cut=tc.loop_cut, length_buckets=tc.length_buckets,
+                                   pack_documents=tc.pack_documents).batch(0)
         rms = capture_rms(hcfg, compute_target, first_rows)  # every host measures the same rows
         scales = H.capture_scales(rms)
         if warm_start:  # an exported head has the scale folded into fc: unfold it (exact), same function
@@ -253,11 +260,12 @@ def train(
     meta = {"kind": hcfg.kind, "seed": tc.seed, "data_dir": os.path.abspath(data_dir)}
     fit_pending = fit_to_deadline and deadline is not None and not fitted and start == 0
     measure_from, measure_to = start + 3, start + 23  # after compilation; synced at both ends
-    if tc.length_buckets:  # compile every bucket's step now, so none compiles inside the timed window
-        for T in tc.length_buckets:
-            b = loader.batch(start)
-            shaped = {k: np.resize(v, (v.shape[0], T)) if v.ndim == 2 else v for k, v in b.items()}
-            S.train_step.lower(hcfg, tc, mesh, state, fixed, target_params, S.global_batch(mesh, shaped)).compile()
+    # Compile the step for every batch shape now (each length bucket, else seq_len), so none compiles
+    # inside the timed window, and `--stop-at 0` is a compile-only run that fills the compilation cache.
+    first_batch = loader.batch(start) if start < total else None
+    for T in (tc.length_buckets or (tc.seq_len,)) if first_batch is not None else ():
+        shaped = {k: np.resize(v, (v.shape[0], T)) if v.ndim == 2 else v for k, v in first_batch.items()}
+        S.train_step.lower(hcfg, tc, mesh, state, fixed, target_params, S.global_batch(mesh, shaped)).compile()
     if evaluate is not None:
         evaluate.compile_all(state, fixed, target_params)
     t_measure = step_seconds = None
