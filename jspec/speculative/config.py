@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any
 
 from .drafters.eagle import EagleDrafter
+from .drafters.hybrid import HybridDrafter
 from .engines.specbranch import SpecBranchConfig
 from .engines.tree import TreeConfig
 from .verify.consultant import DEFAULT_EPS, ConsultantRule
@@ -81,9 +82,15 @@ class SpeculativeConfig:
             raise ValueError(f"tree={self.tree!r}: expected None, True, 'auto' or a TreeConfig")
         if self.verify != "lossless":
             raise ValueError("Consultant Decoding verifies chains, not trees: drop tree or use verify='lossless'")
-        name = self.drafter.partition(":")[0] if isinstance(self.drafter, str) else None
-        if (name is not None and name not in TREE_DRAFTERS) or (name is None and not isinstance(self.drafter, EagleDrafter)):
-            raise ValueError(f"trees need an EAGLE head drafter (eagle, eagle3), got {getattr(self.drafter, 'name', self.drafter)!r}")
+        if isinstance(self.drafter, str):  # a hybrid "eagle3+ngram" draws its tree from the head
+            ok = all(part.partition(":")[0] in TREE_DRAFTERS or part.partition(":")[0] == "ngram"
+                     for part in self.drafter.split("+")) and any(
+                part.partition(":")[0] in TREE_DRAFTERS for part in self.drafter.split("+"))
+        else:
+            ok = isinstance(self.drafter, (EagleDrafter, HybridDrafter))
+        if not ok:
+            raise ValueError(f"trees need an EAGLE head drafter (eagle, eagle3, or eagle3+ngram), got "
+                             f"{getattr(self.drafter, 'name', self.drafter)!r}")
 
     def _check_engine(self) -> None:
         name = "specbranch" if isinstance(self.engine, SpecBranchConfig) else self.engine
