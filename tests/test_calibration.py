@@ -12,7 +12,7 @@ import pytest
 
 from jspec import cli
 from jspec.bench import calibrate as C
-from jspec.checkpoint.eagle_format import save_eagle_head
+from jspec.checkpoint.eagle_format import EXTRAS_DIR, save_eagle_head
 from jspec.generate import generate
 from jspec.speculative.drafters.base import DrafterError
 from jspec.speculative.factory import resolve_policy_spec
@@ -101,7 +101,7 @@ def test_calibrate_command_writes_beside_the_head(setup, tmp_path, monkeypatch, 
     target, drafter, dparams, ldlp, _, _ = setup
     head = tmp_path / "eagle3"
     save_eagle_head(str(head), drafter.head, dparams)
-    save_ldlp(str(head), ldlp, {"d_model": CFG.hidden_size, "hidden": 16})
+    save_ldlp(str(head / EXTRAS_DIR), ldlp, {"d_model": CFG.hidden_size, "hidden": 16})  # where engines never look
     monkeypatch.setattr(C.presets, "resolve_model", lambda *a, **k: (CFG, target, ShortTokenizer()))
     monkeypatch.setattr(C, "ensure_costs", lambda *a, **k: REFERENCE_COSTS)  # timing is the round-cost tests' job
     argv = ["calibrate", "--model", "tiny", "--drafter", f"eagle3:{head}", "--policy", "svip,ldlp", "--k-max", str(K),

@@ -98,7 +98,9 @@ def test_step_loss_matches_the_reference(kind, step):
     h_out, target, mask = _hand_batch(kind, step, np.random.default_rng(10 * step + len(kind)))
     tparams, heads = _params()
     fn = jax.jit(L.step_loss, static_argnums=(0, 1, 7))
-    loss, acc = (float(x) for x in fn(_heads()[kind], tc, heads[kind], tparams, h_out, target, mask, step))
+    one_document = jnp.ones(mask.shape, jnp.int32)  # segment ids: every row a single conversation
+    loss, acc = (float(x) for x in fn(_heads()[kind], tc, heads[kind], tparams, h_out, target, mask, step,
+                                      one_document))
     reg, ce, ref_acc = _reference(kind, tc, h_out, target, mask, step)
     assert 0.0 < ref_acc < 1.0 and reg > 0.05 and ce > 0.05  # every term and the accuracy are informative
     np.testing.assert_allclose(acc, ref_acc, rtol=1e-6)
@@ -115,7 +117,8 @@ def test_ttt_loss_weighs_step_j_by_decay_to_the_j():
                      remat=False)
     rng = np.random.default_rng(3)
     tokens = jnp.asarray(rng.integers(2, TARGET.vocab_size, (B, T)), jnp.int32)
-    batch = {"tokens": tokens, "loss_mask": jnp.asarray(LOSS_MASK), "lengths": jnp.full((B,), T)}
+    batch = {"tokens": tokens, "loss_mask": jnp.asarray(LOSS_MASK), "lengths": jnp.full((B,), T),
+             "segment_ids": jnp.ones((B, T), jnp.int32)}
 
     @jax.jit
     def run(hp, tparams, batch):
