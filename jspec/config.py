@@ -54,6 +54,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    # > 1 only in the per-device config of model=N tensor parallelism (sharding.tensor_parallel_config):
+    # the heads and MLP above are one device's share, and forward sums the row-parallel products
+    # (wo, w_down) over the mesh's model axis. A static field, so such a trace is never reused
+    # for a whole model of the same shape.
+    tensor_parallel_shards: int = 1
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHITECTURES:

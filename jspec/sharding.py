@@ -6,14 +6,18 @@ a logical name ("vocab", "heads", "batch", ...) and `RULES` maps logical names t
 replicated instead of failing, so one rule set serves any model on any mesh, from 1 GPU to a pod.
 
 Jitted functions need no sharding annotations: GSPMD propagates the input shardings, so the same
-`generate` runs on one device or on a mesh and gives the same tokens.
+jitted generation runs on one device or on weights placed by `shard_params` and gives the same
+tokens (the portable path). `generate(mesh="model=N")` runs the tensor-parallel path below
+instead: a per-head weight layout under shard_map, each device running the one-device program.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -164,3 +168,126 @@ def verify_shardings(mesh: Mesh, batch: int, k: int, vocab: int):
     logits = named((batch, k + 1, vocab), ("batch", None, "vocab"), mesh)
     rows = named((batch, k), ("batch", None), mesh)
     return logits, rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism: a per-head (Megatron) layout run under shard_map over the "model" axis
+# ---------------------------------------------------------------------------------------------
+#
+# Device i of model=N holds q heads [i*Hq/N, (i+1)*Hq/N), the kv heads those q heads read (GQA
+# groups never straddle devices), its slice of the gate and of the up projection, and the matching
+# rows of wo and w_down. The fused products stay one product per layer: the columns of wqkv (and
+# bqkv) and of w_gate_up are permuted once, at placement, so that device i's contiguous shard is
+# [q_i | k_i | v_i] and [gate_i | up_i]. Each device then runs the one-device program (fused
+# attention, the matvec kernel) on a per-device config with Hq/N and Hkv/N heads, and
+# model.forward sums the row-parallel products (wo, w_down) with one psum each. The LM head is
+# split over the vocabulary when that divides (its logits are all-gathered); the embedding and
+# every norm are replicated, and so is the KV cache's content: each device's cache holds its kv heads.
+
+TP_AXIS = "model"
+
+
+def check_tensor_parallel(cfg, n: int) -> None:
+    """Raise a one-line ValueError unless model=n splits this model's heads and MLP evenly."""
+    if n < 1 or cfg.num_kv_heads % n or cfg.num_heads % n or cfg.intermediate_size % n:
+        raise ValueError(
+            f"model={n} must divide num_kv_heads={cfg.num_kv_heads}, num_heads={cfg.num_heads} and "
+            f"intermediate_size={cfg.intermediate_size} (each device holds whole kv heads): use model=N with N "
+            f"dividing {np.gcd.reduce([cfg.num_kv_heads, cfg.num_heads, cfg.intermediate_size])}")
+
+
+def tensor_parallel_config(cfg, n: int):
+    """The per-device ModelConfig of model=n tensor parallelism (Hq/n, Hkv/n heads, F/n MLP)."""
+    check_tensor_parallel(cfg, n)
+    if n == 1:
+        return cfg
+    return cfg.replace(num_heads=cfg.num_heads // n, num_kv_heads=cfg.num_kv_heads // n,
+                       intermediate_size=cfg.intermediate_size // n, tensor_parallel_shards=n)
+
+
+def _qkv_order(cfg, n: int) -> np.ndarray:
+    """Column order of wqkv whose n contiguous shards are [q_i | k_i | v_i]."""
+    q, kv = cfg.q_size, cfg.kv_size
+    qs, kvs = q // n, kv // n
+    return np.concatenate([np.concatenate([np.arange(i * qs, (i + 1) * qs),
+                                           q + np.arange(i * kvs, (i + 1) * kvs),
+                                           q + kv + np.arange(i * kvs, (i + 1) * kvs)]) for i in range(n)])
+
+
+def _gate_up_order(F: int, n: int) -> np.ndarray:
+    """Column order of w_gate_up whose n contiguous shards are [gate_i | up_i]."""
+    f = F // n
+    return np.concatenate([np.concatenate([np.arange(i * f, (i + 1) * f), F + np.arange(i * f, (i + 1) * f)])
+                           for i in range(n)])
+
+
+_PERMUTED = {"wqkv": "qkv", "bqkv": "qkv", "w_gate_up": "gate_up"}
+
+
+def _orders(cfg, n: int) -> dict[str, np.ndarray]:
+    return {"qkv": _qkv_order(cfg, n), "gate_up": _gate_up_order(cfg.intermediate_size, n)}
+
+
+def tensor_parallel_layout(params: dict, cfg, n: int, *, inverse: bool = False) -> dict:
+    """params with the fused columns in model=n's per-head order (`inverse`: back to jspec's layout)."""
+    check_tensor_parallel(cfg, n)
+    orders = _orders(cfg, n)
+    layers = dict(params["layers"])
+    for name, kind in _PERMUTED.items():
+        if name in layers:
+            order = np.argsort(orders[kind]) if inverse else orders[kind]
+            layers[name] = jnp.take(layers[name], jnp.asarray(order), axis=-1)
+    return {**params, "layers": layers}
+
+
+# the sharded dimension of each split leaf under tensor parallelism (the rest are replicated)
+_TP_DIM = {"wqkv": -1, "bqkv": -1, "w_gate_up": -1, "wo": -2, "w_down": -2}
+
+
+def tensor_parallel_specs(params: dict, cfg, n: int) -> tuple:
+    """The shard_map in_specs of a parameter tree under model=n, as a hashable (treedef, specs) pair."""
+
+    def leaf(path, x):
+        name = str(getattr(path[-1], "key", path[-1]))
+        dim = _TP_DIM.get(name)
+        if name == "lm_head" and x.shape[-1] % n == 0:
+            dim = -1
+        if dim is None or n == 1:
+            return P()
+        spec = [None] * x.ndim
+        spec[dim] = TP_AXIS
+        return P(*spec)
+
+    specs = jax.tree_util.tree_map_with_path(leaf, params)
+    leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=lambda s: isinstance(s, P))
+    return treedef, tuple(leaves)
+
+
+def place_tensor_parallel(params: dict, cfg, mesh: Mesh) -> dict:
+    """params laid out per head (tensor_parallel_layout) and split over the mesh's model axis, in one
+    jitted pass: each device receives only its shards (no gathered copy of the permuted weights)."""
+    n = axis_size(mesh, TP_AXIS)
+    treedef, specs = tensor_parallel_specs(params, cfg, n)
+    shardings = jax.tree_util.tree_unflatten(treedef, [NamedSharding(mesh, s) for s in specs])
+    return jax.jit(functools.partial(tensor_parallel_layout, cfg=cfg, n=n), out_shardings=shardings)(params)
+
+
+def tensor_parallel_map(fn, mesh: Mesh, params_name: str, param_specs: tuple, static_items: tuple):
+    """jit(shard_map(fn)) over every mesh axis: `fn(**{params_name: params}, **kwargs, **static)`
+    run whole on each device with its shard of the parameters (param_specs, from
+    tensor_parallel_specs) and every other argument (the dict `kwargs`) replicated. Every output
+    is replicated: psums make every device's values the same. Call it as mapped(params, kwargs).
+    Cached: one compile per (fn, mesh, layout, static arguments)."""
+    return _tensor_parallel_map(fn, mesh, params_name, param_specs, static_items)
+
+
+@functools.lru_cache(maxsize=64)
+def _tensor_parallel_map(fn, mesh, params_name, param_specs, static_items):
+    static = dict(static_items)
+    treedef, specs = param_specs
+    in_specs = (jax.tree_util.tree_unflatten(treedef, specs), P())
+
+    def per_device(params, kwargs):
+        return fn(**{params_name: params}, **kwargs, **static)
+
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False))

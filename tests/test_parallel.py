@@ -81,7 +81,9 @@ def test_tensor_parallel_equals_one_device(target, ref):
     drafter, dparams = _drafters(target)["eagle3"]
     _same(generate(target, CFG, PROMPTS, max_new_tokens=MAX_NEW, mesh=mesh,
                    speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, policy="static", k_max=3)), ref)
-    # Acceptance runs sharded: the verify logits come out of the vocab-split LM head, each device
+    # The portable GSPMD path (weights placed by shard_params, no shard_map; generate() runs the
+    # per-head layout instead, tests/test_tensor_parallel.py): acceptance runs sharded: the verify
+    # logits come out of the vocab-split LM head, each device
     # takes the argmax over its half of the vocabulary, and only (max, index) pairs cross devices;
     # no vocab-wide array is ever gathered.
     tokens, lens, cache_len = pack_prompts(CFG, PROMPTS, MAX_NEW, 4)
@@ -137,7 +139,7 @@ def test_gpu_kernels_only_for_programs_that_run_whole_on_each_device(monkeypatch
     assert M.default_kernels() == "xla"
     with M.per_device_program():
         assert M.default_kernels() == "pallas"
-        with M.per_device_program(False):  # generate() with a model axis
+        with M.per_device_program(False):  # a program GSPMD may partition (sharded weights, no shard_map)
             assert M.default_kernels() == "xla"
     monkeypatch.setattr(M.jax, "local_device_count", lambda: 1)
     assert M.default_kernels() == "pallas"

@@ -87,8 +87,9 @@ def _pick_spec(candidates: str, cfg, params, model: str):
 
 
 def _kernels(mesh=None) -> str:
-    """The kernels generate() runs for this mesh (GPU kernels unless a model axis splits the target)."""
-    with M.per_device_program(axis_size(mesh, "model") == 1):
+    """The kernels generate() runs for this mesh: every mesh runs whole on each device (a model
+    axis too: tensor parallelism runs under shard_map), so the GPU kernels on GPUs."""
+    with M.per_device_program():
         return M.default_kernels()
 
 
