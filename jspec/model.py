@@ -49,7 +49,7 @@ from .sharding import TP_AXIS
 NEG_INF = -1e30  # finite, so fully-masked rows never produce NaN
 
 # How `forward` runs a layer (all compute the same function; "xla" is the reference):
-#   "xla"     portable einsum attention + XLA matmuls (CPU, TPU, meshes, prefill, every family);
+#   "xla"     portable einsum attention + XLA matmuls (CPU, TPU, GSPMD-partitioned programs, prefill, every family);
 #   "pallas"  one fused Pallas/Triton kernel per layer for rope + cache write + attention, for blocks
 #             of up to fused_attn.MAX_BLOCK tokens (decode, chain and tree verify), and the
 #             bandwidth-bound matvec kernel (kernels/matvec.py) for every projection and the LM head
