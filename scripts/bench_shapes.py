@@ -29,6 +29,8 @@ keeps what it measured; the committed rows live in benchmarks/shapes/):
           from the bytes each device reads (its shards). On a 2-GPU host:
               python scripts/bench_shapes.py --shapes llama-3.1-8b --parts tp --batches 1,16
   peer    the PyTorch peer script (--peer), run as a subprocess at the same batches.
+--tp-shards N makes gemm and tune measure one device's products under model=N (Hq/N, Hkv/N heads,
+F/N, an untied LM head's V/N columns): the shapes the tp part's kernels run.
 
 Every row has: shape, card, method (ar / torch_compile / verify / draft_step / tree_level / gemm /
 tune), batch, devices, mesh, T, tokens_per_s, ms_per_step, hbm_floor_tokens_per_s, weight_bytes,
@@ -158,15 +160,18 @@ def with_matmul(choice: str):
 
 
 def layer_products(cfg: ModelConfig):
-    """(name, K, N, transposed) of each product of a decode step."""
+    """(name, K, N, transposed) of each product of a decode step (on one device of model=N tensor
+    parallelism for a per-device config: an untied LM head then holds V/N columns)."""
     qkv = cfg.q_size + 2 * cfg.kv_size
+    shards = cfg.tensor_parallel_shards
     out = [("wqkv", cfg.hidden_size, qkv, False), ("wo", cfg.q_size, cfg.hidden_size, False),
            ("w_gate_up", cfg.hidden_size, 2 * cfg.intermediate_size, False),
            ("w_down", cfg.intermediate_size, cfg.hidden_size, False)]
     if cfg.tie_word_embeddings:
         out.append(("lm_head", cfg.hidden_size, cfg.vocab_size, True))
     else:
-        out.append(("lm_head", cfg.hidden_size, cfg.vocab_size, False))
+        vocab = cfg.vocab_size // shards if cfg.vocab_size % shards == 0 else cfg.vocab_size
+        out.append(("lm_head", cfg.hidden_size, vocab, False))
     return out
 
 
@@ -537,6 +542,8 @@ def main(argv=None):
     ap.add_argument("--products", default="", help="gemm/tune only these products (wqkv,wo,w_gate_up,w_down,lm_head)")
     ap.add_argument("--write-tuning", action="store_true", help="merge the tuning into jspec/kernels/matvec_tuning.json")
     ap.add_argument("--mesh", default="model=2", help="the tp part's mesh (tensor parallelism: model=N)")
+    ap.add_argument("--tp-shards", type=int, default=1,
+                    help="gemm/tune: the per-device products of model=N tensor parallelism (tune them for the tp part)")
     args = ap.parse_args(argv)
     for s in args.shapes.split(","):
         if s not in SHAPES:
@@ -565,8 +572,9 @@ def main(argv=None):
         cfg = SHAPES[shape]
         if parts & {"gemm", "tune"}:
             tune_rows = tuple(int(r) for r in args.tune_rows.split(","))
-            gemm_part(shape, cfg, rows, row_counts=tune_rows if args.wide else (1, 16, 64), tune="tune" in parts,
-                      tuning=tuning, wide=args.wide, products=args.products.split(",") if args.products else None,
+            gemm_shape = shape if args.tp_shards == 1 else f"{shape} (one device of model={args.tp_shards})"
+            gemm_part(gemm_shape, S.tensor_parallel_config(cfg, args.tp_shards), rows,
+                      row_counts=tune_rows if args.wide else (1, 16, 64), tune="tune" in parts, tuning=tuning, wide=args.wide, products=args.products.split(",") if args.products else None,
                       tune_rows=tune_rows)
             if tuning:
                 (out_dir / "matvec_tuning.json").write_text(json.dumps({card(): tuning}, indent=1, sort_keys=True))
