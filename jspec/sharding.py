@@ -228,15 +228,20 @@ def _orders(cfg, n: int) -> dict[str, np.ndarray]:
     return {"qkv": _qkv_order(cfg, n), "gate_up": _gate_up_order(cfg.intermediate_size, n)}
 
 
+def _laid_out(name: str, x, orders: dict[str, np.ndarray], inverse: bool):
+    """One leaf in (or, `inverse`, out of) the per-head column order; leaves it doesn't permute as given."""
+    kind = _PERMUTED.get(name)
+    if kind is None:
+        return x
+    order = np.argsort(orders[kind]) if inverse else orders[kind]
+    return jnp.take(x, jnp.asarray(order), axis=-1)
+
+
 def tensor_parallel_layout(params: dict, cfg, n: int, *, inverse: bool = False) -> dict:
     """params with the fused columns in model=n's per-head order (`inverse`: back to jspec's layout)."""
     check_tensor_parallel(cfg, n)
     orders = _orders(cfg, n)
-    layers = dict(params["layers"])
-    for name, kind in _PERMUTED.items():
-        if name in layers:
-            order = np.argsort(orders[kind]) if inverse else orders[kind]
-            layers[name] = jnp.take(layers[name], jnp.asarray(order), axis=-1)
+    layers = {name: _laid_out(name, x, orders, inverse) for name, x in params["layers"].items()}
     return {**params, "layers": layers}
 
 
@@ -264,12 +269,18 @@ def tensor_parallel_specs(params: dict, cfg, n: int) -> tuple:
 
 
 def place_tensor_parallel(params: dict, cfg, mesh: Mesh) -> dict:
-    """params laid out per head (tensor_parallel_layout) and split over the mesh's model axis, in one
-    jitted pass: each device receives only its shards (no gathered copy of the permuted weights)."""
+    """params laid out per head (tensor_parallel_layout) and split over the mesh's model axis. Leaf
+    by leaf: a permuted leaf is permuted where it lies (one device, or a mesh) and its shards sent
+    on, so at most one leaf's permuted copy exists at a time besides the placed weights."""
     n = axis_size(mesh, TP_AXIS)
     treedef, specs = tensor_parallel_specs(params, cfg, n)
-    shardings = jax.tree_util.tree_unflatten(treedef, [NamedSharding(mesh, s) for s in specs])
-    return jax.jit(functools.partial(tensor_parallel_layout, cfg=cfg, n=n), out_shardings=shardings)(params)
+    orders = _orders(cfg, n)
+
+    def place(path, x, spec):
+        x = _laid_out(str(getattr(path[-1], "key", path[-1])), x, orders, False) if path[0].key == "layers" else x
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(place, params, jax.tree_util.tree_unflatten(treedef, specs))
 
 
 def tensor_parallel_map(fn, mesh: Mesh, params_name: str, param_specs: tuple, static_items: tuple):
