@@ -1,8 +1,8 @@
 """Tensor parallelism (generate(mesh="model=N")) on 8 fake CPU devices: the per-head layout
 round-trips and gives each device [q_i | k_i | v_i] and [gate_i | up_i]; the shard_map forward
 (psum after wo and w_down, vocab-split LM head, KV cache split on kv heads) gives one device's
-float32 logits and greedy tokens, GQA included; an EAGLE-3 chain runs under the same mesh; a
-model=N that does not divide the kv heads is a one-line error."""
+float32 logits and greedy tokens, GQA included; an EAGLE-3 chain and an EAGLE-1 tree run under the
+same mesh; a model=N that does not divide the kv heads is a one-line error."""
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,7 @@ from jspec.config import ModelConfig
 from jspec.generate import SpeculativeConfig, generate
 from jspec.sharding import (parse_mesh, place_tensor_parallel, tensor_parallel_config, tensor_parallel_layout,
                             tensor_parallel_map, tensor_parallel_specs)
+from jspec.speculative.engines.tree import TreeConfig
 from spec_tiny import CFG as SPEC_CFG, _drafters
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
@@ -118,6 +119,18 @@ def test_eagle3_chain_under_model_2_equals_one_device():
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_array_equal(out.accepted, ref.accepted)
     assert out.accepted.sum() > 0
+
+
+def test_eagle1_tree_under_model_2_equals_one_device():
+    # EAGLE-1 drafts through the target's LM head: under model=2 each device holds half the
+    # vocabulary's columns and the head's logits are gathered
+    target = M.init_params(SPEC_CFG, jax.random.PRNGKey(0), scale=0.35)
+    drafter, dparams = _drafters(target)["eagle"]
+    spec = SpeculativeConfig(drafter=drafter, drafter_params=dparams, tree=TreeConfig(top_k=3, depth=3, num_nodes=8))
+    ref = generate(target, SPEC_CFG, PROMPTS, max_new_tokens=12, speculative=spec)
+    out = generate(target, SPEC_CFG, PROMPTS, max_new_tokens=12, speculative=spec, mesh="model=2")
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_array_equal(out.accepted, ref.accepted)
 
 
 def test_model_axis_that_does_not_split_the_kv_heads_is_a_one_line_error(target):
