@@ -95,6 +95,8 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        if self.tensor_parallel_shards == 1:  # a run-time split, not part of a saved model's config
+            del d["tensor_parallel_shards"]
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
 
     @classmethod
