@@ -14,6 +14,8 @@ string such as "data=2" or "data=2,model=2"):
     `shard_map`: each device runs the one-device program (GPU kernels included) on its heads, its
     kv heads and its slice of the MLP, with one psum after each attention block and each MLP. The
     drafter and the policy are replicated; EAGLE-3 features come from the split target.
+    Both ("data=2,model=2"): rows over data, and each data shard's model group runs its rows'
+    while_loop tensor-parallel (collectives only within the group).
 Greedy outputs equal one device's; sampled outputs are lossless but follow other random streams.
 
 SpeculativeConfig(engine="pearl" / "ppsd" / "specbranch") runs the parallel engines, which draft while the target verifies
@@ -259,37 +261,49 @@ def _generate_data_parallel(mesh, params, cfg, tokens, lens, key, *, drafter, dr
 
 def _generate_tensor_parallel(mesh, params, cfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params,
                               k_max, verify, tree, max_new, cache_len, sampling, unroll, policy_state) -> GenerationResult:
-    """The generation under shard_map over the model axis (sharding.tensor_parallel_map): the target
-    split per head, everything else replicated; outputs come back replicated."""
-    n = axis_size(mesh, "model")
+    """The generation under shard_map over the mesh (sharding.tensor_parallel_map): the target split
+    per head over the model axis; with a data axis too, the rows split over it (each model group
+    runs its own rows' while_loop); everything else replicated."""
+    n, groups = axis_size(mesh, "model"), axis_size(mesh, "data")
     local_cfg = tensor_parallel_config(cfg, n)  # a bad model=N fails here, before any weight moves
+    if groups > 1 and policy_state is not None:
+        raise ValueError("policy_state is not carried across data-parallel shards; run without a data mesh")
+    B = tokens.shape[0]
+    rows = np.arange(-(-B // groups) * groups) % B  # pad the batch to a multiple of the data axis
     specs = tensor_parallel_specs(params, cfg, n)
     params = place_tensor_parallel(params, cfg, mesh)
+    split = ("tokens", "lens") if groups > 1 else ()
     common = dict(max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll)
-    args = dict(tokens=jnp.asarray(tokens), lens=jnp.asarray(lens), key=key)
+    args = dict(tokens=jnp.asarray(tokens[rows]), lens=jnp.asarray(lens[rows]), key=key)
     if drafter is None:
-        fn = tensor_parallel_map(generate_ar_jit, mesh, "params", specs, _items(dict(cfg=local_cfg, **common)))
-        out, n_out, steps = jax.device_get(fn(params, args))
+        fn = tensor_parallel_map(generate_ar_jit, mesh, "params", specs, _items(dict(cfg=local_cfg, **common)), split)
+        out, n_out, steps = (x[:B] for x in jax.device_get(fn(params, args)))
         zeros = np.zeros_like(n_out)
         return GenerationResult(out, n_out, steps, zeros, zeros, steps)
     args.update(dparams=None if drafter_params is None else replicate(drafter_params, mesh),
-                policy_params=None if policy_params is None else replicate(policy_params, mesh),
-                policy_state=policy_state)
+                policy_params=None if policy_params is None else replicate(policy_params, mesh))
+    if groups == 1:  # the final policy state comes back (replicated) to carry on
+        args.update(policy_state=policy_state)
+    carry = dict(with_policy_state=groups == 1)
     if tree is not None:
         if not isinstance(drafter, (EagleDrafter, HybridDrafter)):
             raise ValueError(f"tree drafting needs an EAGLE head drafter (or eagle3+ngram), got "
                              f"{getattr(drafter, 'name', drafter)!r}")
         policy = resolve_policy(policy, tree.depth)
         check_compatible(drafter, policy, cfg, tree.depth, "lossless")
-        static = dict(tcfg=local_cfg, drafter=drafter, policy=policy, tree=tree, with_policy_state=True, **common)
-        fn = tensor_parallel_map(tree_generate_jit, mesh, "tparams", specs, _items(static))
+        static = dict(tcfg=local_cfg, drafter=drafter, policy=policy, tree=tree, **carry, **common)
+        fn = tensor_parallel_map(tree_generate_jit, mesh, "tparams", specs, _items(static), split)
     else:
         policy, verify = resolve_policy(policy, k_max), resolve_verify(verify)
         check_compatible(drafter, policy, cfg, k_max, verify)
-        static = dict(tcfg=local_cfg, drafter=drafter, policy=policy, k_max=k_max, verify=verify,
-                      with_policy_state=True, **common)
-        fn = tensor_parallel_map(speculative_generate_jit, mesh, "tparams", specs, _items(static))
-    return result_from_device(fn(params, args))
+        static = dict(tcfg=local_cfg, drafter=drafter, policy=policy, k_max=k_max, verify=verify, **carry, **common)
+        fn = tensor_parallel_map(speculative_generate_jit, mesh, "tparams", specs, _items(static), split)
+    res = result_from_device(fn(params, args))
+    if len(rows) == B:
+        return res
+    return dataclasses.replace(res, **{  # drop the padding rows
+        f.name: getattr(res, f.name)[:B] for f in dataclasses.fields(res) if isinstance(getattr(res, f.name), np.ndarray)
+    })
 
 
 PARALLEL_ENGINES = ("pearl", "ppsd", "specbranch")

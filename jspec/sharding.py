@@ -75,14 +75,14 @@ def parse_mesh(mesh: "Mesh | str | None", devices=None) -> Mesh | None:
     "data" and/or "model", or a spec string "data=2", "model=2", "data=2,model=2" that takes the
     first data x model devices. Raises ValueError naming the problem.
 
-    One axis at a time may have more than one device: each data shard's while_loop runs its own
-    number of rounds, so tensor-parallel collectives inside it could not pair up across shards."""
+    With both axes, each data shard's model group runs its own while_loop (its own number of
+    rounds); the tensor-parallel collectives pair up only within a model group."""
     if mesh is None:
         return None
     if isinstance(mesh, Mesh):
         if not set(mesh.axis_names) <= set(MESH_AXES):
             raise ValueError(f"mesh axes {mesh.axis_names} not supported for generation; use 'data' and/or 'model'")
-        return _one_axis(mesh)
+        return mesh
     sizes = {"data": 1, "model": 1}
     for part in str(mesh).replace(" ", "").split(","):
         name, eq, value = part.partition("=")
@@ -93,14 +93,7 @@ def parse_mesh(mesh: "Mesh | str | None", devices=None) -> Mesh | None:
     need = sizes["data"] * sizes["model"]
     if need > len(devices):
         raise ValueError(f"mesh {mesh!r} needs {need} devices, have {len(devices)}")
-    return _one_axis(make_mesh(sizes["data"], sizes["model"], devices[:need]))
-
-
-def _one_axis(mesh: Mesh) -> Mesh:
-    if axis_size(mesh, "data") > 1 and axis_size(mesh, "model") > 1:
-        raise ValueError(f"mesh {mesh_label(mesh)}: generation shards over data or over model, not both; "
-                         "use data=N or model=N")
-    return mesh
+    return make_mesh(sizes["data"], sizes["model"], devices[:need])
 
 
 def axis_size(mesh: Mesh | None, name: str) -> int:
@@ -283,22 +276,34 @@ def place_tensor_parallel(params: dict, cfg, mesh: Mesh) -> dict:
     return jax.tree_util.tree_map_with_path(place, params, jax.tree_util.tree_unflatten(treedef, specs))
 
 
-def tensor_parallel_map(fn, mesh: Mesh, params_name: str, param_specs: tuple, static_items: tuple):
+def tensor_parallel_map(fn, mesh: Mesh, params_name: str, param_specs: tuple, static_items: tuple,
+                        rows: tuple[str, ...] = ()):
     """jit(shard_map(fn)) over every mesh axis: `fn(**{params_name: params}, **kwargs, **static)`
     run whole on each device with its shard of the parameters (param_specs, from
-    tensor_parallel_specs) and every other argument (the dict `kwargs`) replicated. Every output
-    is replicated: psums make every device's values the same. Call it as mapped(params, kwargs).
-    Cached: one compile per (fn, mesh, layout, static arguments)."""
-    return _tensor_parallel_map(fn, mesh, params_name, param_specs, static_items)
+    tensor_parallel_specs). Call it as mapped(params, kwargs). The kwargs named in `rows` are split
+    over the data axis by their leading (row) dimension, as is every output, and a "key" kwarg is
+    folded with the data shard's index (independent random streams per shard); the other kwargs
+    are replicated. Without `rows` every output is replicated (psums make every device's values
+    the same). Cached: one compile per (fn, mesh, layout, static arguments, rows)."""
+    return _tensor_parallel_map(fn, mesh, params_name, param_specs, static_items, tuple(rows))
 
 
 @functools.lru_cache(maxsize=64)
-def _tensor_parallel_map(fn, mesh, params_name, param_specs, static_items):
+def _tensor_parallel_map(fn, mesh, params_name, param_specs, static_items, rows):
     static = dict(static_items)
     treedef, specs = param_specs
-    in_specs = (jax.tree_util.tree_unflatten(treedef, specs), P())
 
-    def per_device(params, kwargs):
-        return fn(**{params_name: params}, **kwargs, **static)
+    def per_device(params, split, shared):
+        if rows and "key" in shared:
+            shared = {**shared, "key": jax.random.fold_in(shared["key"], jax.lax.axis_index("data"))}
+        return fn(**{params_name: params}, **split, **shared, **static)
 
-    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False))
+    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(jax.tree_util.tree_unflatten(treedef, specs), P("data"), P()),
+                           out_specs=P("data") if rows else P(), check_vma=False)
+    jitted = jax.jit(mapped)
+
+    def call(params, kwargs):
+        return jitted(params, {k: v for k, v in kwargs.items() if k in rows},
+                      {k: v for k, v in kwargs.items() if k not in rows})
+
+    return call

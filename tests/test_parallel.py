@@ -47,10 +47,11 @@ def test_mesh_specs_and_errors():
     assert parse_mesh(None) is None
     assert mesh_label(parse_mesh("data=4")) == "data=4,model=1"
     assert parse_mesh("model=2").devices.shape == (1, 2)
-    for bad, msg in [("data=2,model=2", "not both"), ("data=0", "N >= 1"), ("rows=2", "data=N"), ("data=9", "needs 9 devices")]:
+    assert parse_mesh("data=2,model=2").devices.shape == (2, 2)
+    for bad, msg in [("data=0", "N >= 1"), ("rows=2", "data=N"), ("data=9", "needs 9 devices")]:
         with pytest.raises(ValueError, match=msg):
             parse_mesh(bad)
-    assert cli_main(["generate", "hi", "--mesh", "data=2,model=2"]) == 2  # before any model loads
+    assert cli_main(["generate", "hi", "--mesh", "data=3,model=3"]) == 2  # too few devices: before any model loads
 
 
 def test_data_parallel_ar_equals_one_device_without_cross_device_ops(target, ref):

@@ -1,8 +1,8 @@
 """Tensor parallelism (generate(mesh="model=N")) on 8 fake CPU devices: the per-head layout
 round-trips and gives each device [q_i | k_i | v_i] and [gate_i | up_i]; the shard_map forward
 (psum after wo and w_down, vocab-split LM head, KV cache split on kv heads) gives one device's
-float32 logits and greedy tokens, GQA included; an EAGLE-3 chain and an EAGLE-1 tree run under the
-same mesh; a model=N that does not divide the kv heads is a one-line error."""
+float32 logits and greedy tokens, GQA included, on model=2, model=4 and data=2,model=2; an EAGLE-3
+chain and an EAGLE-1 tree run under the same mesh; a model=N that does not divide the kv heads is a one-line error."""
 
 import jax
 import jax.numpy as jnp
@@ -104,21 +104,22 @@ def test_tensor_parallel_logits_equal_one_device(target, n, kernels):
 
 def test_tensor_parallel_generate_equals_one_device(target):
     ref = generate(target, CFG, PROMPTS, max_new_tokens=10)
-    for mesh in ("model=2", "model=4"):
+    for mesh in ("model=2", "model=4", "data=2,model=2"):
         out = generate(target, CFG, PROMPTS, max_new_tokens=10, mesh=mesh)
         np.testing.assert_array_equal(out.tokens, ref.tokens)
         np.testing.assert_array_equal(out.lengths, ref.lengths)
 
 
-def test_eagle3_chain_under_model_2_equals_one_device():
+def test_eagle3_chain_under_model_2_and_data_2_model_2_equals_one_device():
     target = M.init_params(SPEC_CFG, jax.random.PRNGKey(0), scale=0.35)
     drafter, dparams = _drafters(target)["eagle3"]
     spec = SpeculativeConfig(drafter=drafter, drafter_params=dparams, policy="static", k_max=3)
     ref = generate(target, SPEC_CFG, PROMPTS, max_new_tokens=12, speculative=spec)
-    out = generate(target, SPEC_CFG, PROMPTS, max_new_tokens=12, speculative=spec, mesh="model=2")
-    np.testing.assert_array_equal(out.tokens, ref.tokens)
-    np.testing.assert_array_equal(out.accepted, ref.accepted)
-    assert out.accepted.sum() > 0
+    for mesh in ("model=2", "data=2,model=2"):  # data=2: 3 rows padded to 4, two model groups
+        out = generate(target, SPEC_CFG, PROMPTS, max_new_tokens=12, speculative=spec, mesh=mesh)
+        np.testing.assert_array_equal(out.tokens, ref.tokens)
+        np.testing.assert_array_equal(out.accepted, ref.accepted)
+    assert out.accepted.sum() > 0 and out.tokens.shape[0] == len(PROMPTS)
 
 
 def test_eagle1_tree_under_model_2_equals_one_device():
