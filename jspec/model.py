@@ -44,7 +44,7 @@ from flax import struct
 from .config import ModelConfig, rope_inv_freq
 from .kernels import decode_attention as fused_attn
 from .kernels import matvec as MV
-from .sharding import TP_AXIS
+from .sharding import TP_AXIS, in_tensor_parallel
 
 NEG_INF = -1e30  # finite, so fully-masked rows never produce NaN
 
@@ -527,11 +527,12 @@ def loop_params(params: dict, cfg: ModelConfig, *, unroll=None, kernels: str | N
 def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array, *, kernels: str | None = None) -> jax.Array:
     """Logits in float32 from final-normed hidden states [..., D] (`kernels` as in `forward`).
     Under tensor parallelism (inside sharding.tensor_parallel_map) an untied LM head holds one
-    device's slice of the vocabulary; the slices' logits are gathered."""
+    device's slice of the vocabulary; the slices' logits are gathered. Elsewhere a weight of
+    other columns (a reduced draft vocabulary's) gives logits over just those."""
     tied = cfg.tie_word_embeddings or "lm_head" not in params
     w = params["embed"] if tied else params["lm_head"]  # [V, D] read transposed, or [D, V]
     logits = matmul(hidden, w, transposed=tied, out_dtype=jnp.float32, kernels=kernels)
-    if logits.shape[-1] != cfg.vocab_size:  # tensor parallelism: this device's slice of the vocabulary
+    if logits.shape[-1] != cfg.vocab_size and in_tensor_parallel():  # this device's slice of the vocabulary
         logits = jax.lax.all_gather(logits, TP_AXIS, axis=logits.ndim - 1, tiled=True)
     if cfg.final_logit_softcap:
         logits = jnp.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap

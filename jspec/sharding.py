@@ -13,6 +13,7 @@ instead: a per-head weight layout under shard_map, each device running the one-d
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from typing import Any
 
@@ -178,6 +179,13 @@ def verify_shardings(mesh: Mesh, batch: int, k: int, vocab: int):
 # every norm are replicated, and so is the KV cache's content: each device's cache holds its kv heads.
 
 TP_AXIS = "model"
+_IN_TENSOR_PARALLEL = contextvars.ContextVar("jspec_in_tensor_parallel", default=False)
+
+
+def in_tensor_parallel() -> bool:
+    """Whether the code being traced runs inside tensor_parallel_map's shard_map (where an untied
+    LM head holds one device's slice of the vocabulary and the "model" axis is bound)."""
+    return _IN_TENSOR_PARALLEL.get()
 
 
 def check_tensor_parallel(cfg, n: int) -> None:
@@ -296,7 +304,11 @@ def _tensor_parallel_map(fn, mesh, params_name, param_specs, static_items, rows)
     def per_device(params, split, shared):
         if rows and "key" in shared:
             shared = {**shared, "key": jax.random.fold_in(shared["key"], jax.lax.axis_index("data"))}
-        return fn(**{params_name: params}, **split, **shared, **static)
+        token = _IN_TENSOR_PARALLEL.set(True)
+        try:
+            return fn(**{params_name: params}, **split, **shared, **static)
+        finally:
+            _IN_TENSOR_PARALLEL.reset(token)
 
     mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(jax.tree_util.tree_unflatten(treedef, specs), P("data"), P()),
                            out_specs=P("data") if rows else P(), check_vma=False)
