@@ -176,7 +176,8 @@ def verify_shardings(mesh: Mesh, batch: int, k: int, vocab: int):
 # attention, the matvec kernel) on a per-device config with Hq/N and Hkv/N heads, and
 # model.forward sums the row-parallel products (wo, w_down) with one psum each. The LM head is
 # split over the vocabulary when that divides (its logits are all-gathered); the embedding and
-# every norm are replicated, and so is the KV cache's content: each device's cache holds its kv heads.
+# every norm are replicated. The KV cache is split on kv heads: each device allocates and updates
+# a cache of its own kv heads only.
 
 TP_AXIS = "model"
 _IN_TENSOR_PARALLEL = contextvars.ContextVar("jspec_in_tensor_parallel", default=False)
