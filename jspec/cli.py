@@ -99,8 +99,8 @@ def add_generate_args(p: argparse.ArgumentParser):
                    help="--verify consultant: compare the running mean r = BETA*r + (1-BETA)*NLL instead (0 = off; 0.2 in the paper)")
     p.add_argument("--no-stream", action="store_true", help="run all prompts as one batch; print when it finishes")
     p.add_argument("--mesh", default=None,
-                   help="run on several devices: data=N (rows split, each device loops on its own) or "
-                        "model=N (tensor-parallel target); with --engine: role=2 or data=N,role=2 (device pairs); "
+                   help="run on several devices: data=N (rows split, each device loops on its own), "
+                        "model=N (tensor-parallel target) or both; with --engine: role=2 or data=N,role=2 (device pairs); "
                         "implies --no-stream. On a CPU host jspec asks XLA for the N CPU devices itself "
                         "(--xla_force_host_platform_device_count)")
     p.add_argument("--engine", default=None, choices=["pearl", "specbranch", "ppsd"],

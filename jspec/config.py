@@ -54,6 +54,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    # > 1 only in the per-device config of model=N tensor parallelism (sharding.tensor_parallel_config):
+    # the heads and MLP above are one device's share, and forward sums the row-parallel products
+    # (wo, w_down) over the mesh's model axis. A static field, so such a trace is never reused
+    # for a whole model of the same shape.
+    tensor_parallel_shards: int = 1
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHITECTURES:
@@ -90,6 +95,8 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        if self.tensor_parallel_shards == 1:  # a run-time split, not part of a saved model's config
+            del d["tensor_parallel_shards"]
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
 
     @classmethod

@@ -9,8 +9,13 @@ the stopping rules, so their greedy outputs can be compared token for token.
 string such as "data=2" or "data=2,model=2"):
   - data: rows are split over the data axis with `shard_map`; each device runs its own rows'
     while_loop to its own end, so no device waits for another's acceptance between rounds;
-  - model: the target's weights are split over the model axis (jspec.sharding rules) and GSPMD
-    partitions every forward pass and the vocab-wide acceptance arithmetic (tensor parallelism).
+  - model: tensor parallelism. The target's weights are laid out per head and split over the
+    model axis (jspec.sharding's tensor-parallel layout), and the whole generation runs under
+    `shard_map`: each device runs the one-device program (GPU kernels included) on its heads, its
+    kv heads and its slice of the MLP, with one psum after each attention block and each MLP. The
+    drafter and the policy are replicated; EAGLE-3 features come from the split target.
+    Both ("data=2,model=2"): rows over data, and each data shard's model group runs its rows'
+    while_loop tensor-parallel (collectives only within the group).
 Greedy outputs equal one device's; sampled outputs are lossless but follow other random streams.
 
 SpeculativeConfig(engine="pearl" / "ppsd" / "specbranch") runs the parallel engines, which draft while the target verifies
@@ -36,8 +41,10 @@ from . import model as M
 from .config import ModelConfig
 from .decode import GenerationResult, decode_chunk_jit, generate_ar_jit, pack_prompts, start_decode_jit, stream_row0
 from .sampling import GREEDY, Sampling
-from .sharding import axis_size, parse_mesh, replicate, shard_params
+from .sharding import (axis_size, parse_mesh, place_tensor_parallel, replicate, shard_params, tensor_parallel_config,
+                       tensor_parallel_map, tensor_parallel_specs)
 from .speculative.drafters.eagle import EagleDrafter
+from .speculative.drafters.hybrid import HybridDrafter
 from .speculative.drafters.early_exit import EarlyExitDrafter
 from .speculative.drafters.model import ModelDrafter
 from .speculative.engines.chain import check_compatible, speculative_generate, speculative_generate_jit
@@ -50,6 +57,7 @@ from .speculative.factory import build_drafter
 from .speculative.policies import resolve_policy
 from .speculative.policies.auto import AutoPlan, auto_budget
 from .speculative.state import result_from_device
+from .speculative.verify.consultant import resolve_verify
 
 
 _LEGACY_KEYWORDS = ("drafter", "drafter_params", "policy", "policy_params", "k_max", "verify", "tree", "engine", "gamma")
@@ -91,11 +99,9 @@ def generate(
     DeprecationWarning; they build the same config.
     """
     speculative = _speculative_from_keywords(speculative, legacy)
-    # Every program below runs whole on each device unless a model axis splits the target: then
-    # GSPMD partitions it and the portable kernels must run (model.default_kernels).
-    engine = speculative.engine if speculative is not None else None
-    tensor_parallel = engine is None and axis_size(parse_mesh(mesh), "model") > 1
-    with M.per_device_program(not tensor_parallel):
+    # Every program below runs whole on each device (tensor parallelism too: it runs under a
+    # shard_map), so the GPU kernels may run on a host with several GPUs (model.default_kernels).
+    with M.per_device_program():
         return _generate(params, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                          spec=speculative, policy_state=policy_state, seed=seed, cache_len=cache_len,
                          unroll=unroll, mesh=mesh)
@@ -154,8 +160,14 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
     if autotune and drafter is not None:
         tree = tree_for(drafter, autotuned_tree(params, cfg, len(prompts), cache_len, tree.top_k, tree.depth))
     key = jax.random.PRNGKey(seed)
+    if axis_size(mesh, "model") > 1:
+        return _generate_tensor_parallel(
+            mesh, params, cfg, tokens, lens, key, drafter=drafter, drafter_params=drafter_params, policy=policy,
+            policy_params=policy_params, k_max=k_max, verify=verify, tree=tree, max_new=max_new_tokens,
+            cache_len=cache_len, sampling=sampling, unroll=unroll, policy_state=policy_state,
+        )
     if mesh is not None:
-        params = shard_params(params, mesh)  # model axis: tensor parallel; data axis: replicated
+        params = shard_params(params, mesh)  # data axis: replicated
         drafter_params = None if drafter_params is None else replicate(drafter_params, mesh)
         policy_params = None if policy_params is None else replicate(policy_params, mesh)
     if axis_size(mesh, "data") > 1:
@@ -242,6 +254,53 @@ def _generate_data_parallel(mesh, params, cfg, tokens, lens, key, *, drafter, dr
         static = dict(tcfg=cfg, drafter=drafter, policy=policy, k_max=k_max, verify=verify, **common)
         fn = _data_parallel(speculative_generate_jit, mesh, shared, _items(static))
     res = result_from_device(fn((params, drafter_params, policy_params), tokens, lens, key))
+    return dataclasses.replace(res, **{  # drop the padding rows
+        f.name: getattr(res, f.name)[:B] for f in dataclasses.fields(res) if isinstance(getattr(res, f.name), np.ndarray)
+    })
+
+
+def _generate_tensor_parallel(mesh, params, cfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params,
+                              k_max, verify, tree, max_new, cache_len, sampling, unroll, policy_state) -> GenerationResult:
+    """The generation under shard_map over the mesh (sharding.tensor_parallel_map): the target split
+    per head over the model axis; with a data axis too, the rows split over it (each model group
+    runs its own rows' while_loop); everything else replicated."""
+    n, groups = axis_size(mesh, "model"), axis_size(mesh, "data")
+    local_cfg = tensor_parallel_config(cfg, n)  # a bad model=N fails here, before any weight moves
+    if groups > 1 and policy_state is not None:
+        raise ValueError("policy_state is not carried across data-parallel shards; run without a data mesh")
+    B = tokens.shape[0]
+    rows = np.arange(-(-B // groups) * groups) % B  # pad the batch to a multiple of the data axis
+    specs = tensor_parallel_specs(params, cfg, n)
+    params = place_tensor_parallel(params, cfg, mesh)
+    split = ("tokens", "lens") if groups > 1 else ()
+    common = dict(max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll)
+    args = dict(tokens=jnp.asarray(tokens[rows]), lens=jnp.asarray(lens[rows]), key=key)
+    if drafter is None:
+        fn = tensor_parallel_map(generate_ar_jit, mesh, "params", specs, _items(dict(cfg=local_cfg, **common)), split)
+        out, n_out, steps = (x[:B] for x in jax.device_get(fn(params, args)))
+        zeros = np.zeros_like(n_out)
+        return GenerationResult(out, n_out, steps, zeros, zeros, steps)
+    args.update(dparams=None if drafter_params is None else replicate(drafter_params, mesh),
+                policy_params=None if policy_params is None else replicate(policy_params, mesh))
+    if groups == 1:  # the final policy state comes back (replicated) to carry on
+        args.update(policy_state=policy_state)
+    carry = dict(with_policy_state=groups == 1)
+    if tree is not None:
+        if not isinstance(drafter, (EagleDrafter, HybridDrafter)):
+            raise ValueError(f"tree drafting needs an EAGLE head drafter (or eagle3+ngram), got "
+                             f"{getattr(drafter, 'name', drafter)!r}")
+        policy = resolve_policy(policy, tree.depth)
+        check_compatible(drafter, policy, cfg, tree.depth, "lossless")
+        static = dict(tcfg=local_cfg, drafter=drafter, policy=policy, tree=tree, **carry, **common)
+        fn = tensor_parallel_map(tree_generate_jit, mesh, "tparams", specs, _items(static), split)
+    else:
+        policy, verify = resolve_policy(policy, k_max), resolve_verify(verify)
+        check_compatible(drafter, policy, cfg, k_max, verify)
+        static = dict(tcfg=local_cfg, drafter=drafter, policy=policy, k_max=k_max, verify=verify, **carry, **common)
+        fn = tensor_parallel_map(speculative_generate_jit, mesh, "tparams", specs, _items(static), split)
+    res = result_from_device(fn(params, args))
+    if len(rows) == B:
+        return res
     return dataclasses.replace(res, **{  # drop the padding rows
         f.name: getattr(res, f.name)[:B] for f in dataclasses.fields(res) if isinstance(getattr(res, f.name), np.ndarray)
     })

@@ -44,11 +44,12 @@ from flax import struct
 from .config import ModelConfig, rope_inv_freq
 from .kernels import decode_attention as fused_attn
 from .kernels import matvec as MV
+from .sharding import TP_AXIS, in_tensor_parallel
 
 NEG_INF = -1e30  # finite, so fully-masked rows never produce NaN
 
 # How `forward` runs a layer (all compute the same function; "xla" is the reference):
-#   "xla"     portable einsum attention + XLA matmuls (CPU, TPU, meshes, prefill, every family);
+#   "xla"     portable einsum attention + XLA matmuls (CPU, TPU, GSPMD-partitioned programs, prefill, every family);
 #   "pallas"  one fused Pallas/Triton kernel per layer for rope + cache write + attention, for blocks
 #             of up to fused_attn.MAX_BLOCK tokens (decode, chain and tree verify), and the
 #             bandwidth-bound matvec kernel (kernels/matvec.py) for every projection and the LM head
@@ -352,15 +353,18 @@ def forward(
         qkv = mm(rms_norm(h, p["attn_norm"], cfg.rms_norm_eps), p, "wqkv")
         return qkv + p["bqkv"] if cfg.attention_bias else qkv
 
+    def row_parallel(y):  # tensor parallelism: this device's share of wo / w_down -> the full product
+        return jax.lax.psum(y, TP_AXIS) if cfg.tensor_parallel_shards > 1 else y
+
     def attn_out_and_mlp(h, o, p, mm=dot):  # o [B, T, q_size] -> next hidden state
-        o = mm(o, p, "wo")
+        o = row_parallel(mm(o, p, "wo"))
         if cfg.sandwich_norm:
             o = rms_norm(o, p["post_attn_norm"], cfg.rms_norm_eps)
         h = h + o
         m = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
         gu = mm(m, p, "w_gate_up")
         F = gu.shape[-1] // 2
-        m = mm(_activation(cfg, gu[..., :F]) * gu[..., F:], p, "w_down")
+        m = row_parallel(mm(_activation(cfg, gu[..., :F]) * gu[..., F:], p, "w_down"))
         if cfg.sandwich_norm:
             m = rms_norm(m, p["post_mlp_norm"], cfg.rms_norm_eps)
         return h + m
@@ -521,10 +525,15 @@ def loop_params(params: dict, cfg: ModelConfig, *, unroll=None, kernels: str | N
 
 
 def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array, *, kernels: str | None = None) -> jax.Array:
-    """Logits in float32 from final-normed hidden states [..., D] (`kernels` as in `forward`)."""
+    """Logits in float32 from final-normed hidden states [..., D] (`kernels` as in `forward`).
+    Under tensor parallelism (inside sharding.tensor_parallel_map) an untied LM head holds one
+    device's slice of the vocabulary; the slices' logits are gathered. Elsewhere a weight of
+    other columns (a reduced draft vocabulary's) gives logits over just those."""
     tied = cfg.tie_word_embeddings or "lm_head" not in params
     w = params["embed"] if tied else params["lm_head"]  # [V, D] read transposed, or [D, V]
     logits = matmul(hidden, w, transposed=tied, out_dtype=jnp.float32, kernels=kernels)
+    if logits.shape[-1] != cfg.vocab_size and in_tensor_parallel():  # this device's slice of the vocabulary
+        logits = jax.lax.all_gather(logits, TP_AXIS, axis=logits.ndim - 1, tiled=True)
     if cfg.final_logit_softcap:
         logits = jnp.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
     return logits

@@ -23,7 +23,14 @@ keeps what it measured; the committed rows live in benchmarks/shapes/):
   published  a synthetic EAGLE-3 head in the published sharded format at this shape: written,
           imported (the draft's own config: RoPE base 10000) and drafted;
   memory  one generation at batch 64 with a 4,096-slot cache: peak device memory;
+  tp      AR at --batches on one device and under tensor parallelism on --mesh (default model=2:
+          generate()'s per-head layout under shard_map), in the same process; the mesh rows have
+          devices=N, mesh="model=N", speedup_vs_1_device, identical_to_1_device, and a floor
+          from the bytes each device reads (its shards). On a 2-GPU host:
+              python scripts/bench_shapes.py --shapes llama-3.1-8b --parts tp --batches 1,16
   peer    the PyTorch peer script (--peer), run as a subprocess at the same batches.
+--tp-shards N makes gemm and tune measure one device's products under model=N (Hq/N, Hkv/N heads,
+F/N, an untied LM head's V/N columns): the shapes the tp part's kernels run.
 
 Every row has: shape, card, method (ar / torch_compile / verify / draft_step / tree_level / gemm /
 tune), batch, devices, mesh, T, tokens_per_s, ms_per_step, hbm_floor_tokens_per_s, weight_bytes,
@@ -49,6 +56,7 @@ import numpy as np
 
 from jspec import decode as D
 from jspec import model as M
+from jspec import sharding as S
 from jspec.checkpoint import eagle_format, synthetic
 from jspec.config import ModelConfig
 from jspec.heads import eagle as H
@@ -118,11 +126,14 @@ class Rows:
         print(json.dumps(row), flush=True)
 
 
-def base_row(shape, cfg, wbytes, method, batch, T, seconds_per_step, tokens_per_step, **extra):
+def base_row(shape, cfg, wbytes, method, batch, T, seconds_per_step, tokens_per_step, devices=1, mesh=None,
+             device_bytes=None, **extra):
+    """A result row. On a mesh, `device_bytes` is what each device reads per step (its shards):
+    the floor is that over one card's bandwidth, since the devices stream their shards at once."""
     bw = bandwidth()
     tps = tokens_per_step / seconds_per_step
-    floor = bw / wbytes * batch if bw else None  # every row of a batch rides one pass over the weights
-    return dict(shape=shape, card=card(), method=method, batch=batch, devices=1, mesh=None, T=T,
+    floor = bw / (device_bytes or wbytes) * batch if bw else None  # every row of a batch rides one pass over the weights
+    return dict(shape=shape, card=card(), method=method, batch=batch, devices=devices, mesh=mesh, T=T,
                 tokens_per_s=round(tps, 1), ms_per_step=round(1000 * seconds_per_step, 4),
                 hbm_floor_tokens_per_s=None if floor is None else round(floor, 1),
                 floor_fraction=None if floor is None else round(tps / floor, 3), weight_bytes=wbytes, **extra)
@@ -149,15 +160,18 @@ def with_matmul(choice: str):
 
 
 def layer_products(cfg: ModelConfig):
-    """(name, K, N, transposed) of each product of a decode step."""
+    """(name, K, N, transposed) of each product of a decode step (on one device of model=N tensor
+    parallelism for a per-device config: an untied LM head then holds V/N columns)."""
     qkv = cfg.q_size + 2 * cfg.kv_size
+    shards = cfg.tensor_parallel_shards
     out = [("wqkv", cfg.hidden_size, qkv, False), ("wo", cfg.q_size, cfg.hidden_size, False),
            ("w_gate_up", cfg.hidden_size, 2 * cfg.intermediate_size, False),
            ("w_down", cfg.intermediate_size, cfg.hidden_size, False)]
     if cfg.tie_word_embeddings:
         out.append(("lm_head", cfg.hidden_size, cfg.vocab_size, True))
     else:
-        out.append(("lm_head", cfg.hidden_size, cfg.vocab_size, False))
+        vocab = cfg.vocab_size // shards if cfg.vocab_size % shards == 0 else cfg.vocab_size
+        out.append(("lm_head", cfg.hidden_size, vocab, False))
     return out
 
 
@@ -324,6 +338,56 @@ def ar_part(shape, cfg, params, rows_out: Rows, batches, variants):
     with_matmul("auto")
 
 
+def tp_part(shape, cfg, params, rows_out: Rows, batches, mesh_spec: str):
+    """AR (prompt 64 + 256 new tokens) on one device and under tensor parallelism on `mesh_spec`
+    (generate()'s path: per-head layout, shard_map, the one-device kernels on every device), in
+    the same process, at each batch. The mesh rows carry speedup_vs_1_device and whether their
+    greedy tokens equal the one-device run's (in bf16 the split sums round differently, so a
+    random-weight model's near-ties may flip; float32 identity is what the CPU tests check)."""
+    mesh = S.parse_mesh(mesh_spec)
+    n = S.axis_size(mesh, "model")
+    local = S.tensor_parallel_config(cfg, n)
+    wbytes, sampling = weight_bytes(params), Sampling()
+    cache_len = D.plan_cache_len(D.bucket(PROMPT), NEW)
+    placed = S.place_tensor_parallel(params, cfg, mesh)
+    device_bytes = int(sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(placed)))
+    specs = S.tensor_parallel_specs(params, cfg, n)
+    with M.per_device_program():  # GPU kernels on a host with several GPUs: each program runs whole per device
+        for b in batches:
+            toks = jax.random.randint(jax.random.PRNGKey(b), (b, PROMPT), 0, cfg.vocab_size).astype(jnp.int32)
+            lens = jnp.full((b,), PROMPT, jnp.int32)
+            common = dict(max_new=NEW, cache_len=cache_len, sampling=sampling)
+            tp = S.tensor_parallel_map(D.generate_ar_jit, mesh, "params", specs,
+                                       tuple(sorted(dict(cfg=local, **common).items())))
+            runs = (("1 device", lambda: D.generate_ar_jit(params, cfg, toks, lens, jax.random.PRNGKey(0), **common),
+                     1, None, None),
+                    (mesh_spec, lambda: tp(placed, dict(tokens=toks, lens=lens, key=jax.random.PRNGKey(0))),
+                     n, mesh_spec, device_bytes))
+            base_t = base_out = None
+            for label, run, devices, mesh_name, dbytes in runs:
+                try:
+                    t0 = time.perf_counter()
+                    out = jax.device_get(run()[0])
+                    compile_s = time.perf_counter() - t0
+                    t, spread = median_time(lambda: run(), reps=3)
+                    extra = {}
+                    if base_t is not None:
+                        extra = dict(speedup_vs_1_device=round(base_t / t, 3),
+                                     identical_to_1_device=bool(np.array_equal(out, base_out)))
+                    else:
+                        base_t, base_out = t, out
+                    rows_out.add(**base_row(shape, cfg, wbytes, "ar", b, 1, t / NEW, b, devices=devices, mesh=mesh_name,
+                                            device_bytes=dbytes, variant="auto", part="tp",
+                                            spread_ms=round(1000 * spread, 2), compile_s=round(compile_s, 1),
+                                            note=f"whole generation, {label}: prompt 64 + 256 new tokens; "
+                                                 "ms_per_step = time / 256", **extra))
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    rows_out.add(shape=shape, card=card(), method="ar", part="tp", batch=b, devices=devices,
+                                 mesh=mesh_name, error=repr(e)[:300])
+    del placed
+
+
 def filled_cache(params, cfg, batch, committed=192, cache_len=640):
     cache = M.init_cache(cfg, batch, cache_len, params["embed"].dtype)
     toks = jax.random.randint(jax.random.PRNGKey(1), (batch, committed), 0, cfg.vocab_size)
@@ -478,11 +542,26 @@ def main(argv=None):
     ap.add_argument("--tune-rows", default="1,64", help="row counts to tune (1 and/or 64)")
     ap.add_argument("--products", default="", help="gemm/tune only these products (wqkv,wo,w_gate_up,w_down,lm_head)")
     ap.add_argument("--write-tuning", action="store_true", help="merge the tuning into jspec/kernels/matvec_tuning.json")
+    ap.add_argument("--mesh", default="model=2", help="the tp part's mesh (tensor parallelism: model=N)")
+    ap.add_argument("--tp-shards", type=int, default=1,
+                    help="gemm/tune: the per-device products of model=N tensor parallelism (tune them for the tp part)")
     args = ap.parse_args(argv)
     for s in args.shapes.split(","):
         if s not in SHAPES:
             ap.error(f"unknown shape {s!r}: expected one of {', '.join(SHAPES)}")
     parts = set(args.parts.split(","))
+    if "tp" in parts:  # a bad --mesh fails here, before any weights are made
+        try:
+            mesh = S.parse_mesh(args.mesh)
+        except ValueError as e:
+            ap.error(str(e))
+        if S.axis_size(mesh, "data") > 1 or S.axis_size(mesh, "model") < 2:
+            ap.error(f"--mesh {args.mesh!r}: the tp part measures tensor parallelism: model=N with N >= 2")
+        for s in args.shapes.split(","):
+            try:
+                S.check_tensor_parallel(SHAPES[s], S.axis_size(mesh, "model"))
+            except ValueError as e:
+                ap.error(f"{s}: {e}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = card().replace(" ", "_")
@@ -494,16 +573,18 @@ def main(argv=None):
         cfg = SHAPES[shape]
         if parts & {"gemm", "tune"}:
             tune_rows = tuple(int(r) for r in args.tune_rows.split(","))
-            gemm_part(shape, cfg, rows, row_counts=tune_rows if args.wide else (1, 16, 64), tune="tune" in parts,
-                      tuning=tuning, wide=args.wide, products=args.products.split(",") if args.products else None,
+            gemm_shape = shape if args.tp_shards == 1 else f"{shape} (one device of model={args.tp_shards})"
+            gemm_part(gemm_shape, S.tensor_parallel_config(cfg, args.tp_shards), rows,
+                      row_counts=tune_rows if args.wide else (1, 16, 64), tune="tune" in parts, tuning=tuning, wide=args.wide, products=args.products.split(",") if args.products else None,
                       tune_rows=tune_rows)
             if tuning:
                 (out_dir / "matvec_tuning.json").write_text(json.dumps({card(): tuning}, indent=1, sort_keys=True))
-        if parts & {"ar", "verify", "draft", "memory", "published"}:
+        if parts & {"ar", "verify", "draft", "memory", "published", "tp"}:
             params = random_params(cfg)
             jax.block_until_ready(params)
             for part, fn in (("memory", lambda: memory_part(shape, cfg, params, rows)),
                              ("ar", lambda: ar_part(shape, cfg, params, rows, batches, args.variants.split(","))),
+                             ("tp", lambda: tp_part(shape, cfg, params, rows, batches, args.mesh)),
                              ("verify", lambda: verify_part(shape, cfg, params, rows)),
                              ("draft", lambda: draft_part(shape, cfg, params, rows)),
                              ("published", lambda: published_part(shape, cfg, params, rows, Path(tempfile.gettempdir())))):

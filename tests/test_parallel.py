@@ -47,10 +47,11 @@ def test_mesh_specs_and_errors():
     assert parse_mesh(None) is None
     assert mesh_label(parse_mesh("data=4")) == "data=4,model=1"
     assert parse_mesh("model=2").devices.shape == (1, 2)
-    for bad, msg in [("data=2,model=2", "not both"), ("data=0", "N >= 1"), ("rows=2", "data=N"), ("data=9", "needs 9 devices")]:
+    assert parse_mesh("data=2,model=2").devices.shape == (2, 2)
+    for bad, msg in [("data=0", "N >= 1"), ("rows=2", "data=N"), ("data=9", "needs 9 devices")]:
         with pytest.raises(ValueError, match=msg):
             parse_mesh(bad)
-    assert cli_main(["generate", "hi", "--mesh", "data=2,model=2"]) == 2  # before any model loads
+    assert cli_main(["generate", "hi", "--mesh", "data=3,model=3"]) == 2  # too few devices: before any model loads
 
 
 def test_data_parallel_ar_equals_one_device_without_cross_device_ops(target, ref):
@@ -81,7 +82,9 @@ def test_tensor_parallel_equals_one_device(target, ref):
     drafter, dparams = _drafters(target)["eagle3"]
     _same(generate(target, CFG, PROMPTS, max_new_tokens=MAX_NEW, mesh=mesh,
                    speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, policy="static", k_max=3)), ref)
-    # Acceptance runs sharded: the verify logits come out of the vocab-split LM head, each device
+    # The portable GSPMD path (weights placed by shard_params, no shard_map; generate() runs the
+    # per-head layout instead, tests/test_tensor_parallel.py): acceptance runs sharded: the verify
+    # logits come out of the vocab-split LM head, each device
     # takes the argmax over its half of the vocabulary, and only (max, index) pairs cross devices;
     # no vocab-wide array is ever gathered.
     tokens, lens, cache_len = pack_prompts(CFG, PROMPTS, MAX_NEW, 4)
@@ -137,7 +140,7 @@ def test_gpu_kernels_only_for_programs_that_run_whole_on_each_device(monkeypatch
     assert M.default_kernels() == "xla"
     with M.per_device_program():
         assert M.default_kernels() == "pallas"
-        with M.per_device_program(False):  # generate() with a model axis
+        with M.per_device_program(False):  # a program GSPMD may partition (sharded weights, no shard_map)
             assert M.default_kernels() == "xla"
     monkeypatch.setattr(M.jax, "local_device_count", lambda: 1)
     assert M.default_kernels() == "pallas"

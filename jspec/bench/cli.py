@@ -78,7 +78,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--round-cost", default="", help="comma list of batch sizes at which to add a round-cost profile "
                         "(draft_step_us, verify_us, round_us, ...) to the spec rows (jspec.bench.round_cost)")
     parser.add_argument("--mesh", default=None,
-                        help="jspec methods run on several devices: data=N (rows split) or model=N (tensor parallel)")
+                        help="jspec methods run on several devices: data=N (rows split), model=N (tensor parallel) or both")
     parser.add_argument("--unroll", type=_unroll_arg, default="auto",
                         help="jspec AR and spec methods: layers per step of the layer scan (generate's unroll): "
                              "auto (every layer unrolled on the GPU kernels' decode/verify path, scanned "

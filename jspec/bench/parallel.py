@@ -6,7 +6,8 @@ Groups run in this order, each one AR first then the speculative method, all in 
     fp32  one device AR  | fp32  model=N AR   (tensor-parallel outputs must equal one device's)
     bf16  model=N (tensor-parallel target)
 
-(--dtype, --meshes and --no-fp32-tp-check trim the list.)
+(--dtype, --meshes and --no-fp32-tp-check trim the list; the model=N groups are skipped, with a
+line saying why, for a model whose KV heads N does not divide.)
 
 --weak-scaling gives each device of data=N the one-device batch (N x the rows and prompts), the
 way data-parallel users grow the batch with the devices; by default the global batch is the same.
@@ -35,7 +36,7 @@ from jspec.bench.methods import JspecMethod
 from jspec.bench.prompts import encode_questions
 from jspec.bench.protocol import parse_method_spec
 from jspec.model import cast_params
-from jspec.sharding import axis_size, mesh_label, parse_mesh
+from jspec.sharding import axis_size, check_tensor_parallel, mesh_label, parse_mesh
 from jspec.speculative.factory import build_drafter
 from jspec.tasks import load_task
 
@@ -87,8 +88,9 @@ def _pick_spec(candidates: str, cfg, params, model: str):
 
 
 def _kernels(mesh=None) -> str:
-    """The kernels generate() runs for this mesh (GPU kernels unless a model axis splits the target)."""
-    with M.per_device_program(axis_size(mesh, "model") == 1):
+    """The kernels generate() runs for this mesh: every mesh runs whole on each device (a model
+    axis too: tensor parallelism runs under shard_map), so the GPU kernels on GPUs."""
+    with M.per_device_program():
         return M.default_kernels()
 
 
@@ -122,6 +124,12 @@ def run_parallel_bench(args: argparse.Namespace, resolve=presets.resolve_model) 
     for _, mesh, _ in groups:
         parse_mesh(mesh or None)  # too few devices fails here, before the model loads
     cfg, params, tokenizer = resolve(args.model, dtype="float32")  # cast per group below
+    try:
+        check_tensor_parallel(cfg, args.devices)
+    except ValueError as e:  # e.g. SmolLM2-135M's 3 kv heads on model=2: the data groups still run
+        if any(m.startswith("model=") for _, m, _ in groups):
+            print(f"skip the model={args.devices} groups: {e}", flush=True)
+        groups = [g for g in groups if not g[1].startswith("model=")]
     questions = load_task(args.task)
     prompts = encode_questions(tokenizer, questions)
     prompts = [prompts[i % len(prompts)] for i in range(args.n_prompts)]
