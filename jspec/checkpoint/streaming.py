@@ -1,0 +1,106 @@
+"""jspec parameters built in place on their device(s), one layer of one leaf at a time.
+
+`build_params` (layout.py) holds a float32 copy of the whole model on the host before anything
+reaches a device: 32 GB for an 8B model. `place_params` never holds more than one block: it
+allocates each leaf where it will live (one device, or sharded over a mesh by `sharding.PARAM_AXES`),
+then for each layer assembles that layer's fused slice on the host in the target dtype (reading
+the checkpoint's tensors, converting on the fly), sends it to its device(s) and writes it into
+the leaf with a donated, in-place update. Global tensors (embedding, LM head) are assembled in row
+chunks into one host block of their own size. Peak host memory is therefore the largest block
+plus whatever the reader maps, not the model.
+
+A checkpoint is described by `rows(name, layer, start, stop)`: rows [start, stop) of a logical
+tensor (layout.py's names) in PyTorch orientation, in any float dtype, with family quirks undone.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from ..config import ModelConfig
+from ..sharding import PARAM_AXES, named
+from .layout import expected_shape, fill_layer_leaf, fused_layer_leaves, global_tensor_names, layer_leaf_shape
+
+Rows = Callable[[str, "int | None", int, int], np.ndarray]
+
+# Rows of a global tensor read at once: bounds the read buffer beside the leaf's host block.
+CHUNK_BYTES = 64 << 20
+
+
+def _placement(shape: tuple, leaf: str, mesh: Mesh | None, device) -> tuple:
+    """(sharding of the whole leaf, sharding of one layer's slice of it)."""
+    if mesh is None:
+        one = SingleDeviceSharding(device if device is not None else jax.devices()[0])
+        return one, one
+    whole = named(shape, PARAM_AXES[leaf], mesh)
+    return whole, NamedSharding(mesh, P(*tuple(whole.spec)[1:]))
+
+
+@functools.lru_cache(maxsize=None)
+def _empty_fn(shape: tuple, dtype: np.dtype, sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _set_layer_fn(sharding):
+    # Donating the leaf makes the update in place: the device never holds two copies of a leaf.
+    return jax.jit(lambda full, block, l: jax.lax.dynamic_update_index_in_dim(full, block, l, 0),
+                   donate_argnums=0, out_shardings=sharding)
+
+
+def _global_block(cfg: ModelConfig, name: str, rows: Rows, dtype: np.dtype) -> np.ndarray:
+    """A global tensor in jspec orientation (lm_head transposed to [D, V]), read in row chunks."""
+    shape = expected_shape(cfg, name)
+    transposed = name == "lm_head"
+    block = np.empty(shape[::-1] if transposed else shape, dtype)
+    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * 4
+    step = max(1, CHUNK_BYTES // max(1, row_bytes))
+    for start in range(0, shape[0], step):
+        stop = min(shape[0], start + step)
+        chunk = rows(name, None, start, stop)
+        if transposed:
+            block[:, start:stop] = chunk.T
+        else:
+            block[start:stop] = chunk
+    return block
+
+
+def place_params(cfg: ModelConfig, rows: Rows, dtype=jnp.float32, *, mesh: Mesh | None = None, device=None) -> dict:
+    """The jspec parameter tree (model.py's layout) of `dtype`, on `device` (default: the first)
+    or sharded over `mesh` by sharding.PARAM_AXES, read through `rows` one block at a time."""
+    dtype = np.dtype(dtype)
+    params: dict = {}
+    for name in global_tensor_names(cfg):
+        block = _global_block(cfg, name, rows, dtype)
+        whole, _ = _placement(block.shape, name, mesh, device)
+        params[name] = jax.device_put(block, whole).block_until_ready()
+        del block
+    L = cfg.num_layers
+    layers = {}
+    for leaf in fused_layer_leaves(cfg):
+        shape = (L, *layer_leaf_shape(cfg, leaf))
+        whole, per_layer = _placement(shape, leaf, mesh, device)
+        full = _empty_fn(shape, dtype, whole)()
+        set_layer = _set_layer_fn(whole)
+        for l in range(L):
+            block = np.empty(shape[1:], dtype)
+
+            def tensor(name, l=l):
+                return rows(name, l, 0, expected_shape(cfg, name)[0])
+
+            fill_layer_leaf(block, cfg, leaf, tensor)
+            full = set_layer(full, jax.device_put(block, per_layer), np.int32(l))
+            # Waiting here frees this block before the next is built: host staging stays one block.
+            full.block_until_ready()
+        layers[leaf] = full
+    params["layers"] = layers
+    return params
+
+
+__all__ = ["CHUNK_BYTES", "place_params"]
