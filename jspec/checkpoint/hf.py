@@ -242,8 +242,9 @@ class _SafetensorsFile:
             )
         return np.dtype(_SAFETENSORS_DTYPES[tag])
 
-    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) along the first axis, in the stored dtype (one contiguous read)."""
+    def read_rows(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop) along the first axis (one contiguous read), in the stored dtype, or
+        written into `out` (converted to its dtype; read in place when that is the stored one)."""
         info = self.tensors[name]
         shape, dtype = info["shape"], self.dtype(name)
         begin, end = info["data_offsets"]
@@ -253,7 +254,13 @@ class _SafetensorsFile:
         if end - begin != (shape[0] if shape else 1) * row_bytes:
             raise CorruptCheckpointError(f"{self.path}: tensor {name!r} has {end - begin} bytes, its shape "
                                          f"{shape} and dtype {info['dtype']} need {(shape[0] if shape else 1) * row_bytes}")
-        out = np.empty((stop - start, *shape[1:]), dtype)
+        if out is not None and (out.dtype != dtype or not out.flags.c_contiguous):
+            out[...] = self.read_rows(name, start, stop)
+            return out
+        if out is None:
+            out = np.empty((stop - start, *shape[1:]), dtype)
+        elif out.shape != (stop - start, *shape[1:]):
+            raise ValueError(f"read_rows: out has shape {out.shape}, rows {start}:{stop} of {name!r} are {(stop - start, *shape[1:])}")
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
         view = memoryview(out.reshape(-1).view(np.uint8))
@@ -322,8 +329,8 @@ class SafetensorsDir:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._file(name).shape(self.original[name])
 
-    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        return self._file(name).read_rows(self.original[name], start, stop)
+    def read_rows(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        return self._file(name).read_rows(self.original[name], start, stop, out)
 
     def get(self, name: str) -> np.ndarray:
         shape = self.shape(name)
@@ -389,11 +396,12 @@ def _check_tensors(cfg: ModelConfig, tensors: SafetensorsDir) -> None:
 
 
 def _rows_from(cfg: ModelConfig, tensors: SafetensorsDir):
-    def rows(name: str, layer: int | None, start: int, stop: int) -> np.ndarray:
-        array = tensors.read_rows(hf_tensor_name(cfg, name, layer), start, stop)
+    def rows(name: str, layer: int | None, start: int, out: np.ndarray) -> None:
+        hf_name = hf_tensor_name(cfg, name, layer)
         if _is_gemma_norm(cfg, name):
-            array = array.astype(np.float32) + 1.0
-        return array
+            out[...] = tensors.read_rows(hf_name, start, start + len(out)).astype(np.float32) + 1.0
+        else:
+            tensors.read_rows(hf_name, start, start + len(out), out)
 
     return rows
 

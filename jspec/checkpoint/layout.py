@@ -102,24 +102,27 @@ def fused_layer_leaves(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
     return leaves
 
 
-def layer_leaf_shape(cfg: ModelConfig, leaf: str) -> tuple[int, ...]:
-    """Shape of one layer's slice of a per-layer leaf (the leaf is [L, *this])."""
+def layer_leaf_rows(cfg: ModelConfig, leaf: str) -> tuple[int, ...]:
+    """Shape of one layer's slice of a per-layer leaf in PyTorch orientation: the leaf's tensors
+    stacked along their first axis ([out, in] for projections, so the leaf is [L, in, out])."""
     parts = fused_layer_leaves(cfg)[leaf]
     last_name, last_offset = parts[-1]
     last = expected_shape(cfg, last_name)
-    width = last_offset + last[0]
-    return (last[1], width) if len(last) == 2 else (width,)
+    return (last_offset + last[0], *last[1:])
 
 
-def fill_layer_leaf(block: np.ndarray, cfg: ModelConfig, leaf: str, tensor: Callable[[str], np.ndarray]) -> None:
-    """Write one layer of a fused leaf into `block` (shape `layer_leaf_shape`), casting to its
-    dtype; `tensor(name)` gives a logical tensor in PyTorch orientation."""
+def layer_leaf_shape(cfg: ModelConfig, leaf: str) -> tuple[int, ...]:
+    """Shape of one layer's slice of a per-layer leaf (the leaf is [L, *this]): projections are
+    kept [in, out], since jspec multiplies x @ W."""
+    return layer_leaf_rows(cfg, leaf)[::-1]
+
+
+def fill_layer_leaf(rows: np.ndarray, cfg: ModelConfig, leaf: str, read: Callable[[str, np.ndarray], None]) -> None:
+    """Stack one layer's tensors of a fused leaf into `rows` (C-contiguous, shape `layer_leaf_rows`):
+    `read(name, out)` writes a logical tensor, in PyTorch orientation, into `out` (a contiguous
+    row range of `rows`, in its dtype). Every copy is of whole rows: no strided transpose here."""
     for name, offset in fused_layer_leaves(cfg)[leaf]:
-        t = tensor(name)
-        if t.ndim == 2:  # projections are stored [out, in]; jspec multiplies x @ W, so it keeps [in, out]
-            block[:, offset : offset + t.shape[0]] = t.T
-        else:
-            block[offset : offset + t.shape[0]] = t
+        read(name, rows[offset : offset + expected_shape(cfg, name)[0]])
 
 
 def _stack_layers(cfg: ModelConfig, fetch: Fetch) -> dict[str, np.ndarray]:
@@ -127,8 +130,14 @@ def _stack_layers(cfg: ModelConfig, fetch: Fetch) -> dict[str, np.ndarray]:
     out = {}
     for leaf in fused_layer_leaves(cfg):
         out[leaf] = np.empty((cfg.num_layers, *layer_leaf_shape(cfg, leaf)), np.float32)
+        rows = np.empty(layer_leaf_rows(cfg, leaf), np.float32)
         for l in range(cfg.num_layers):
-            fill_layer_leaf(out[leaf][l], cfg, leaf, lambda name, l=l: fetch(name, l, expected_shape(cfg, name)))
+
+            def read(name, into, l=l):
+                into[...] = fetch(name, l, expected_shape(cfg, name))
+
+            fill_layer_leaf(rows, cfg, leaf, read)
+            out[leaf][l] = rows.T
     return out
 
 

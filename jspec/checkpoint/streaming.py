@@ -3,14 +3,15 @@
 `build_params` (layout.py) holds a float32 copy of the whole model on the host before anything
 reaches a device: 32 GB for an 8B model. `place_params` never holds more than one block: it
 allocates each leaf where it will live (one device, or sharded over a mesh by `sharding.PARAM_AXES`),
-then for each layer assembles that layer's fused slice on the host in the target dtype (reading
-the checkpoint's tensors, converting on the fly), sends it to its device(s) and writes it into
-the leaf with a donated, in-place update. Global tensors (embedding, LM head) are assembled in row
-chunks into one host block of their own size. Peak host memory is therefore the largest block
+then for each layer stacks that layer's tensors of the leaf on the host in the target dtype
+(reading the checkpoint's rows, converting on the fly), sends them to their device(s) and writes
+them, transposed there, into the leaf with a donated, in-place update. Global tensors (embedding,
+LM head) are assembled in row chunks into one host block of their own size. Peak host memory is therefore the largest block
 plus whatever the reader maps, not the model.
 
-A checkpoint is described by `rows(name, layer, start, stop)`: rows [start, stop) of a logical
-tensor (layout.py's names) in PyTorch orientation, in any float dtype, with family quirks undone.
+A checkpoint is described by `rows(name, layer, start, out)`, which writes rows [start, start +
+len(out)) of a logical tensor (layout.py's names; PyTorch orientation, family quirks undone) into
+`out`, converting to its dtype: a reader whose stored dtype matches reads straight into the block.
 """
 
 from __future__ import annotations
@@ -25,21 +26,29 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 
 from ..config import ModelConfig
 from ..sharding import PARAM_AXES, named
-from .layout import expected_shape, fill_layer_leaf, fused_layer_leaves, global_tensor_names, layer_leaf_shape
+from .layout import (
+    expected_shape,
+    fill_layer_leaf,
+    fused_layer_leaves,
+    global_tensor_names,
+    layer_leaf_rows,
+    layer_leaf_shape,
+)
 
-Rows = Callable[[str, "int | None", int, int], np.ndarray]
+Rows = Callable[[str, "int | None", int, np.ndarray], None]
 
 # Rows of a global tensor read at once: bounds the read buffer beside the leaf's host block.
 CHUNK_BYTES = 64 << 20
 
 
 def _placement(shape: tuple, leaf: str, mesh: Mesh | None, device) -> tuple:
-    """(sharding of the whole leaf, sharding of one layer's slice of it)."""
+    """(sharding of the whole leaf, sharding of one layer's slice of it in PyTorch orientation)."""
     if mesh is None:
         one = SingleDeviceSharding(device if device is not None else jax.devices()[0])
         return one, one
     whole = named(shape, PARAM_AXES[leaf], mesh)
-    return whole, NamedSharding(mesh, P(*tuple(whole.spec)[1:]))
+    spec = tuple(whole.spec) + (None,) * (len(shape) - len(whole.spec))
+    return whole, NamedSharding(mesh, P(*spec[1:][::-1]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,26 +57,28 @@ def _empty_fn(shape: tuple, dtype: np.dtype, sharding):
 
 
 @functools.lru_cache(maxsize=None)
+def _transpose_fn(sharding):
+    return jax.jit(lambda rows: rows.T, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
 def _set_layer_fn(sharding):
     # Donating the leaf makes the update in place: the device never holds two copies of a leaf.
-    return jax.jit(lambda full, block, l: jax.lax.dynamic_update_index_in_dim(full, block, l, 0),
+    # The rows arrive in PyTorch orientation and are transposed here, on the device: a strided
+    # transpose on the host runs at a few hundred MB/s.
+    return jax.jit(lambda full, rows, l: jax.lax.dynamic_update_index_in_dim(full, rows.T, l, 0),
                    donate_argnums=0, out_shardings=sharding)
 
 
-def _global_block(cfg: ModelConfig, name: str, rows: Rows, dtype: np.dtype) -> np.ndarray:
-    """A global tensor in jspec orientation (lm_head transposed to [D, V]), read in row chunks."""
+def _global_rows(cfg: ModelConfig, name: str, rows: Rows, dtype: np.dtype) -> np.ndarray:
+    """A global tensor in PyTorch orientation and `dtype`, read in row chunks."""
     shape = expected_shape(cfg, name)
-    transposed = name == "lm_head"
-    block = np.empty(shape[::-1] if transposed else shape, dtype)
+    block = np.empty(shape, dtype)
     row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * 4
     step = max(1, CHUNK_BYTES // max(1, row_bytes))
     for start in range(0, shape[0], step):
         stop = min(shape[0], start + step)
-        chunk = rows(name, None, start, stop)
-        if transposed:
-            block[:, start:stop] = chunk.T
-        else:
-            block[start:stop] = chunk
+        rows(name, None, start, block[start:stop])
     return block
 
 
@@ -77,9 +88,13 @@ def place_params(cfg: ModelConfig, rows: Rows, dtype=jnp.float32, *, mesh: Mesh 
     dtype = np.dtype(dtype)
     params: dict = {}
     for name in global_tensor_names(cfg):
-        block = _global_block(cfg, name, rows, dtype)
-        whole, _ = _placement(block.shape, name, mesh, device)
-        params[name] = jax.device_put(block, whole).block_until_ready()
+        block = _global_rows(cfg, name, rows, dtype)
+        if name == "lm_head":  # [V, D] stored, [D, V] kept: placed as stored, transposed on the device
+            whole, as_stored = _placement(block.shape[::-1], name, mesh, device)
+            params[name] = _transpose_fn(whole)(jax.device_put(block, as_stored))
+        else:
+            params[name] = jax.device_put(block, _placement(block.shape, name, mesh, device)[0])
+        params[name].block_until_ready()
         del block
     L = cfg.num_layers
     layers = {}
@@ -89,12 +104,8 @@ def place_params(cfg: ModelConfig, rows: Rows, dtype=jnp.float32, *, mesh: Mesh 
         full = _empty_fn(shape, dtype, whole)()
         set_layer = _set_layer_fn(whole)
         for l in range(L):
-            block = np.empty(shape[1:], dtype)
-
-            def tensor(name, l=l):
-                return rows(name, l, 0, expected_shape(cfg, name)[0])
-
-            fill_layer_leaf(block, cfg, leaf, tensor)
+            block = np.empty(layer_leaf_rows(cfg, leaf), dtype)
+            fill_layer_leaf(block, cfg, leaf, lambda name, out, l=l: rows(name, l, 0, out))
             full = set_layer(full, jax.device_put(block, per_layer), np.int32(l))
             # Waiting here frees this block before the next is built: host staging stays one block.
             full.block_until_ready()
