@@ -59,6 +59,8 @@ def test_sharded_llama31_checkpoint_loads_like_the_reference(checkpoint):
         cfg, params = load_hf(checkpoint, dtype)
         assert cfg == CFG
         assert_trees_equal(params, reference(checkpoint, dtype))
+        # default placement, as jnp.asarray gives: a later jit or device_put may move the weights
+        assert not any(x.committed for x in jax.tree.leaves(params))
 
 
 def test_sharded_checkpoint_loads_into_an_8_device_mesh(checkpoint):
@@ -75,6 +77,9 @@ def test_sharded_checkpoint_loads_into_an_8_device_mesh(checkpoint):
     assert wqkv.sharding.spec == jax.sharding.PartitionSpec(None, None, "model")
     assert {s.data.shape for s in wqkv.addressable_shards} == {(4, 64, (64 + 2 * 16) // 4)}
     assert len(wqkv.addressable_shards) == 8
+    _, on_one = load_hf(checkpoint, jnp.bfloat16, device=jax.devices()[5])
+    assert {x.sharding for x in jax.tree.leaves(on_one)} == {jax.sharding.SingleDeviceSharding(jax.devices()[5])}
+    assert_trees_equal(on_one, want)
 
 
 def test_missing_shard_or_tensor_is_one_line_before_any_weight_is_read(checkpoint, tmp_path, monkeypatch):

@@ -42,23 +42,29 @@ CHUNK_BYTES = 64 << 20
 
 
 def _placement(shape: tuple, leaf: str, mesh: Mesh | None, device) -> tuple:
-    """(sharding of the whole leaf, sharding of one layer's slice of it in PyTorch orientation)."""
+    """(sharding of the whole leaf, sharding of one layer's slice of it in PyTorch orientation);
+    (None, None) for JAX's default placement: uncommitted arrays on the default device, which a
+    later jit or device_put may move, as arrays made by jnp.asarray would be."""
     if mesh is None:
-        one = SingleDeviceSharding(device if device is not None else jax.devices()[0])
+        one = None if device is None else SingleDeviceSharding(device)
         return one, one
     whole = named(shape, PARAM_AXES[leaf], mesh)
     spec = tuple(whole.spec) + (None,) * (len(shape) - len(whole.spec))
     return whole, NamedSharding(mesh, P(*spec[1:][::-1]))
 
 
+def _jit(fn, sharding, **kw):
+    return jax.jit(fn, **kw) if sharding is None else jax.jit(fn, out_shardings=sharding, **kw)
+
+
 @functools.lru_cache(maxsize=None)
 def _empty_fn(shape: tuple, dtype: np.dtype, sharding):
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return _jit(lambda: jnp.zeros(shape, dtype), sharding)
 
 
 @functools.lru_cache(maxsize=None)
 def _transpose_fn(sharding):
-    return jax.jit(lambda rows: rows.T, out_shardings=sharding)
+    return _jit(lambda rows: rows.T, sharding)
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,8 +72,8 @@ def _set_layer_fn(sharding):
     # Donating the leaf makes the update in place: the device never holds two copies of a leaf.
     # The rows arrive in PyTorch orientation and are transposed here, on the device: a strided
     # transpose on the host runs at a few hundred MB/s.
-    return jax.jit(lambda full, rows, l: jax.lax.dynamic_update_index_in_dim(full, rows.T, l, 0),
-                   donate_argnums=0, out_shardings=sharding)
+    return _jit(lambda full, rows, l: jax.lax.dynamic_update_index_in_dim(full, rows.T, l, 0), sharding,
+                donate_argnums=0)
 
 
 def _global_rows(cfg: ModelConfig, name: str, rows: Rows, dtype: np.dtype) -> np.ndarray:
