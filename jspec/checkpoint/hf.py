@@ -228,6 +228,12 @@ class _SafetensorsFile:
                     f"{path}: tensor {name!r} ends at byte {self.data_start + end}, past the end of the file "
                     f"({size} bytes); file truncated?"
                 )
+            tag = info["dtype"]
+            if tag in _SAFETENSORS_DTYPES:
+                need = int(np.prod(shape, dtype=np.int64)) * np.dtype(_SAFETENSORS_DTYPES[tag]).itemsize
+                if end - begin != need:
+                    raise CorruptCheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes; its shape {shape} "
+                                                 f"and dtype {tag} need {need}")
             info["shape"], info["data_offsets"] = shape, (begin, end)
         self._fd: int | None = None
 
@@ -247,13 +253,10 @@ class _SafetensorsFile:
         written into `out` (converted to its dtype; read in place when that is the stored one)."""
         info = self.tensors[name]
         shape, dtype = info["shape"], self.dtype(name)
-        begin, end = info["data_offsets"]
+        begin = info["data_offsets"][0]
         if not shape:
             start, stop = 0, 1
         row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
-        if end - begin != (shape[0] if shape else 1) * row_bytes:
-            raise CorruptCheckpointError(f"{self.path}: tensor {name!r} has {end - begin} bytes, its shape "
-                                         f"{shape} and dtype {info['dtype']} need {(shape[0] if shape else 1) * row_bytes}")
         if out is not None and (out.dtype != dtype or not out.flags.c_contiguous):
             out[...] = self.read_rows(name, start, stop)
             return out
@@ -329,6 +332,9 @@ class SafetensorsDir:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._file(name).shape(self.original[name])
 
+    def dtype(self, name: str) -> np.dtype:
+        return self._file(name).dtype(self.original[name])
+
     def read_rows(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         return self._file(name).read_rows(self.original[name], start, stop, out)
 
@@ -389,10 +395,11 @@ def _check_tensors(cfg: ModelConfig, tensors: SafetensorsDir) -> None:
     needed += [(name, l) for l in range(cfg.num_layers) for name in layer_tensor_names(cfg)]
     for name, layer in needed:
         hf_name = hf_tensor_name(cfg, name, layer)
-        if tuple(tensors.shape(hf_name)) != expected_shape(cfg, name):
-            raise TensorShapeError(f"{tensors.source}: tensor {hf_name!r} has shape {tuple(tensors.shape(hf_name))}, "
+        shape = tuple(tensors.shape(hf_name))
+        if shape != expected_shape(cfg, name):
+            raise TensorShapeError(f"{tensors.source}: tensor {hf_name!r} has shape {shape}, "
                                    f"but the config implies {expected_shape(cfg, name)}")
-        tensors._file(hf_name).dtype(tensors.original[hf_name])
+        tensors.dtype(hf_name)  # raises on a dtype jspec cannot read
 
 
 def _rows_from(cfg: ModelConfig, tensors: SafetensorsDir):
