@@ -105,3 +105,14 @@ def test_missing_shard_or_tensor_is_one_line_before_any_weight_is_read(checkpoin
     with pytest.raises(MissingTensorError, match=r"'model\.layers\.2\.mlp\.up_proj\.weight' is missing") as e:
         load_hf(tmp_path)
     assert "\n" not in str(e.value)
+
+
+def test_float32_files_round_to_bfloat16_as_the_reference(tmp_path):
+    """Narrowing on the host (ml_dtypes) rounds as the reference's XLA convert does."""
+    cfg = CFG.replace(num_layers=1)
+    write_sharded_target(str(tmp_path), cfg, dtype="float32", max_shard_bytes=100_000)
+    sd = {}
+    for f in tmp_path.glob("*.safetensors"):
+        sd.update(load_file(str(f)))
+    _, got = load_hf(tmp_path, jnp.bfloat16)
+    assert_trees_equal(got, params_from_hf_state_dict(cfg, sd, jnp.bfloat16))
