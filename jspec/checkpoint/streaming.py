@@ -6,8 +6,9 @@ allocates each leaf where it will live (one device, or sharded over a mesh by `s
 then for each layer stacks that layer's tensors of the leaf on the host in the target dtype
 (reading the checkpoint's rows, converting on the fly), sends them to their device(s) and writes
 them, transposed there, into the leaf with a donated, in-place update. Global tensors (embedding,
-LM head) are assembled in row chunks into one host block of their own size. Peak host memory is therefore the largest block
-plus whatever the reader maps, not the model.
+LM head) are assembled in row chunks into one host block of their own size. Peak host memory is
+therefore the runtime plus the largest block (the embedding: 1 GB at Llama-3.1-8B's shape), not
+the model; on a CPU host the placed parameters themselves are host memory too.
 
 A checkpoint is described by `rows(name, layer, start, out)`, which writes rows [start, start +
 len(out)) of a logical tensor (layout.py's names; PyTorch orientation, family quirks undone) into
@@ -37,7 +38,7 @@ from .layout import (
 
 Rows = Callable[[str, "int | None", int, np.ndarray], None]
 
-# Rows of a global tensor read at once: bounds the read buffer beside the leaf's host block.
+# Rows of a global tensor read at once (when its stored dtype needs converting, the read buffer).
 CHUNK_BYTES = 64 << 20
 
 
