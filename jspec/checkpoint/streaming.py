@@ -4,8 +4,8 @@
 reaches a device: 32 GB for an 8B model. `place_params` never holds more than one block: it
 allocates each leaf where it will live (one device, or sharded over a mesh by `sharding.PARAM_AXES`),
 then for each layer stacks that layer's tensors of the leaf on the host in the target dtype
-(reading the checkpoint's rows, converting on the fly), sends them to their device(s) and writes
-them, transposed there, into the leaf with a donated, in-place update. Global tensors (embedding,
+(reading the checkpoint's rows, converting on the fly), sends them to their device(s), transposes them
+there and writes them into the leaf with a donated, in-place update. Global tensors (embedding,
 LM head) are assembled in row chunks into one host block of their own size. Peak host memory is
 therefore the runtime plus the largest block (the embedding: 1 GB at Llama-3.1-8B's shape), not
 the model; on a CPU host the placed parameters themselves are host memory too.
@@ -43,15 +43,26 @@ CHUNK_BYTES = 64 << 20
 
 
 def _placement(shape: tuple, leaf: str, mesh: Mesh | None, device) -> tuple:
-    """(sharding of the whole leaf, sharding of one layer's slice of it in PyTorch orientation);
-    (None, None) for JAX's default placement: uncommitted arrays on the default device, which a
-    later jit or device_put may move, as arrays made by jnp.asarray would be."""
+    """Shardings of (the whole leaf, one layer's slice of it); None for JAX's default placement:
+    uncommitted arrays on the default device, which a later jit or device_put may move, as arrays
+    made by jnp.asarray would be."""
     if mesh is None:
         one = None if device is None else SingleDeviceSharding(device)
         return one, one
     whole = named(shape, PARAM_AXES[leaf], mesh)
-    spec = tuple(whole.spec) + (None,) * (len(shape) - len(whole.spec))
-    return whole, NamedSharding(mesh, P(*spec[1:][::-1]))
+    return whole, NamedSharding(mesh, P(*_padded_spec(whole, len(shape))[1:]))
+
+
+def _padded_spec(sharding: NamedSharding, ndim: int) -> tuple:
+    spec = tuple(sharding.spec)
+    return spec + (None,) * (ndim - len(spec))
+
+
+def _as_stored(sharding, ndim: int):
+    """The sharding of the transposed array (PyTorch orientation): the same devices, axes reversed."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    return NamedSharding(sharding.mesh, P(*_padded_spec(sharding, ndim)[::-1]))
 
 
 def _jit(fn, sharding, **kw):
@@ -65,15 +76,16 @@ def _empty_fn(shape: tuple, dtype: np.dtype, sharding):
 
 @functools.lru_cache(maxsize=None)
 def _transpose_fn(sharding):
+    # The rows arrive in PyTorch orientation and are transposed on the device: a strided transpose
+    # on the host runs at a few hundred MB/s, and XLA's CPU backend is 2.5x slower when the
+    # transpose is fused into the update below than when it runs on its own.
     return _jit(lambda rows: rows.T, sharding)
 
 
 @functools.lru_cache(maxsize=None)
 def _set_layer_fn(sharding):
     # Donating the leaf makes the update in place: the device never holds two copies of a leaf.
-    # The rows arrive in PyTorch orientation and are transposed here, on the device: a strided
-    # transpose on the host runs at a few hundred MB/s.
-    return _jit(lambda full, rows, l: jax.lax.dynamic_update_index_in_dim(full, rows.T, l, 0), sharding,
+    return _jit(lambda full, layer, l: jax.lax.dynamic_update_index_in_dim(full, layer, l, 0), sharding,
                 donate_argnums=0)
 
 
@@ -97,8 +109,8 @@ def place_params(cfg: ModelConfig, rows: Rows, dtype=jnp.float32, *, mesh: Mesh 
     for name in global_tensor_names(cfg):
         block = _global_rows(cfg, name, rows, dtype)
         if name == "lm_head":  # [V, D] stored, [D, V] kept: placed as stored, transposed on the device
-            whole, as_stored = _placement(block.shape[::-1], name, mesh, device)
-            params[name] = _transpose_fn(whole)(jax.device_put(block, as_stored))
+            whole, _ = _placement(block.shape[::-1], name, mesh, device)
+            params[name] = _transpose_fn(whole)(jax.device_put(block, _as_stored(whole, 2)))
         else:
             params[name] = jax.device_put(block, _placement(block.shape, name, mesh, device)[0])
         params[name].block_until_ready()
@@ -107,13 +119,14 @@ def place_params(cfg: ModelConfig, rows: Rows, dtype=jnp.float32, *, mesh: Mesh 
     layers = {}
     for leaf in fused_layer_leaves(cfg):
         shape = (L, *layer_leaf_shape(cfg, leaf))
-        whole, per_layer = _placement(shape, leaf, mesh, device)
+        whole, layer = _placement(shape, leaf, mesh, device)
+        as_stored = _as_stored(layer, len(shape) - 1)
         full = _empty_fn(shape, dtype, whole)()
-        set_layer = _set_layer_fn(whole)
+        set_layer, transpose = _set_layer_fn(whole), _transpose_fn(layer)
         for l in range(L):
             block = np.empty(layer_leaf_rows(cfg, leaf), dtype)
             fill_layer_leaf(block, cfg, leaf, lambda name, out, l=l: rows(name, l, 0, out))
-            full = set_layer(full, jax.device_put(block, per_layer), np.int32(l))
+            full = set_layer(full, transpose(jax.device_put(block, as_stored)), np.int32(l))
             # Waiting here frees this block before the next is built: host staging stays one block.
             full.block_until_ready()
         layers[leaf] = full
