@@ -416,8 +416,8 @@ def _rows_from(cfg: ModelConfig, tensors: SafetensorsDir):
 def load_hf(path: str | os.PathLike, dtype=jnp.float32, *, mesh: Mesh | None = None, device=None) -> tuple[ModelConfig, dict]:
     """(config, params) from a Hugging Face model directory (one file or sharded with an index).
 
-    The weights stream from the files onto `device` (default: the first) or, with `mesh`, straight
-    into their shards (sharding.PARAM_AXES), one layer of one leaf at a time, converted to `dtype`
+    The weights stream from the files onto JAX's default device (uncommitted, as jnp.asarray would
+    place them), onto `device`, or, with `mesh`, straight into their shards (sharding.PARAM_AXES), one layer of one leaf at a time, converted to `dtype`
     on the way (streaming.py): the host never holds a copy of the model.
     """
     model_dir = Path(path)

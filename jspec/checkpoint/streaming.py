@@ -102,8 +102,9 @@ def _global_rows(cfg: ModelConfig, name: str, rows: Rows, dtype: np.dtype) -> np
 
 
 def place_params(cfg: ModelConfig, rows: Rows, dtype=jnp.float32, *, mesh: Mesh | None = None, device=None) -> dict:
-    """The jspec parameter tree (model.py's layout) of `dtype`, on `device` (default: the first)
-    or sharded over `mesh` by sharding.PARAM_AXES, read through `rows` one block at a time."""
+    """The jspec parameter tree (model.py's layout) of `dtype`, read through `rows` one block at a
+    time: committed to `device`, or sharded over `mesh` by sharding.PARAM_AXES, or (neither) on
+    JAX's default device, uncommitted."""
     dtype = np.dtype(dtype)
     params: dict = {}
     for name in global_tensor_names(cfg):
