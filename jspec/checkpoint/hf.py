@@ -417,8 +417,9 @@ def load_hf(path: str | os.PathLike, dtype=jnp.float32, *, mesh: Mesh | None = N
     """(config, params) from a Hugging Face model directory (one file or sharded with an index).
 
     The weights stream from the files onto JAX's default device (uncommitted, as jnp.asarray would
-    place them), onto `device`, or, with `mesh`, straight into their shards (sharding.PARAM_AXES), one layer of one leaf at a time, converted to `dtype`
-    on the way (streaming.py): the host never holds a copy of the model.
+    place them), onto `device`, or, with `mesh`, straight into their shards (sharding.PARAM_AXES),
+    one layer of one leaf at a time, converted to `dtype` on the way (streaming.py): the host never
+    holds a copy of the model.
     """
     model_dir = Path(path)
     if not model_dir.is_dir():
