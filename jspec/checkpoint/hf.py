@@ -1,7 +1,8 @@
 """Hugging Face checkpoints (config.json + safetensors, single or sharded) to and from jspec.
 
-Tensors are read with safetensors' numpy API (bfloat16 arrives as an ml_dtypes array and is
-widened exactly to float32). Gemma3 stores norm weights as `w` and applies `1 + w`; jspec keeps
+Safetensors files are read from their headers with pread, tensor by tensor or in row ranges
+(bfloat16 arrives as an ml_dtypes array), and `load_hf` streams them straight onto the device(s)
+(streaming.py). Gemma3 stores norm weights as `w` and applies `1 + w`; jspec keeps
 the applied multiplier, so `1` is added on load and subtracted on export.
 """
 
@@ -14,15 +15,18 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from ..config import ModelConfig, UnsupportedModelError, config_from_hf
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     MissingTensorError,
+    TensorShapeError,
     UnknownArchitectureError,
 )
-from .layout import build_params, check_shape, split_params
+from .layout import build_params, check_shape, expected_shape, global_tensor_names, layer_tensor_names, split_params
+from .streaming import place_params
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -182,60 +186,161 @@ def _merged_eos_ids(model_dir: Path, eos: tuple[int, ...]) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------
 
 
+# safetensors dtype tags jspec reads (weights are floating point; anything else is not a decoder).
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.dtype(jnp.bfloat16)}
+
+# A safetensors header is a few MB even for the largest checkpoints; a larger length is garbage.
+_MAX_HEADER_BYTES = 100 << 20
+
+
+class _SafetensorsFile:
+    """One .safetensors file: its header parsed, tensors (or row ranges of them) read with pread
+    into fresh buffers. Reading through the page cache instead of a memory map keeps the file's
+    pages out of this process's resident memory, so a whole checkpoint can stream through."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                head = f.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if n < 2 or n > min(size - 8, _MAX_HEADER_BYTES):
+                    raise CorruptCheckpointError(f"{path}: cannot read safetensors header (length field {n}, file "
+                                                 f"{size} bytes); truncated or not safetensors?")
+                header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CorruptCheckpointError(f"{path}: safetensors header is not valid JSON ({e}); truncated or not safetensors?") from e
+        if not isinstance(header, dict):
+            raise CorruptCheckpointError(f"{path}: safetensors header is not a JSON object; not safetensors?")
+        header.pop("__metadata__", None)
+        self.tensors: dict[str, dict] = header
+        self.data_start = 8 + n
+        for name, info in header.items():
+            try:
+                begin, end = (int(x) for x in info["data_offsets"])
+                shape = tuple(int(d) for d in info["shape"])
+                info["dtype"]
+            except (KeyError, TypeError, ValueError) as e:
+                raise CorruptCheckpointError(f"{path}: malformed header entry for {name!r} ({e})") from e
+            if self.data_start + end > size or begin > end:
+                raise CorruptCheckpointError(
+                    f"{path}: tensor {name!r} ends at byte {self.data_start + end}, past the end of the file "
+                    f"({size} bytes); file truncated?"
+                )
+            tag = info["dtype"]
+            if tag in _SAFETENSORS_DTYPES:
+                need = int(np.prod(shape, dtype=np.int64)) * np.dtype(_SAFETENSORS_DTYPES[tag]).itemsize
+                if end - begin != need:
+                    raise CorruptCheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes; its shape {shape} "
+                                                 f"and dtype {tag} need {need}")
+            info["shape"], info["data_offsets"] = shape, (begin, end)
+        self._fd: int | None = None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name]["shape"]
+
+    def dtype(self, name: str) -> np.dtype:
+        tag = self.tensors[name]["dtype"]
+        if tag not in _SAFETENSORS_DTYPES:
+            raise CorruptCheckpointError(
+                f"{self.path}: tensor {name!r} has dtype {tag}; supported: {', '.join(_SAFETENSORS_DTYPES)}"
+            )
+        return np.dtype(_SAFETENSORS_DTYPES[tag])
+
+    def read_rows(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop) along the first axis (one contiguous read), in the stored dtype, or
+        written into `out` (converted to its dtype; read in place when that is the stored one)."""
+        info = self.tensors[name]
+        shape, dtype = info["shape"], self.dtype(name)
+        begin = info["data_offsets"][0]
+        if not shape:
+            start, stop = 0, 1
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        if out is not None and (out.dtype != dtype or not out.flags.c_contiguous):
+            out[...] = self.read_rows(name, start, stop)
+            return out
+        if out is None:
+            out = np.empty((stop - start, *shape[1:]), dtype)
+        elif out.shape != (stop - start, *shape[1:]):
+            raise ValueError(f"read_rows: out has shape {out.shape}, rows {start}:{stop} of {name!r} are {(stop - start, *shape[1:])}")
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        offset, done = self.data_start + begin + start * row_bytes, 0
+        while done < len(view):
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise CorruptCheckpointError(f"{self.path}: tensor {name!r} cut short at byte {offset + done}; file truncated?")
+            done += got
+        return out.reshape(shape) if not shape else out
+
+    def __del__(self):
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+
+
 class SafetensorsDir:
-    """Name -> tensor access over one or several safetensors files of a directory."""
+    """Name -> tensor access over one or several safetensors files of a directory.
+
+    Every header is read when it opens, so a missing shard, a truncated file or a tensor the index
+    names but its shard lacks is reported before any weight is read."""
 
     def __init__(self, model_dir: Path):
         self.source = str(model_dir)
-        self.files: dict[str, Path] = {}  # normalized tensor name -> shard file
+        self.files: dict[str, _SafetensorsFile] = {}  # normalized tensor name -> its file
         self.original: dict[str, str] = {}  # normalized -> name as stored
-        self._handles: dict[Path, Any] = {}
         index = model_dir / INDEX_FILE
         single = model_dir / SINGLE_FILE
         if index.is_file():
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CorruptCheckpointError(f"{index}: no 'weight_map' object")
+            opened: dict[str, _SafetensorsFile] = {}
+            for shard in sorted(set(weight_map.values())):
+                file = model_dir / shard
+                if not file.is_file():
+                    raise CheckpointNotFoundError(f"{file}: shard listed in {INDEX_FILE} is missing")
+                opened[shard] = _SafetensorsFile(file)
             for name, shard in weight_map.items():
-                self._add(name, model_dir / shard)
+                if name not in opened[shard].tensors:
+                    raise MissingTensorError(f"{model_dir / shard}: tensor {name!r} listed in {INDEX_FILE} is not in this shard")
+                self._add(name, opened[shard])
         elif single.is_file():
-            for name in self._open(single).keys():
-                self._add(name, single)
+            file = _SafetensorsFile(single)
+            for name in file.tensors:
+                self._add(name, file)
         else:
             raise CheckpointNotFoundError(
                 f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)"
             )
 
-    def _add(self, name: str, file: Path) -> None:
+    def _add(self, name: str, file: _SafetensorsFile) -> None:
         key = normalize_name(name)
         self.files[key] = file
         self.original[key] = name
 
-    def _open(self, file: Path):
-        if file not in self._handles:
-            if not file.is_file():
-                raise CheckpointNotFoundError(f"{file}: shard listed in {INDEX_FILE} is missing")
-            from safetensors import safe_open
-
-            try:
-                self._handles[file] = safe_open(str(file), framework="numpy")
-            except Exception as e:  # noqa: BLE001 - SafetensorError is not importable portably
-                raise CorruptCheckpointError(f"{file}: cannot read safetensors header ({e}); truncated or not safetensors?") from e
-        return self._handles[file]
-
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
-    def get(self, name: str) -> np.ndarray:
+    def _file(self, name: str) -> _SafetensorsFile:
         file = self.files.get(name)
         if file is None:
             raise MissingTensorError(f"{self.source}: tensor {name!r} is missing from the checkpoint")
-        handle = self._open(file)
-        try:
-            array = handle.get_tensor(self.original[name])
-        except Exception as e:  # noqa: BLE001
-            raise CorruptCheckpointError(f"{file}: cannot read tensor {self.original[name]!r} ({e}); file truncated?") from e
-        return np.asarray(array).astype(np.float32)
+        return file
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._file(name).shape(self.original[name])
+
+    def dtype(self, name: str) -> np.dtype:
+        return self._file(name).dtype(self.original[name])
+
+    def read_rows(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        return self._file(name).read_rows(self.original[name], start, stop, out)
+
+    def get(self, name: str) -> np.ndarray:
+        shape = self.shape(name)
+        return self.read_rows(name, 0, shape[0] if shape else 1).astype(np.float32)
 
 
 class StateDict:
@@ -283,15 +388,47 @@ def params_from_hf_state_dict(cfg: ModelConfig, sd: dict[str, Any], dtype=jnp.fl
     return build_params(cfg, _fetch_from(cfg, tensors), dtype)
 
 
-def load_hf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
-    """(config, params) from a Hugging Face model directory."""
+def _check_tensors(cfg: ModelConfig, tensors: SafetensorsDir) -> None:
+    """Every tensor the config needs is present, of the implied shape and a float dtype: checked
+    from the headers alone, before any weight is read."""
+    needed = [(name, None) for name in global_tensor_names(cfg)]
+    needed += [(name, l) for l in range(cfg.num_layers) for name in layer_tensor_names(cfg)]
+    for name, layer in needed:
+        hf_name = hf_tensor_name(cfg, name, layer)
+        shape = tuple(tensors.shape(hf_name))
+        if shape != expected_shape(cfg, name):
+            raise TensorShapeError(f"{tensors.source}: tensor {hf_name!r} has shape {shape}, "
+                                   f"but the config implies {expected_shape(cfg, name)}")
+        tensors.dtype(hf_name)  # raises on a dtype jspec cannot read
+
+
+def _rows_from(cfg: ModelConfig, tensors: SafetensorsDir):
+    def rows(name: str, layer: int | None, start: int, out: np.ndarray) -> None:
+        hf_name = hf_tensor_name(cfg, name, layer)
+        if _is_gemma_norm(cfg, name):
+            out[...] = tensors.read_rows(hf_name, start, start + len(out)).astype(np.float32) + 1.0
+        else:
+            tensors.read_rows(hf_name, start, start + len(out), out)
+
+    return rows
+
+
+def load_hf(path: str | os.PathLike, dtype=jnp.float32, *, mesh: Mesh | None = None, device=None) -> tuple[ModelConfig, dict]:
+    """(config, params) from a Hugging Face model directory (one file or sharded with an index).
+
+    The weights stream from the files onto JAX's default device (uncommitted, as jnp.asarray would
+    place them), onto `device`, or, with `mesh`, straight into their shards (sharding.PARAM_AXES),
+    one layer of one leaf at a time, converted to `dtype` on the way (streaming.py): the host never
+    holds a copy of the model.
+    """
     model_dir = Path(path)
     if not model_dir.is_dir():
         raise CheckpointNotFoundError(f"{model_dir}: Hugging Face model directory not found")
     cfg = config_from_hf_file(model_dir)
     tensors = SafetensorsDir(model_dir)
+    _check_tensors(cfg, tensors)
     _reject_output_bias(cfg, tensors)
-    return cfg, build_params(cfg, _fetch_from(cfg, tensors), dtype)
+    return cfg, place_params(cfg, _rows_from(cfg, tensors), dtype, mesh=mesh, device=device)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -81,47 +81,63 @@ def check_shape(array: np.ndarray, shape: tuple, tensor: str, source: str) -> np
     return array
 
 
-def _stack_layers(cfg: ModelConfig, fetch: Fetch) -> dict[str, np.ndarray]:
-    """Fill each fused [L, ...] array layer by layer (one float32 copy of the weights at a time)."""
-    L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.q_size, cfg.kv_size
+def fused_layer_leaves(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
+    """Each per-layer leaf of the parameter tree as the logical tensors it is made of, with the
+    offset of each along the leaf's last axis (projections enter transposed, [in, out])."""
+    q, kv, F = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     names = set(layer_tensor_names(cfg))
-    out = {
-        "attn_norm": np.empty((L, D), np.float32),
-        "wqkv": np.empty((L, D, q + 2 * kv), np.float32),
-        "wo": np.empty((L, q, D), np.float32),
-        "mlp_norm": np.empty((L, D), np.float32),
-        "w_gate_up": np.empty((L, D, 2 * F), np.float32),
-        "w_down": np.empty((L, F, D), np.float32),
+    leaves = {
+        "attn_norm": [("attn_norm", 0)],
+        "wqkv": [("q_proj", 0), ("k_proj", q), ("v_proj", q + kv)],
+        "wo": [("o_proj", 0)],
+        "mlp_norm": [("mlp_norm", 0)],
+        "w_gate_up": [("gate_proj", 0), ("up_proj", F)],
+        "w_down": [("down_proj", 0)],
     }
     if cfg.attention_bias:
-        out["bqkv"] = np.empty((L, q + 2 * kv), np.float32)
-    for extra in ("q_norm", "k_norm"):
+        leaves["bqkv"] = [("q_bias", 0), ("k_bias", q), ("v_bias", q + kv)]
+    for extra in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):
         if extra in names:
-            out[extra] = np.empty((L, cfg.head_dim), np.float32)
-    for extra in ("post_attn_norm", "post_mlp_norm"):
-        if extra in names:
-            out[extra] = np.empty((L, D), np.float32)
+            leaves[extra] = [(extra, 0)]
+    return leaves
 
-    def get(name, layer):
-        return fetch(name, layer, expected_shape(cfg, name))
 
-    for l in range(L):
-        # Projections are stored [out, in]; jspec multiplies x @ W, so it keeps [in, out].
-        out["wqkv"][l, :, :q] = get("q_proj", l).T
-        out["wqkv"][l, :, q : q + kv] = get("k_proj", l).T
-        out["wqkv"][l, :, q + kv :] = get("v_proj", l).T
-        out["wo"][l] = get("o_proj", l).T
-        out["w_gate_up"][l, :, :F] = get("gate_proj", l).T
-        out["w_gate_up"][l, :, F:] = get("up_proj", l).T
-        out["w_down"][l] = get("down_proj", l).T
-        if cfg.attention_bias:
-            out["bqkv"][l, :q] = get("q_bias", l)
-            out["bqkv"][l, q : q + kv] = get("k_bias", l)
-            out["bqkv"][l, q + kv :] = get("v_bias", l)
-        for norm in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):
-            if norm in names:
-                out[norm][l] = get(norm, l)
+def layer_leaf_rows(cfg: ModelConfig, leaf: str) -> tuple[int, ...]:
+    """Shape of one layer's slice of a per-layer leaf in PyTorch orientation: the leaf's tensors
+    stacked along their first axis ([out, in] for projections, so the leaf is [L, in, out])."""
+    parts = fused_layer_leaves(cfg)[leaf]
+    last_name, last_offset = parts[-1]
+    last = expected_shape(cfg, last_name)
+    return (last_offset + last[0], *last[1:])
+
+
+def layer_leaf_shape(cfg: ModelConfig, leaf: str) -> tuple[int, ...]:
+    """Shape of one layer's slice of a per-layer leaf (the leaf is [L, *this]): projections are
+    kept [in, out], since jspec multiplies x @ W."""
+    return layer_leaf_rows(cfg, leaf)[::-1]
+
+
+def fill_layer_leaf(rows: np.ndarray, cfg: ModelConfig, leaf: str, read: Callable[[str, np.ndarray], None]) -> None:
+    """Stack one layer's tensors of a fused leaf into `rows` (C-contiguous, shape `layer_leaf_rows`):
+    `read(name, out)` writes a logical tensor, in PyTorch orientation, into `out` (a contiguous
+    row range of `rows`, in its dtype). Every copy is of whole rows: no strided transpose here."""
+    for name, offset in fused_layer_leaves(cfg)[leaf]:
+        read(name, rows[offset : offset + expected_shape(cfg, name)[0]])
+
+
+def _stack_layers(cfg: ModelConfig, fetch: Fetch) -> dict[str, np.ndarray]:
+    """Fill each fused [L, ...] array layer by layer (one float32 copy of the weights at a time)."""
+    out = {}
+    for leaf in fused_layer_leaves(cfg):
+        out[leaf] = np.empty((cfg.num_layers, *layer_leaf_shape(cfg, leaf)), np.float32)
+        rows = np.empty(layer_leaf_rows(cfg, leaf), np.float32)
+        for l in range(cfg.num_layers):
+
+            def read(name, into, l=l):
+                into[...] = fetch(name, l, expected_shape(cfg, name))
+
+            fill_layer_leaf(rows, cfg, leaf, read)
+            out[leaf][l] = rows.T
     return out
 
 

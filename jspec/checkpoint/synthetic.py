@@ -1,4 +1,5 @@
-"""Synthetic EAGLE-3 heads in the layouts published heads come in (random weights).
+"""Synthetic EAGLE-3 heads in the layouts published heads come in, and synthetic sharded targets
+(random weights).
 
 What SpecForge and the EAGLE authors publish for a Llama-3.1-8B target: a one-layer
 `LlamaForCausalLMEagle3` config.json WITHOUT rope_theta (so RoPE base 10000, not the target's
@@ -26,6 +27,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from ..config import ModelConfig, config_from_hf
+from .hf import CONFIG_FILE, INDEX_FILE, hf_config_dict, hf_tensor_name
+from .layout import expected_shape, global_tensor_names, layer_tensor_names
 
 LAYOUTS = ("safetensors", "sharded", "bin", "sharded-bin")
 LAYER_ID_STYLES = (None, "vllm", "sglang")
@@ -192,6 +195,66 @@ def write_published_eagle3_head(path: str, target: ModelConfig, *, layout: str =
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(cfg, fh, indent=2)
     return cfg
+
+
+def write_sharded_target(path: str, cfg: ModelConfig, *, dtype: str = "bfloat16", max_shard_bytes: int = 5 * 10**9,
+                         seed: int = 0, reuse: bool = False) -> list[str]:
+    """Write a random target of config `cfg` as Hugging Face writes a large model: config.json,
+    model-0000i-of-0000N.safetensors shards of at most `max_shard_bytes` (tensors in HF's order,
+    never split) and model.safetensors.index.json. Holds one shard in memory at a time.
+    `reuse`: one random tensor per shape, shared by every layer (a 16 GB checkpoint in seconds;
+    for load benchmarks, where values don't matter). Returns the files written."""
+    os.makedirs(path, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    np_dtype = _DTYPES[dtype]
+    made: dict[tuple, np.ndarray] = {}
+
+    def tensor(name: str) -> np.ndarray:
+        shape = expected_shape(cfg, name)
+        key = (shape, name.endswith("norm"))
+        if reuse and key in made:
+            return made[key]
+        if len(shape) == 2:  # fan-in scaled, so activations stay O(1)
+            t = (rng.standard_normal(shape, dtype=np.float32) * shape[1] ** -0.5).astype(np_dtype)
+        else:
+            t = ((1.0 if name.endswith("norm") else 0.0) + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np_dtype)
+        made[key] = t
+        return t
+
+    order = [("embed", None)]
+    for layer in range(cfg.num_layers):
+        order += sorted(((n, layer) for n in layer_tensor_names(cfg)), key=lambda t: hf_tensor_name(cfg, *t))
+    order += [(n, None) for n in global_tensor_names(cfg) if n != "embed"]
+    shards: list[list[str]] = []
+    current: dict[str, np.ndarray] = {}
+    current_bytes = total = 0
+
+    def flush():
+        name = f"model-part-{len(shards):05d}.safetensors"
+        save_file(current, os.path.join(path, name), metadata={"format": "pt"})
+        shards.append(list(current))
+        current.clear()
+
+    for name, layer in order:
+        t = tensor(name)
+        if current and current_bytes + t.nbytes > max_shard_bytes:
+            flush()
+            current_bytes = 0
+        current[hf_tensor_name(cfg, name, layer)] = t
+        current_bytes += t.nbytes
+        total += t.nbytes
+    flush()
+    files, weight_map = [], {}
+    for i, names in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(os.path.join(path, f"model-part-{i:05d}.safetensors"), os.path.join(path, final))
+        files.append(final)
+        weight_map.update({n: final for n in names})
+    with open(os.path.join(path, INDEX_FILE), "w") as fh:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
+    with open(os.path.join(path, CONFIG_FILE), "w") as fh:
+        json.dump(hf_config_dict(cfg, dtype), fh, indent=2)
+    return files + [INDEX_FILE, CONFIG_FILE]
 
 
 def main(argv=None) -> int:
