@@ -272,7 +272,7 @@ def test_tree_at_the_end_of_the_cache_matches_a_roomy_cache(target, eagle):
 def test_tree_auto_uses_eagles_candidates(target, eagle, monkeypatch):
     tc = autotuned_tree(target, CFG, 1, 128, top_k=3, depth=3, reps=1)
     assert tc.num_nodes in [min(n, TreeConfig(3, 3, 1).max_nodes) for n in EAGLE_NODE_CANDIDATES]
-    # generate(tree="auto") times EAGLE-2's default tree at this batch and cache (a stand-in
+    # SpeculativeConfig(tree="auto") times EAGLE-2's default tree at this batch and cache (a stand-in
     # timer here: the real one compiles five target blocks and a 59-node tree).
     calls = []
 
