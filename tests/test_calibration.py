@@ -13,7 +13,7 @@ import pytest
 from jspec import cli
 from jspec.bench import calibrate as C
 from jspec.checkpoint.eagle_format import EXTRAS_DIR, save_eagle_head
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.drafters.base import DrafterError
 from jspec.speculative.factory import resolve_policy_spec
 from jspec.speculative.policies import make_policy
@@ -49,7 +49,8 @@ def test_recorded_rounds_replay_the_engines_draft_lengths(setup):
     cost = RoundCost.from_table(REFERENCE_COSTS, 1, K)
     for threshold in (0.3, 0.6):
         policy = make_policy("confidence", k_max=K, threshold=threshold)
-        res = generate(target, CFG, prompts, max_new_tokens=24, drafter=drafter, drafter_params=dparams, policy=policy, k_max=K)
+        res = generate(target, CFG, prompts, max_new_tokens=24,
+                       speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, policy=policy, k_max=K))
         assert int(replay(policy, first, K, cost)["drafted"]) == int(res.draft_lengths[:, 1].sum())
 
 
@@ -85,8 +86,8 @@ def test_calibration_fits_every_policy_and_specs_find_it(setup, tmp_path):
     assert ldlp_policy.length_offset == fits["policies"]["ldlp"]["constants"]["length_offset"]
     ar = generate(target, CFG, prompts, max_new_tokens=16)
     for policy, params in ((tapout, None), (ldlp_policy, ldlp), (resolve_policy_spec("adaedl", spec, None, K), None)):
-        out = generate(target, CFG, prompts, max_new_tokens=16, drafter=drafter, drafter_params=dparams, policy=policy,
-                       policy_params=params, k_max=K)
+        out = generate(target, CFG, prompts, max_new_tokens=16, speculative=SpeculativeConfig(
+            drafter=drafter, drafter_params=dparams, policy=policy, policy_params=params, k_max=K))
         assert all(out.row(b) == ar.row(b) for b in range(len(prompts)))
 
 

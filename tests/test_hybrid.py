@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.sampling import Sampling
 from jspec.speculative.drafters.hybrid import HybridDrafter
 from jspec.speculative.engines.tree import TreeConfig, with_ngram_branch
@@ -60,8 +60,8 @@ def test_hybrid_tree_greedy_identical_to_ar(target, policy):
     prompts = spec_tiny._prompts(7)
     ar = generate(target, spec_tiny.CFG, prompts, max_new_tokens=16)
     tree = TC if policy != "auto" else TreeConfig(top_k=3, depth=4, num_nodes=12)
-    out = generate(target, spec_tiny.CFG, prompts, max_new_tokens=16, drafter=hybrid, drafter_params=dparams, tree=tree,
-                   policy=policy)
+    out = generate(target, spec_tiny.CFG, prompts, max_new_tokens=16,
+                   speculative=SpeculativeConfig(drafter=hybrid, drafter_params=dparams, tree=tree, policy=policy))
     for b in range(len(prompts)):
         assert out.row(b) == ar.row(b)
     if policy == "static":  # the n-gram branch is drafted: more nodes per call than the head keeps
@@ -91,8 +91,8 @@ def test_hybrid_sampling_follows_the_target_law():
     tree = TreeConfig(top_k=3, depth=L.K, num_nodes=10, ngram=L.K)
     sampling = Sampling(temperature=1.0)
     res = generate(tparams, L.CFG, [L.PROMPT] * L.N, max_new_tokens=L.MAX_NEW, sampling=sampling, seed=4,
-                   cache_len=L.CACHE_LEN + L.K, drafter=drafter, drafter_params=L.noised(hp, jax.random.PRNGKey(3), L.NOISE),
-                   tree=tree)
+                   cache_len=L.CACHE_LEN + L.K, speculative=SpeculativeConfig(
+                       drafter=drafter, drafter_params=L.noised(hp, jax.random.PRNGKey(3), L.NOISE), tree=tree))
     assert (res.lengths == L.MAX_NEW).all()
     calls = res.draft_lengths[:, 1:] > 0
     assert (res.draft_lengths[:, 1:][calls] > tree.num_nodes).mean() > 0.5  # n-gram nodes drafted beside the head's

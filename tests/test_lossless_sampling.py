@@ -63,7 +63,7 @@ from scipy import stats
 
 from jspec import model as M
 from jspec.config import ModelConfig
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.heads import eagle as H
 from jspec.sampling import Sampling, probs
 from jspec.speculative.drafters.eagle import EagleDrafter
@@ -284,13 +284,14 @@ def group_pvalue(group, positions=None, offsets=None) -> tuple[float, int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _model_drafter(tparams):
-    return dict(drafter=ModelDrafter(CFG), drafter_params=noised(tparams, jax.random.PRNGKey(2), NOISE), k_max=K)
+def _model_drafter(tparams) -> SpeculativeConfig:
+    return SpeculativeConfig(drafter=ModelDrafter(CFG), drafter_params=noised(tparams, jax.random.PRNGKey(2), NOISE),
+                             k_max=K)
 
 
-def _eagle_drafter(tparams, **kw):
+def _eagle_drafter(tparams, **fields) -> SpeculativeConfig:
     hc, hp = eagle_copy_head(tparams)
-    return dict(drafter=EagleDrafter(hc), drafter_params=noised(hp, jax.random.PRNGKey(3), NOISE), **kw)
+    return SpeculativeConfig(drafter=EagleDrafter(hc), drafter_params=noised(hp, jax.random.PRNGKey(3), NOISE), **fields)
 
 
 RUNS = {  # static K for the model drafter and the tree, a dynamic draft length for the EAGLE chain
@@ -307,7 +308,7 @@ ENGINES = {  # where each engine looks its sampling verifier up, and that verifi
 @pytest.fixture(scope="module", params=list(RUNS))
 def run(request, target):
     """{variant name: {"tokens", "probs", "offsets"}} for one engine/drafter, from one jitted call."""
-    engine, drafter, sampling = RUNS[request.param]
+    engine, speculative, sampling = RUNS[request.param]
     module, name, shipped, jitted = ENGINES[engine]
     names = ["shipped"] + list(MUTANTS[engine])
     variants = [shipped] + [mutant(shipped, *MUTANTS[engine][m]) for m in names[1:]]
@@ -316,7 +317,7 @@ def run(request, target):
         jitted.clear_cache()  # trace the patched verifier, and leave no patched program behind
         try:
             res = generate(target, CFG, [PROMPT] * (N * len(variants)), max_new_tokens=MAX_NEW, sampling=sampling,
-                           seed=4, cache_len=CACHE_LEN, **drafter(target))
+                           seed=4, cache_len=CACHE_LEN, speculative=speculative(target))
         finally:
             jitted.clear_cache()
     assert (res.lengths == MAX_NEW).all()  # the target has no EOS

@@ -190,7 +190,7 @@ def test_exit_head_training_lowers_kl(tmp_path):
 
 
 def test_generate_dispatches_parallel_engines(models):
-    """generate(engine=...) with a device-pair mesh and a batch that does not divide the pairs."""
+    """SpeculativeConfig(engine=...) with a device-pair mesh and a batch that does not divide the pairs."""
     from jspec.heads import draft_model as DM
     from jspec.speculative.drafters.early_exit import EarlyExitDrafter
     from jspec.speculative.drafters.model import ModelDrafter

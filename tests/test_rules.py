@@ -16,7 +16,7 @@ from jspec import model as M
 from jspec.checkpoint import eagle_format
 from jspec.decode import PromptError, pack_prompts
 from jspec import generate as generate_module
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.heads import eagle as H
 from jspec.sampling import GREEDY, Sampling
 from jspec.speculative.drafters.model import ModelDrafter
@@ -43,10 +43,12 @@ def eagle(target):
     return _drafters(target)["eagle"]
 
 
-def _run(target, drafter, prompts=None, **kw):
+def _run(target, drafter, prompts=None, *, policy_state=None, cache_len=None, **fields):
+    """generate() with `drafter` (a (drafter, params) pair) and the other SpeculativeConfig `fields`."""
     drafter, dparams = drafter
-    return generate(target, CFG, prompts or _prompts(1), max_new_tokens=MAX_NEW, drafter=drafter,
-                    drafter_params=dparams, **kw)
+    return generate(target, CFG, prompts or _prompts(1), max_new_tokens=MAX_NEW, policy_state=policy_state,
+                    cache_len=cache_len,
+                    speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, **fields))
 
 
 def _calls(res, b):
@@ -204,7 +206,8 @@ def test_a_drafted_eos_ends_the_draft(target):
             break
     cfg = CFG.replace(eos_token_ids=(row[pos],))
     ar = generate(target, cfg, prompts, max_new_tokens=MAX_NEW)
-    sp = generate(target, cfg, prompts, max_new_tokens=MAX_NEW, drafter=ModelDrafter(cfg), drafter_params=target, k_max=K)
+    sp = generate(target, cfg, prompts, max_new_tokens=MAX_NEW,
+                  speculative=SpeculativeConfig(drafter=ModelDrafter(cfg), drafter_params=target, k_max=K))
     assert sp.row(0) == ar.row(0) == row[: pos + 1]
     drafted, added = _calls(sp, 0)
     # The last round drafted up to the EOS and nothing after it: all of it was kept and the
@@ -269,7 +272,7 @@ def test_tree_at_the_end_of_the_cache_matches_a_roomy_cache(target, eagle):
 def test_tree_auto_uses_eagles_candidates(target, eagle, monkeypatch):
     tc = autotuned_tree(target, CFG, 1, 128, top_k=3, depth=3, reps=1)
     assert tc.num_nodes in [min(n, TreeConfig(3, 3, 1).max_nodes) for n in EAGLE_NODE_CANDIDATES]
-    # generate(tree="auto") times EAGLE-2's default tree at this batch and cache (a stand-in
+    # SpeculativeConfig(tree="auto") times EAGLE-2's default tree at this batch and cache (a stand-in
     # timer here: the real one compiles five target blocks and a 59-node tree).
     calls = []
 
@@ -280,7 +283,8 @@ def test_tree_auto_uses_eagles_candidates(target, eagle, monkeypatch):
     monkeypatch.setattr(generate_module, "autotuned_tree", fake_autotune)
     prompts = _prompts(4, batch=1)
     ar = generate(target, CFG, prompts, max_new_tokens=8)
-    auto = generate(target, CFG, prompts, max_new_tokens=8, drafter=eagle[0], drafter_params=eagle[1], tree="auto")
+    auto = generate(target, CFG, prompts, max_new_tokens=8,
+                    speculative=SpeculativeConfig(drafter=eagle[0], drafter_params=eagle[1], tree="auto"))
     assert calls == [(1, 10, 6)] and auto.row(0) == ar.row(0)
 
 

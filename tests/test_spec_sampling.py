@@ -10,7 +10,7 @@ from scipy import stats
 from spec_tiny import CFG, _drafters, make_target
 
 from jspec import model as M
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.sampling import Sampling, probs
 
 
@@ -63,8 +63,8 @@ def test_sampling_is_lossless(target, drafter_name):
     prompt = list(range(4, CFG.vocab_size)) + [5, 9]
     # 64 cache slots hold the 46-token prompt, 2 new tokens and a k_max + 1 block; the default
     # plan (a 128-slot cache) doubles every attention over the 2000 rows for the same tokens.
-    res = assert_two_token_law(target, prompt, Sampling(temperature=0.8, top_p=0.9),
-                               drafter=drafter, drafter_params=dparams, k_max=3, cache_len=64)
+    res = assert_two_token_law(target, prompt, Sampling(temperature=0.8, top_p=0.9), cache_len=64,
+                               speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, k_max=3))
     assert 0 < res.drafted.sum()
     if drafter_name != "ngram":  # this prompt's n-gram drafts are almost never accepted
         assert 0 < res.accepted.sum() < res.drafted.sum()  # both accept and reject paths ran

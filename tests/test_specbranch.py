@@ -11,7 +11,7 @@ from scipy import stats
 from jspec import model as M
 from jspec.config import ModelConfig
 from jspec.decode import pack_prompts
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.heads import draft_model as DM
 from jspec.heads import hrad as HR
 from jspec.sampling import GREEDY, Sampling, probs
@@ -74,9 +74,9 @@ def test_two_and_eight_devices_match_one_device(models):
     sb = SpecBranchConfig(branches=3, gamma=3, cut="confidence")
     ar = generate(models[0], CFG, prompts, max_new_tokens=MAX_NEW)
     one = _sb(models, prompts, sb)
-    tparams, dcfg, dparams = models  # through the host API: generate(engine=SpecBranchConfig, mesh="role=2")
-    two = generate(tparams, CFG, prompts, max_new_tokens=MAX_NEW, engine=sb, drafter=ModelDrafter(dcfg),
-                   drafter_params=dparams, mesh="role=2")
+    tparams, dcfg, dparams = models  # through the host API: SpeculativeConfig(engine=SpecBranchConfig), mesh="role=2"
+    two = generate(tparams, CFG, prompts, max_new_tokens=MAX_NEW, mesh="role=2",
+                   speculative=SpeculativeConfig(engine=sb, drafter=ModelDrafter(dcfg), drafter_params=dparams))
     np.testing.assert_array_equal(two.tokens, ar.tokens)
     for f in ("target_calls", "drafted", "accepted", "rolled_back", "branch_saves"):
         np.testing.assert_array_equal(getattr(two, f), getattr(one, f))

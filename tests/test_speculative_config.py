@@ -39,26 +39,31 @@ def test_invalid_combinations_fail_when_built(fields, message):
     assert "\n" not in str(err.value)
 
 
-def test_consultant_on_a_tree_is_rejected_not_ignored():
-    """generate(tree=..., verify="consultant") used to run the lossless tree rule silently; with the
-    old keywords it now fails like the config does, before anything compiles."""
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11]]
+SPEC = SpeculativeConfig(drafter="ngram", policy="heuristic", k_max=3)
+
+
+def test_generate_takes_the_config():
     params = M.init_params(CFG, jax.random.PRNGKey(0), scale=0.35)
+    ar = generate(params, CFG, PROMPTS, max_new_tokens=6)
+    sp = generate(params, CFG, PROMPTS, max_new_tokens=6, speculative=SPEC)
+    assert [sp.row(b) for b in range(2)] == [ar.row(b) for b in range(2)]  # greedy: the target's own text
+
+
+def test_deprecated_keywords_still_work_and_warn():
+    """The one test of generate()'s old keywords (the suite errors on jspec's DeprecationWarning
+    everywhere else): they warn and build the same config, so its checks apply to them too."""
+    params = M.init_params(CFG, jax.random.PRNGKey(0), scale=0.35)
+    sp = generate(params, CFG, PROMPTS, max_new_tokens=6, speculative=SPEC)
+    with pytest.warns(DeprecationWarning, match="pass speculative=SpeculativeConfig"):
+        old = generate(params, CFG, PROMPTS, max_new_tokens=6, drafter="ngram", policy="heuristic", k_max=3)
+    assert [old.row(b) for b in range(2)] == [sp.row(b) for b in range(2)]
+    with pytest.raises(ValueError, match="not also as k_max"):
+        generate(params, CFG, PROMPTS, speculative=SPEC, k_max=4)
+    with pytest.raises(ValueError, match="k_max applies only to speculative decoding"), pytest.warns(DeprecationWarning):
+        generate(params, CFG, PROMPTS, k_max=4)
+    # generate(tree=..., verify="consultant") used to run the lossless tree rule silently; it now
+    # fails like the config does, before anything compiles
     with pytest.raises(ValueError, match="verifies chains, not trees"), pytest.warns(DeprecationWarning):
         generate(params, CFG, [[5, 6, 7]], max_new_tokens=4, drafter="eagle3", tree=True,
                  verify=ConsultantRule(eps=50.0))
-
-
-def test_generate_takes_the_config_and_the_old_keywords_build_the_same():
-    params = M.init_params(CFG, jax.random.PRNGKey(0), scale=0.35)
-    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11]]
-    ar = generate(params, CFG, prompts, max_new_tokens=6)
-    spec = SpeculativeConfig(drafter="ngram", policy="heuristic", k_max=3)
-    sp = generate(params, CFG, prompts, max_new_tokens=6, speculative=spec)
-    assert [sp.row(b) for b in range(2)] == [ar.row(b) for b in range(2)]  # greedy: the target's own text
-    with pytest.warns(DeprecationWarning, match="pass speculative=SpeculativeConfig"):
-        old = generate(params, CFG, prompts, max_new_tokens=6, drafter="ngram", policy="heuristic", k_max=3)
-    assert [old.row(b) for b in range(2)] == [sp.row(b) for b in range(2)]
-    with pytest.raises(ValueError, match="not also as k_max"):
-        generate(params, CFG, prompts, speculative=spec, k_max=4)
-    with pytest.raises(ValueError, match="k_max applies only to speculative decoding"), pytest.warns(DeprecationWarning):
-        generate(params, CFG, prompts, k_max=4)

@@ -153,7 +153,8 @@ def test_pruned_tree_greedy_identical_to_ar(target, policy):
     drafter, dparams = _drafters(target)["eagle3"]
     prompts = _prompts(5)
     ar = generate(target, CFG, prompts, max_new_tokens=16)
-    tr = generate(target, CFG, prompts, max_new_tokens=16, drafter=drafter, drafter_params=dparams, tree=PRUNED, policy=policy)
+    tr = generate(target, CFG, prompts, max_new_tokens=16,
+                  speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, tree=PRUNED, policy=policy))
     for b in range(len(prompts)):
         assert tr.row(b) == ar.row(b)
     assert int(tr.accepted.sum()) > 0

@@ -20,7 +20,7 @@ from jspec.bench.cli import preset_name
 from jspec.bench.prompts import encode_questions
 from jspec.bench.round_cost import ensure_costs
 from jspec.errors import UsageError
-from jspec.generate import generate
+from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, head_dir
 from jspec.speculative.policies.auto import card_name
 from jspec.speculative.policies.calibration import (CALIBRATED_POLICIES, Records, RecordingPolicy, RoundCost, fit_all,
@@ -67,11 +67,11 @@ def check_calibrate_args(a) -> list[str]:
 def record_rounds(params, cfg, drafter, dparams, prompts: list[list[int]], *, k_max: int, batch: int, max_new: int,
                   ldlp_params=None) -> Records:
     """Generate with `RecordingPolicy` (a static chain of k_max) and collect the recorded rounds."""
-    policy = RecordingPolicy(k_max=k_max, max_rounds=max_new)
+    spec = SpeculativeConfig(drafter=drafter, drafter_params=dparams, k_max=k_max,
+                             policy=RecordingPolicy(k_max=k_max, max_rounds=max_new), policy_params=ldlp_params)
     parts = []
     for i in range(0, len(prompts), batch):
-        res = generate(params, cfg, prompts[i : i + batch], max_new_tokens=max_new, drafter=drafter, drafter_params=dparams,
-                       policy=policy, policy_params=ldlp_params, k_max=k_max)
+        res = generate(params, cfg, prompts[i : i + batch], max_new_tokens=max_new, speculative=spec)
         parts.append(Records.from_state(res.policy_state))
     return Records.concat(parts)
 
