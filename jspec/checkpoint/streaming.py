@@ -128,7 +128,7 @@ def place_params(cfg: ModelConfig, rows: Rows, dtype=jnp.float32, *, mesh: Mesh 
             block = np.empty(layer_leaf_rows(cfg, leaf), dtype)
             fill_layer_leaf(block, cfg, leaf, lambda name, out, l=l: rows(name, l, 0, out))
             full = set_layer(full, transpose(jax.device_put(block, as_stored)), np.int32(l))
-            # Waiting here frees this block before the next is built: host staging stays one block.
+            # Waiting here frees this block before the next is built: host memory holds one block at a time.
             full.block_until_ready()
         layers[leaf] = full
     params["layers"] = layers
