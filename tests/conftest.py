@@ -60,3 +60,10 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay contiguous
+
+
+@pytest.fixture(autouse=True)
+def _user_cache(tmp_path, monkeypatch):
+    """Each test gets its own $JSPEC_CACHE (cost tables measured on the fly land there), so no test
+    reads what another, or a user's run, cached."""
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))

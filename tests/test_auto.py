@@ -194,8 +194,8 @@ def test_a_heads_measured_acceptance_sets_the_budget(target):
 
 
 def test_cost_tables_of_another_version_are_measured_anew(tmp_path, monkeypatch):
-    """A cached table measured under older jspec code (rounds got cheaper since) is not trusted:
-    ensure_costs measures the batch again and the saved table replaces the old one."""
+    """A table measured under older jspec code (rounds got cheaper since) is not trusted: ensure_costs
+    measures the batch again into the user's cache, and the committed file is left as it was."""
     from jspec.bench import round_cost as RC
     from jspec.speculative.policies.auto import cost_table_path
 
@@ -214,6 +214,9 @@ def test_cost_tables_of_another_version_are_measured_anew(tmp_path, monkeypatch)
     monkeypatch.setattr(RC, "measure_batch_costs", fake_measure)
     costs = RC.ensure_costs(None, None, None, None, batch=1, preset="tiny", models_dir=str(tmp_path), tree=False)
     assert measured == [1] and costs["verify_us"] == {"1": {"1": 1.0}}
-    assert RC.load_card_costs(path) == {"version": RC.COST_TABLE_VERSION, "verify_us": {"1": {"1": 1.0}}}
+    assert RC.load_card_costs(path) == old  # a user's run never writes into the repository
+    cached = cost_table_path("tiny", str(tmp_path), committed=False)
+    assert cached.parent == tmp_path / "cache"
+    assert RC.load_card_costs(cached) == {"version": RC.COST_TABLE_VERSION, "verify_us": {"1": {"1": 1.0}}}
     RC.ensure_costs(None, None, None, None, batch=1, preset="tiny", models_dir=str(tmp_path), tree=False)
     assert measured == [1]  # current version, batch present: read from the cache

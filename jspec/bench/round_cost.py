@@ -41,7 +41,7 @@ from jspec.sampling import GREEDY
 from jspec.speculative.engines.chain import draft_autoregressive, spec_round, start_spec
 from jspec.speculative.engines.tree import TreeConfig, draft_tree, tree_round
 from jspec.speculative.policies import resolve_policy
-from jspec.speculative.policies.auto import REFERENCE_COSTS, card_name, cost_table_path, row_value
+from jspec.speculative.policies.auto import REFERENCE_COSTS, card_name, cost_table_path, cost_table_paths, row_value
 
 # Bumped whenever a change to jspec moves round costs enough to change plans. 2: per-layer weight
 # buffers in the generation loops (AR 25% faster at batch 16), chain drafts under limit-only
@@ -309,13 +309,16 @@ def ensure_costs(tparams, tcfg, drafter, dparams, *, batch: int, preset: str | N
     """This card's cost table with `batch` measured (measured now and cached when missing: each
     timing the median of ROBUST_REPS loops, and a noisy measurement replaced by the nearest trusted
     table scaled to this card's AR step, so one bad timing cannot plan plain decoding)."""
-    path = cost_table_path(preset, models_dir)
-    costs = load_card_costs(path) or {}
-    if costs.get("version") != COST_TABLE_VERSION:
-        costs = {}  # measured under other code (or never): every batch size is measured anew
-    need = str(batch) not in costs.get("verify_us", {}) or (
-        drafter is not None and not drafter.parallel and str(batch) not in costs.get("draft_step_us", {}))
-    if need:
+    def covers(costs):
+        return costs.get("version") == COST_TABLE_VERSION and str(batch) in costs.get("verify_us", {}) and (
+            drafter is None or drafter.parallel or str(batch) in costs.get("draft_step_us", {}))
+
+    tables = [load_card_costs(p) or {} for p in cost_table_paths(preset, models_dir)[:2]]  # committed, cached
+    costs = next((t for t in tables if covers(t)), None)
+    if costs is None:  # measured now into the user's cache (a run never writes into the repository)
+        path = cost_table_path(preset, models_dir, committed=False)
+        costs = next((t for t in reversed(tables) if t.get("version") == COST_TABLE_VERSION), {})
+        costs = json.loads(json.dumps(costs))  # a copy: the committed table is only read
         print(f"round_cost: measuring batch {batch} on {card_name()} for the auto policy -> {path}")
         b = str(batch)
         measure_batch_costs(costs, tparams, tcfg, drafter, dparams, batch=batch, tree=TreeConfig() if tree else None,

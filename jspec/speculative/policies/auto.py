@@ -37,8 +37,8 @@ Two decisions use it:
   worst one token per round.
 
 The cost table (verify_us[B][T], draft_step_us[B], tree_level_us[B]) is measured once per card by
-`jspec.bench.round_cost.card_costs` and cached as JSON (models/<preset>/round_cost_<card>.json or
-the user cache); the engine-agnostic part of this module takes it as a plain dict. Without a
+`jspec.bench.round_cost.card_costs` (models/<preset>/round_cost_<card>.json, committed; batch sizes a
+run needs and the committed table lacks are measured into the user cache); the engine-agnostic part of this module takes it as a plain dict. Without a
 table for this card, `REFERENCE_COSTS` (SmolLM2-135M, bf16, an H200) is used.
 The acceptance prior is the drafter's own when it carries one (an EAGLE head's measured
 acceptance, `EagleDrafter.acceptance`), else the table's measured one, else `ACCEPTANCE_PRIOR`.
@@ -305,19 +305,28 @@ def card_name() -> str:
     return getattr(d, "device_kind", d.platform).replace(" ", "_")
 
 
-def cost_table_path(preset: str | None = None, models_dir: str = "models") -> Path:
-    """models/<preset>/round_cost_<card>.json when that preset directory exists, else the user
-    cache ($JSPEC_CACHE, default ~/.cache/jspec)."""
+def cost_table_path(preset: str | None = None, models_dir: str = "models", *, committed: bool = True) -> Path:
+    """Where this card's cost table lives: models/<preset>/round_cost_<card>.json (the project's
+    committed tables, written by scripts/measure_card_costs.py) when `committed` and that preset
+    directory exists, else the user cache ($JSPEC_CACHE, default ~/.cache/jspec), where tables
+    measured on the fly by a user's run go, so a run never writes into the repository."""
     name = f"round_cost_{card_name()}.json"
-    if preset and (Path(models_dir) / preset).is_dir():
+    if committed and preset and (Path(models_dir) / preset).is_dir():
         return Path(models_dir) / preset / name
     root = Path(os.environ.get("JSPEC_CACHE", Path.home() / ".cache" / "jspec"))
     return root / (f"{preset}_{name}" if preset else name)
 
 
+def cost_table_paths(preset: str | None = None, models_dir: str = "models") -> list[Path]:
+    """The places a cost table is read from, first hit wins: committed, then the user cache."""
+    paths = [cost_table_path(preset, models_dir), cost_table_path(preset, models_dir, committed=False),
+             cost_table_path(None)]
+    return list(dict.fromkeys(paths))
+
+
 def load_costs(preset: str | None = None, models_dir: str = "models") -> dict:
     """This card's cached cost table, or REFERENCE_COSTS when none has been measured."""
-    for path in (cost_table_path(preset, models_dir), cost_table_path(None)):
+    for path in cost_table_paths(preset, models_dir):
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError):
