@@ -572,6 +572,9 @@ def main(argv=None) -> int:
     except USER_ERRORS as e:
         print(f"jspec: error: {' '.join(str(e).split())}", file=sys.stderr)  # one line, no traceback
         return 2
+    except BrokenPipeError:  # `jspec ... | head` closed the pipe: stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def mesh_device_count(spec: str) -> int:
