@@ -590,7 +590,8 @@ def main(argv=None):
                              ("published", lambda: published_part(shape, cfg, params, rows, Path(tempfile.gettempdir())))):
                 if part in parts:
                     try:
-                        fn()
+                        with M.per_device_program():  # one device's program, also on a host with several GPUs
+                            fn()
                     except Exception as e:  # noqa: BLE001 - one part's failure must not lose the others
                         traceback.print_exc()
                         rows.add(shape=shape, card=card(), method=part, error=repr(e)[:300])
