@@ -105,23 +105,17 @@ def fused_attention_supported(cfg: ModelConfig, T: int, new_mask: jax.Array | No
     )
 
 
-def matvec_blocks(rows: int, K: int, N: int, *, transposed: bool = False, dtype=jnp.bfloat16, in_place=False):
-    """Blocks for the matvec kernel on a product of `rows` rows, or None where XLA's dot serves
-    (kernels/matvec.py's pick_blocks; `in_place`: one layer of stacked weights)."""
-    return MV.pick_blocks(rows, K, N, transposed=transposed, dtype=dtype, in_place=in_place)
-
-
 def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, out_dtype=None, kernels: str | None = None):
     """x [..., K] @ w [K, N] (or @ w.T for w [N, K] when `transposed`) in out_dtype (default x's).
 
-    Inference products of few rows go to the matvec kernel when `kernels` (default
-    `default_kernels()`) is "pallas" and the shape is one it serves; everything else, and anything
-    differentiated (the kernel has no VJP), is XLA's dot."""
+    Products of few rows go to the matvec kernel when `kernels` (default `default_kernels()`) is
+    "pallas" and its block choice (kernels/matvec.py's pick_blocks) serves the shape; everything
+    else is XLA's dot. The kernel differentiates through XLA's dots."""
     rows = int(np.prod(x.shape[:-1]))
     N = w.shape[-2] if transposed else w.shape[-1]
     blocks = None
     if (kernels or default_kernels()) == "pallas":
-        blocks = matvec_blocks(rows, x.shape[-1], N, transposed=transposed, dtype=w.dtype)
+        blocks = MV.pick_blocks(rows, x.shape[-1], N, transposed=transposed, dtype=w.dtype)
     if blocks is not None:
         return MV.matvec(x, w, transposed=transposed, blocks=blocks, out_dtype=out_dtype,
                          interpret=jax.default_backend() != "gpu")
@@ -381,7 +375,8 @@ def forward(
         # Products the matvec kernel takes (by shape); it indexes stacked weights by layer itself,
         # so the scan then carries only the small per-layer leaves and XLA slices no big weight.
         shapes = {n: (W[0] if per_layer else W)[n].shape[-2:] for n in big}
-        blocks = {n: matvec_blocks(rows, *shapes[n], dtype=dtype, in_place=not per_layer) for n in big}
+        blocks = {n: MV.pick_blocks(rows, *shapes[n], transposed=False, dtype=dtype, in_place=not per_layer)
+                  for n in big}
         in_place = {n for n in big if blocks[n] is not None and not per_layer}
 
         def layer_mm(li):

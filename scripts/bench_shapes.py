@@ -231,14 +231,11 @@ def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tu
         n_iter = max(2, int(2e9 // (nbytes * R)))
         for m in row_counts:
             x = (jax.random.normal(jax.random.PRNGKey(m), (m, K), jnp.float32)).astype(dtype)
-            variants = {
-                "xla": (lambda x, w: jnp.dot(x, w.T if tr else w, preferred_element_type=jnp.float32), None, False),
-                "xla_cublas": (lambda x, w: jnp.dot(x, w.T if tr else w, preferred_element_type=jnp.float32),
-                               {"xla_gpu_enable_triton_gemm": False}, False),
-            }
+            xla_dot = lambda x, w: jnp.dot(x, w.T if tr else w, preferred_element_type=jnp.float32)  # noqa: E731
+            variants = {"xla": (xla_dot, None), "xla_cublas": (xla_dot, {"xla_gpu_enable_triton_gemm": False})}
             blocks = MV.pick_blocks(m, K, N, transposed=tr) or MV.default_blocks(m, K, N, transposed=tr)
             variants["matvec"] = (lambda x, w, b=blocks: MV.matvec(x, w, transposed=tr, blocks=b,
-                                                                    out_dtype=jnp.float32), None, False)
+                                                                    out_dtype=jnp.float32), None)
             ref = np.asarray(jnp.dot(x, ws[0].T if tr else ws[0], preferred_element_type=jnp.float32))
             try:
                 got = np.asarray(variants["matvec"][0](x, ws[0]))
@@ -247,7 +244,7 @@ def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tu
                 rel = repr(e)[:300]
             rows_out.add(shape=shape, card=card(), method="gemm_check", product=name, rows=m, rel_err_vs_xla=rel)
             results = {}
-            for vname, (fn, opts, _) in variants.items():
+            for vname, (fn, opts) in variants.items():
                 try:
                     t, spread = product_timer(x, ws, fn, n_iter, opts)
                     results[vname] = t

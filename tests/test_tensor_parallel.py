@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jspec import model as M
 from jspec.config import ModelConfig
 from jspec.generate import SpeculativeConfig, generate
+from jspec.kernels import matvec as MV
 from jspec.sharding import (parse_mesh, place_tensor_parallel, tensor_parallel_config, tensor_parallel_layout,
                             tensor_parallel_map, tensor_parallel_specs)
 from jspec.speculative.engines.tree import TreeConfig
@@ -88,8 +89,8 @@ def test_tensor_parallel_logits_equal_one_device(target, n, kernels):
         cfg.num_heads // n, cfg.num_kv_heads // n, cfg.intermediate_size // n)
     if kernels == "pallas":  # the per-device shapes are ones the kernels take
         assert M.fused_attention_supported(local, 1, None)
-        assert M.matvec_blocks(2, local.hidden_size, local.q_size + 2 * local.kv_size, dtype=jnp.float32,
-                               in_place=True) is not None
+        assert MV.pick_blocks(2, local.hidden_size, local.q_size + 2 * local.kv_size, transposed=False,
+                              dtype=jnp.float32, in_place=True) is not None
 
     def run(params, tokens):
         logits, k = _logits_and_cache(params, local, tokens, kernels=kernels)

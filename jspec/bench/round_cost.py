@@ -25,6 +25,7 @@ another version anew, since jspec's own rounds got cheaper in between.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -318,7 +319,7 @@ def ensure_costs(tparams, tcfg, drafter, dparams, *, batch: int, preset: str | N
     if costs is None:  # measured now into the user's cache (a run never writes into the repository)
         path = cost_table_path(preset, models_dir, committed=False)
         costs = next((t for t in reversed(tables) if t.get("version") == COST_TABLE_VERSION), {})
-        costs = json.loads(json.dumps(costs))  # a copy: the committed table is only read
+        costs = copy.deepcopy(costs)  # the committed table is only read
         print(f"round_cost: measuring batch {batch} on {card_name()} for the auto policy -> {path}")
         b = str(batch)
         measure_batch_costs(costs, tparams, tcfg, drafter, dparams, batch=batch, tree=TreeConfig() if tree else None,

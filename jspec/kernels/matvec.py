@@ -255,10 +255,6 @@ def pick_blocks(M: int, K: int, N: int, *, transposed: bool, dtype=jnp.bfloat16,
     return default_blocks(M, K, N, transposed=transposed)
 
 
-def bytes_moved(M: int, K: int, N: int, itemsize: int = 2) -> int:
-    """The fewest bytes a product must move: W once, x once, the output once."""
-    return itemsize * (K * N + M * K + M * N)
-
 
 def candidate_blocks(M: int, K: int, N: int, *, transposed: bool, sms: int | None = None) -> list[Blocks]:
     """A small search space for tuning (bench_shapes --parts tune): BN x BK x split, 4 stages;
