@@ -27,7 +27,7 @@ from jspec.speculative.drafters.eagle import EagleDrafter
 from jspec.speculative.drafters.hybrid import HybridDrafter
 from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.policies.auto import AutoPlan
-from jspec.speculative.policies.auto import plan as auto_plan
+from jspec.speculative.policies.auto import plan_for
 from jspec.bench.round_cost import VERIFY_TS, attach_profile, ensure_costs, plot_round_cost, profile_method
 from jspec.errors import UsageError
 from jspec.tasks import TASK_NAMES, Question, load_questions_file, load_task
@@ -265,8 +265,8 @@ class MethodFactory:
         head = drafter.eagle if hybrid else drafter  # a hybrid's costs are its head's (the n-gram branch costs verify only)
         costs = ensure_costs(params, self.cfg, head, dparams, batch=batch, preset=preset_name(self.args.model),
                              models_dir=self.args.models_dir, tree=isinstance(head, EagleDrafter))
-        return auto_plan(costs, batch=batch, drafter_name=head.name, parallel=drafter.parallel,
-                         k_cap=self.args.k_max or 8, tree=spec.tree, hybrid=hybrid)
+        # the plan a user's generate(policy="auto") makes: the head's own measured acceptance as the prior
+        return plan_for(drafter, costs, batch=batch, k_cap=self.args.k_max or 8, tree=TreeConfig() if spec.tree else None)
 
     def build(self, spec: MethodSpec, dtype: str, batch: int):
         a = self.args

@@ -60,7 +60,11 @@ from flax import struct
 from .base import Policy, clip_limit, count_rounds
 
 TREE_SIZES = (15, 23, 31, 47, 59)  # EAGLE's total_tokens candidates, minus the root
-TREE_WIDTH_EXPONENT = 0.176  # [I] fit to jspec's H200 rows: 59-node trees accepted 2.6 tokens where chains took 1.8
+# [I] fit to the shipped EAGLE-3 head v4 on an H200 (bf16, MT-Bench 80, batch 1, one process): the 59-node
+# depth-6 tree accepted 4.03 tokens per call where the K = 6 chain took 2.66 (a = 0.625 -> a_tree = 0.805).
+# The earlier 0.176 came from a weaker head (2.6 against 1.8) and planned 15-node trees that accepted
+# 2.6 tokens a call where the 59-node tree, at 1.12x the verify cost, accepted 4.0.
+TREE_WIDTH_EXPONENT = 0.29
 
 
 def hybrid_tokens(tree_alpha: float, depth: int, ngram_alpha: float, ngram: int) -> float:
@@ -75,7 +79,7 @@ def hybrid_tokens(tree_alpha: float, depth: int, ngram_alpha: float, ngram: int)
 
 def tree_acceptance(alpha, nodes: int, depth: int):
     """Per-level acceptance of a tree of `nodes` nodes over `depth` levels, from the chain's alpha:
-    the miss rate shrinks with the tree's width, 1 - a_tree = (1 - a) * (depth / nodes) ** 0.176
+    the miss rate shrinks with the tree's width, 1 - a_tree = (1 - a) * (depth / nodes) ** TREE_WIDTH_EXPONENT
     ([I] a one-parameter fit; a chain, nodes == depth, keeps a)."""
     return 1.0 - (1.0 - alpha) * (depth / max(nodes, depth)) ** TREE_WIDTH_EXPONENT
 
@@ -334,6 +338,17 @@ def load_costs(preset: str | None = None, models_dir: str = "models") -> dict:
     return REFERENCE_COSTS
 
 
+def plan_for(drafter, costs: dict, *, batch: int, k_cap: int, tree) -> AutoPlan:
+    """`plan` for a drafter object: its own measured acceptance (an EAGLE head's config) as the
+    prior, a hybrid planned as its head's tree plus the n-gram branch. `tree`: None (chains) or
+    the tree config whose top_k and depth bound the search. The one place `generate` and
+    `jspec bench` turn a drafter into a plan."""
+    hybrid = drafter.name == "hybrid"
+    return plan(costs, batch=batch, drafter_name="eagle" if hybrid else drafter.name, parallel=drafter.parallel,
+                k_cap=k_cap, tree=tree is not None, alpha=getattr(drafter, "acceptance", None),
+                tree_top_k=getattr(tree, "top_k", 10), tree_depth=getattr(tree, "depth", 6), hybrid=hybrid)
+
+
 def auto_budget(policy, drafter, batch: int, k_max: int, tree, costs: dict | None = None):
     """(drafter, policy, k_max, tree) for a generate call whose policy is "auto" or an AutoPlan:
     the drafter is None when plain decoding is expected to be faster. `tree` is None (chains) or
@@ -341,10 +356,7 @@ def auto_budget(policy, drafter, batch: int, k_max: int, tree, costs: dict | Non
     if isinstance(policy, AutoPlan):
         p = policy
     else:
-        hybrid = drafter.name == "hybrid"
-        p = plan(costs if costs is not None else load_costs(), batch=batch, drafter_name="eagle" if hybrid else drafter.name,
-                 parallel=drafter.parallel, k_cap=k_max, tree=tree is not None, alpha=getattr(drafter, "acceptance", None),
-                 tree_top_k=getattr(tree, "top_k", 10), tree_depth=getattr(tree, "depth", 6), hybrid=hybrid)
+        p = plan_for(drafter, costs if costs is not None else load_costs(), batch=batch, k_cap=k_max, tree=tree)
     if p.mode == "ar":
         return None, None, k_max, None
     if p.mode == "tree":
