@@ -6,6 +6,7 @@ scripts/profile_decode.py compares their bf16 logits there.
 """
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -129,3 +130,34 @@ def test_loop_params_per_layer_buffers():
         ref = _forward(params, cfg, toks, cache, impl, **kw)
         out = _forward(loop, cfg, toks, cache, impl, **kw)
         _assert_same(ref, out)
+
+
+def _intermediate_shapes(jaxpr, out=None):
+    """Shapes of every value the program stores between kernels (pallas kernels' insides excluded)."""
+    out = [] if out is None else out
+    for eqn in jaxpr.eqns:
+        out.extend(tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _intermediate_shapes(sub, out)
+    return out
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_mlp_is_two_kernels(activation, monkeypatch):
+    """With the matvec kernel on the down projection, the MLP is gate | up and down: act(gate) * up
+    is formed inside the down kernel, so no [.., F] value exists between kernels; the forward is
+    the portable one's, on stacked and per-layer weights."""
+    monkeypatch.setenv("JSPEC_MATMUL", "matvec")
+    cfg = TINY.replace(intermediate_size=80, mlp_activation=activation)
+    params = M.init_params(cfg, jax.random.PRNGKey(5), scale=0.2)
+    cache = _filled(cfg, params, 2, [5, 2])
+    toks = jax.random.randint(jax.random.PRNGKey(6), (2, 1), 0, cfg.vocab_size)
+    ref = _forward(params, cfg, toks, cache, "xla")
+    for p in (params, M.loop_params(params, cfg, kernels="pallas")):
+        _assert_same(ref, _forward(p, cfg, toks, cache, "pallas"))
+        jaxpr = jax.make_jaxpr(lambda p, t, c: M.forward(p, cfg, t, c, kernels="pallas"))(p, toks, cache).jaxpr
+        shapes = _intermediate_shapes(jaxpr)
+        assert not [s for s in shapes if s and s[-1] == cfg.intermediate_size], "act(gate) * up was stored"
+        assert [s for s in shapes if s and s[-1] == 2 * cfg.intermediate_size]  # gate | up (or its partials)

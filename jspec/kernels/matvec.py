@@ -332,6 +332,15 @@ def pick_blocks(M: int, K: int, N: int, *, transposed: bool, dtype=jnp.bfloat16,
 
 
 
+def fold_activation(M: int, F: int, D: int, *, dtype=jnp.bfloat16) -> bool:
+    """Whether a gated MLP's down projection [F, D] (run by the kernel) should read gate | up and
+    apply the activation itself (`matvec(activation=...)`): yes, one kernel fewer and no [M, F]
+    round trip, unless the tuning table's entry for this product measured otherwise
+    ("fold_activation": false, from bench_shapes --parts tune)."""
+    hit = _tuning_table(card_name()).get(tuning_key(M, F, D, False, dtype))
+    return bool(hit.get("fold_activation", True)) if hit else True
+
+
 def candidate_blocks(M: int, K: int, N: int, *, transposed: bool, sms: int | None = None) -> list[Blocks]:
     """A small search space for tuning (bench_shapes --parts tune): BN x BK x split, 4 stages;
     splits that give the grid between one and eight programs per SM (and no split)."""
