@@ -119,3 +119,25 @@ def test_folded_activation_gradient_is_the_portable_one():
     g = lambda x, w: jnp.sum(jnp.sin((jax.nn.silu(x[:, :24]) * x[:, 24:]) @ w))  # noqa: E731
     for a, b in zip(jax.grad(f, (0, 1))(x, w), jax.grad(g, (0, 1))(x, w)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_wide_block_search_stays_small_and_in_budget():
+    """bench_shapes --parts tune --wide: a staged search over BN 16-256, BK 64-512, splits, 2/4/8
+    warps and 2-6 stages that times at most ~60 candidates a product (about a minute on a GPU),
+    each within shared memory; it ends at the fastest (here: a made-up time model)."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_shapes.py")
+    spec = importlib.util.spec_from_file_location("bench_shapes", path)
+    B = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(B)
+    fake = lambda b: abs(b[0] - 64) + abs(b[1] - 256) + 3 * abs(b[2] - 4) + abs(b[3] - 8) + abs(b[4] - 5)  # noqa: E731
+    for cfg in (B.SHAPES["llama-3.2-1b"], B.SHAPES["llama-3.1-8b"]):
+        for name, K, N, tr in B.layer_products(cfg):
+            for m in (1, 64):
+                results = B.wide_search(m, K, N, tr, fake, sms=132, log=lambda *a, **k: None)
+                assert 10 <= len(results) <= 64, (name, m, len(results))
+                assert all(MV.smem_bytes(m, b) <= MV.SMEM_BUDGET for b in results)
+                assert {b[3] for b in results} == {2, 4, 8} and len({b[4] for b in results}) >= 3
+                t, best, n = B.search_blocks(m, K, N, tr, fake, wide=True, log=lambda *a, **k: None)
+                assert t == min(results.values()) and n == len(results)
