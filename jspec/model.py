@@ -393,15 +393,23 @@ def forward(
                                  interpret=interpret, **kw)
             return mm
 
+        # Likewise the QKV projection's partials go straight to the attention kernel (no bias or
+        # q/k norm to apply in between).
+        qkv_partials = blocks["wqkv"] is not None and not (cfg.attention_bias or cfg.qk_norm)
+
         def folded_mlp(m, p, mm):
             gu = mm(m, p, "w_gate_up", keep_partials=True) if blocks["w_gate_up"] is not None else m @ p["w_gate_up"]
             return mm(gu, p, "w_down", activation=cfg.mlp_activation)
 
-        def attend(qkv, kc, vc, li):
+        def attend(qkv, kc, vc, li):  # qkv: [B, T, qkv] or the projection's MV.Partials (summed in the kernel)
+            H3 = cfg.num_heads + 2 * cfg.num_kv_heads
+            if isinstance(qkv, MV.Partials):
+                x, x_dtype = qkv.parts.reshape(-1, B, T, H3, hd), qkv.dtype
+            else:
+                x, x_dtype = qkv.reshape(B, T, H3, hd), None
             o, kc, vc = fused_attn.fused_block_attention(
-                qkv.reshape(B, T, cfg.num_heads + 2 * cfg.num_kv_heads, hd), cos_h, sin_h, kc, vc, li, cache.lengths,
-                new_mask, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, scale=cfg.attn_scale,
-                interpret=interpret)
+                x, cos_h, sin_h, kc, vc, li, cache.lengths, new_mask, num_heads=cfg.num_heads,
+                num_kv_heads=cfg.num_kv_heads, scale=cfg.attn_scale, interpret=interpret, qkv_dtype=x_dtype)
             return o.reshape(B, T, cfg.q_size), kc, vc
 
         def qk_normed(qkv, p):
@@ -414,7 +422,10 @@ def forward(
             h, kc, vc = carry
             p, li = xs
             mm = layer_mm(li)
-            qkv = project_qkv(h, p, mm)
+            if qkv_partials:  # the attention kernel sums the projection's split-K partials itself
+                qkv = mm(rms_norm(h, p["attn_norm"], cfg.rms_norm_eps), p, "wqkv", keep_partials=True)
+            else:
+                qkv = project_qkv(h, p, mm)
             if cfg.qk_norm:
                 qkv = qk_normed(qkv, p)
             o, kc, vc = attend(qkv, kc, vc, li)
