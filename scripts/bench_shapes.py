@@ -12,8 +12,10 @@ keeps what it measured; the committed rows live in benchmarks/shapes/):
           layer loop over stacked weights runs), and the matvec kernel with its picked blocks
           reading a weight buffer ("matvec") or stacked weights by layer index ("matvec_stacked");
   tune    the matvec kernel's candidate blocks for each product at --tune-rows (1, 16, 32, 64; of
-          --products): the best, against the best XLA variant; for the down projection also
-          whether folding the MLP's activation into it is faster (fold_activation). --wide
+          --products): the best, against the best XLA variant (wo and w_down timed with the
+          residual add and RMSNorm that follow them in the model: unsplit blocks let XLA fold the
+          add into the norm's kernel); for the down projection also whether folding the MLP's
+          activation into it is faster (fold_activation). --wide
           searches BN 16-256, BK 64-512, splits, 2/4/8 warps and 2-6 stages in three stages
           (~60 candidates, about a minute a product; counts printed). Writes <out>/matvec_tuning.json;
           --write-tuning also merges it into jspec/kernels/matvec_tuning.json (this card's
@@ -139,6 +141,8 @@ def base_row(shape, cfg, wbytes, method, batch, T, seconds_per_step, tokens_per_
     bw = bandwidth()
     tps = tokens_per_step / seconds_per_step
     floor = bw / (device_bytes or wbytes) * batch if bw else None  # every row of a batch rides one pass over the weights
+    if os.environ.get("XLA_FLAGS"):  # A/B runs of XLA flags (one process each) say which they ran
+        extra = {"xla_flags": os.environ["XLA_FLAGS"], **extra}
     return dict(shape=shape, card=card(), method=method, batch=batch, devices=devices, mesh=mesh, T=T,
                 tokens_per_s=round(tps, 1), ms_per_step=round(1000 * seconds_per_step, 4),
                 hbm_floor_tokens_per_s=None if floor is None else round(floor, 1),
@@ -267,6 +271,17 @@ def search_blocks(m, K, N, tr, time_blocks, wide: bool, log=print):
     return (*ranked[0], len(results)) if ranked else None
 
 
+RESIDUAL_PRODUCTS = ("wo", "w_down")  # their results go into the residual stream, then an RMSNorm
+
+
+def residual_and_norm(m, N):
+    """What the model does with wo's / w_down's [m, N] result: add it to the residual stream, then
+    RMSNorm the sum (the next product's input)."""
+    h = (0.1 * jax.random.normal(jax.random.PRNGKey(11), (m, N), jnp.float32)).astype(jnp.bfloat16)
+    ones = jnp.ones((N,), jnp.bfloat16)
+    return lambda y: M.rms_norm(h + y.astype(h.dtype), ones, 1e-5)
+
+
 def fold_timing(x, ws, F, blocks, act, n_iter) -> dict:
     """The down projection [F, D] reading gate | up [M, 2F] with the activation folded in (one
     kernel), against XLA's act(gate) * up fusion followed by the kernel (two)."""
@@ -346,13 +361,27 @@ def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tu
                         rows_out.add(shape=shape, card=card(), method="gemm", variant=vname, product=name, rows=m,
                                      error=repr(e)[:300])
             if tune and m in tune_rows:
-                best_xla = min((results[v] for v in ("xla", "xla_cublas") if v in results), default=None)
+                # wo's and w_down's results meet the residual and the next RMSNorm in an XLA fusion:
+                # timed with it, since unsplit blocks let XLA fold the add into the norm's kernel
+                # while split ones leave a summing kernel before it
+                then = residual_and_norm(m, N) if name in RESIDUAL_PRODUCTS else (lambda y: y)
+                best_xla = None
+                for vname, opts in (("xla", None), ("xla_cublas", {"xla_gpu_enable_triton_gemm": False})):
+                    if name in RESIDUAL_PRODUCTS:  # XLA's dots with the same epilogue
+                        try:
+                            t = product_timer(x, ws, lambda x, w: then(jnp.dot(x, w)), n_iter, opts)[0]
+                        except Exception:  # noqa: BLE001
+                            continue
+                    else:
+                        t = results.get(vname)
+                    if t is not None and (best_xla is None or t < best_xla):
+                        best_xla = t
 
                 def time_blocks(b):
                     try:
-                        return product_timer(x, ws, lambda x, w, b=b: MV.matvec(x, w, transposed=tr, blocks=b,
-                                                                                 out_dtype=jnp.float32,
-                                                                                 interpret=INTERPRET), n_iter)[0]
+                        return product_timer(x, ws, lambda x, w, b=b: then(MV.matvec(
+                            x, w, transposed=tr, blocks=b, out_dtype=jnp.float32 if name not in RESIDUAL_PRODUCTS
+                            else None, interpret=INTERPRET)), n_iter)[0]
                     except Exception:  # noqa: BLE001 - a block shape Triton rejects
                         return None
 
@@ -363,6 +392,8 @@ def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tu
                 entry = {"blocks": list(best_b), "matvec_us": round(1e6 * best_t, 2),
                          "xla_us": None if best_xla is None else round(1e6 * best_xla, 2),
                          "xla_faster": best_xla is not None and best_xla < best_t, "searched": searched}
+                if name in RESIDUAL_PRODUCTS:
+                    entry["timed_with"] = "residual add + RMSNorm"
                 if name == "w_down":  # fold the MLP's activation into this product, or leave it to XLA?
                     entry.update(fold_timing(x, ws, K, best_b, cfg.mlp_activation, n_iter))
                 tuning[MV.tuning_key(m, K, N, tr, dtype)] = entry
@@ -370,7 +401,7 @@ def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tu
                              best_blocks=list(best_b), matvec_us=round(1e6 * best_t, 2), searched=searched,
                              xla_us=None if best_xla is None else round(1e6 * best_xla, 2),
                              bw_fraction=None if not bw else round(nbytes / best_t / bw, 3),
-                             **{k: v for k, v in entry.items() if k.startswith(("fold", "unfolded"))})
+                             **{k: v for k, v in entry.items() if k.startswith(("fold", "unfolded", "timed"))})
         del stacked, ws
 
 
