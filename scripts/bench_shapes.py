@@ -18,8 +18,8 @@ keeps what it measured; the committed rows live in benchmarks/shapes/):
           activation into it is faster (fold_activation). --wide
           searches BN 16-256, BK 64-512, splits, 2/4/8 warps and 2-6 stages in three stages
           (~60 candidates, about a minute a product; counts printed). Writes <out>/matvec_tuning.json;
-          --write-tuning also merges it into jspec/kernels/matvec_tuning.json (this card's
-          entries replaced product by product, other cards' kept) after every shape, and the
+          --write-tuning also merges each entry into jspec/kernels/matvec_tuning.json as it is
+          measured (this card's entry for that product replaced, everything else kept), and the
           parts that run next use it;
   ar      whole jitted generations (jspec.decode.generate_ar_jit: prompt 64 + 256 new tokens) at
           --batches, per --variants: "auto" (the default kernels), "xla" (JSPEC_MATMUL=xla: XLA's
@@ -298,7 +298,7 @@ def fold_timing(x, ws, F, blocks, act, n_iter) -> dict:
 
 
 def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tuning=None, wide=False,
-              products=None, tune_rows=(1, 64)):
+              products=None, tune_rows=(1, 64), write=False):
     dtype = jnp.bfloat16
     bw = bandwidth()
     for name, K, N, tr in layer_products(cfg):
@@ -397,6 +397,8 @@ def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tu
                 if name == "w_down":  # fold the MLP's activation into this product, or leave it to XLA?
                     entry.update(fold_timing(x, ws, K, best_b, cfg.mlp_activation, n_iter))
                 tuning[MV.tuning_key(m, K, N, tr, dtype)] = entry
+                if write:  # entry by entry, so a run cut off by a time limit keeps what it tuned
+                    write_tuning({MV.tuning_key(m, K, N, tr, dtype): entry})
                 rows_out.add(shape=shape, card=card(), method="tune", product=name, K=K, N=N, transposed=tr, rows=m,
                              best_blocks=list(best_b), matvec_us=round(1e6 * best_t, 2), searched=searched,
                              xla_us=None if best_xla is None else round(1e6 * best_xla, 2),
@@ -702,11 +704,9 @@ def main(argv=None):
             gemm_shape = shape if args.tp_shards == 1 else f"{shape} (one device of model={args.tp_shards})"
             gemm_part(gemm_shape, S.tensor_parallel_config(cfg, args.tp_shards), rows,
                       row_counts=tune_rows if args.wide else (1, 16, 64), tune="tune" in parts, tuning=tuning, wide=args.wide, products=products,
-                      tune_rows=tune_rows)
+                      tune_rows=tune_rows, write=args.write_tuning)
             if tuning:
                 (out_dir / "matvec_tuning.json").write_text(json.dumps({card(): tuning}, indent=1, sort_keys=True))
-                if args.write_tuning:  # after every shape, so a cut-off run keeps what it tuned
-                    write_tuning(tuning)
         if parts & {"ar", "verify", "draft", "memory", "published", "tp"}:
             params = random_params(cfg)
             jax.block_until_ready(params)
