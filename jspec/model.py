@@ -396,7 +396,7 @@ def forward(
 
         # Likewise the QKV projection's partials go straight to the attention kernel (no bias or
         # q/k norm to apply in between).
-        qkv_partials = blocks["wqkv"] is not None and not (cfg.attention_bias or cfg.qk_norm)
+        qkv_partials = blocks["wqkv"] is not None and not (cfg.attention_bias or cfg.qk_norm) and MV.fuse_products()
 
         def folded_mlp(m, p, mm):
             gu = mm(m, p, "w_gate_up", keep_partials=True) if blocks["w_gate_up"] is not None else m @ p["w_gate_up"]

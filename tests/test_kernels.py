@@ -161,6 +161,10 @@ def test_mlp_is_two_kernels(activation, monkeypatch):
         shapes = _intermediate_shapes(jaxpr)
         assert not [s for s in shapes if s and s[-1] == cfg.intermediate_size], "act(gate) * up was stored"
         assert [s for s in shapes if s and s[-1] == 2 * cfg.intermediate_size]  # gate | up (or its partials)
+    monkeypatch.setenv("JSPEC_FUSE_PRODUCTS", "0")  # the A/B switch: activation in XLA again
+    jaxpr = jax.make_jaxpr(lambda p, t, c: M.forward(p, cfg, t, c, kernels="pallas"))(params, toks, cache).jaxpr
+    assert [s for s in _intermediate_shapes(jaxpr) if s and s[-1] == cfg.intermediate_size]
+    _assert_same(ref, _forward(params, cfg, toks, cache, "pallas"))
 
 
 def test_split_products_feed_the_next_kernel_unsummed(monkeypatch):

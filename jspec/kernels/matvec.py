@@ -304,6 +304,16 @@ def card_name() -> str:
         return "unknown"
 
 
+def fuse_products() -> bool:
+    """$JSPEC_FUSE_PRODUCTS (read when a program is traced): "1" (default) lets split-K partials go
+    unsummed to the next kernel and folds the MLP's activation into the down projection; "0" sums
+    every product and applies the activation in XLA, as before them (for A/B benchmarks)."""
+    value = os.environ.get("JSPEC_FUSE_PRODUCTS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"JSPEC_FUSE_PRODUCTS={value!r}: expected 0 or 1")
+    return value == "1"
+
+
 def matmul_choice() -> str:
     choice = os.environ.get("JSPEC_MATMUL", "auto")
     if choice not in MATMUL_CHOICES:
@@ -337,6 +347,8 @@ def fold_activation(M: int, F: int, D: int, *, dtype=jnp.bfloat16) -> bool:
     apply the activation itself (`matvec(activation=...)`): yes, one kernel fewer and no [M, F]
     round trip, unless the tuning table's entry for this product measured otherwise
     ("fold_activation": false, from bench_shapes --parts tune)."""
+    if not fuse_products():
+        return False
     hit = _tuning_table(card_name()).get(tuning_key(M, F, D, False, dtype))
     return bool(hit.get("fold_activation", True)) if hit else True
 
