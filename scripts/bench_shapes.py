@@ -219,11 +219,13 @@ def _fits(m, b: MV.Blocks) -> bool:
 
 def wide_search(m, K, N, tr, time_blocks, sms=None, log=print):
     """--wide: a coordinate search over BN 16-256, BK 64-512, split 1-32, 2/4/8 warps, 2-6 stages,
-    timing about 60 candidates a product (about a minute on a GPU) instead of all ~1,800:
+    tensor or CUDA cores, timing about 60 candidates a product (about a minute on a GPU) instead
+    of all ~3,600:
       1. BN x split at BK 128 (256 for an [N, K] weight), 4 warps, 4 stages; the splits kept per BN
          are the SPLITS_PER_TILE whose grid is nearest 4 programs per SM, between half a program
          and 16 per SM (a grid smaller than the card keeps split 1), each split at least a tile;
-      2. the best two of those at every BK x stages that fits shared memory;
+         1b. at one row, the best four of those multiplying and summing on the CUDA cores (fma);
+      2. the best two so far at every BK x stages that fits shared memory;
       3. the best two so far at 2 and 8 warps.
     time_blocks(b) -> seconds, or None where Triton rejects the blocks. Returns {blocks: seconds}."""
     sms = sms or MV._sm_count()
@@ -252,10 +254,12 @@ def wide_search(m, K, N, tr, time_blocks, sms=None, log=print):
         first += [MV.Blocks(bn, bk0, sp, 4, 4) for sp in ok[:SPLITS_PER_TILE]]
     name = f"{m}x{K}x{N}{'t' if tr else ''}"
     run(first, f"wide tune {name}, 1 (BN x split)")
-    run([MV.Blocks(bn, bk, sp, 4, st) for bn, _, sp, _, _ in best(2) for bk in WIDE_BK
-         if bk <= max(64, 1 << (K - 1).bit_length()) and (sp == 1 or K // sp >= bk) for st in WIDE_STAGES],
+    if m == 1:
+        run([MV.Blocks(*b[:5], fma=1) for b in best(4)], "1b (the best 4 on the CUDA cores: multiply and sum)")
+    run([MV.Blocks(b[0], bk, b[2], 4, st, fma=b.fma) for b in best(2) for bk in WIDE_BK
+         if bk <= max(64, 1 << (K - 1).bit_length()) and (b[2] == 1 or K // b[2] >= bk) for st in WIDE_STAGES],
         "2 (BK x stages of the best 2)")
-    run([MV.Blocks(bn, bk, sp, w, st) for bn, bk, sp, _, st in best(2) for w in WIDE_WARPS], "3 (warps of the best 2)")
+    run([MV.Blocks(*b[:3], w, b[4], fma=b.fma) for b in best(2) for w in WIDE_WARPS], "3 (warps of the best 2)")
     return results
 
 

@@ -141,3 +141,27 @@ def test_wide_block_search_stays_small_and_in_budget():
                 assert {b[3] for b in results} == {2, 4, 8} and len({b[4] for b in results}) >= 3
                 t, best, n = B.search_blocks(m, K, N, tr, fake, wide=True, log=lambda *a, **k: None)
                 assert t == min(results.values()) and n == len(results)
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk", "stacked"])
+def test_one_row_on_the_cuda_cores_matches_dot(layout):
+    """fma blocks (a one-row product multiplied and summed without tensor-core tiles): the same
+    product, tails, split K, partials in and the folded activation included; more rows ignore it."""
+    K, N = 100, 70
+    w = {"kn": _rand(1, (K, N)), "nk": _rand(1, (N, K)), "stacked": _rand(1, (2, K, N))}[layout]
+    kw = {"kn": {}, "nk": dict(transposed=True), "stacked": dict(layer=jnp.int32(1))}[layout]
+    wk = {"kn": w, "nk": w.T, "stacked": w[1] if layout == "stacked" else w}[layout]
+    fma = MV.Blocks(32, 32, 3, 4, 3, fma=1)
+    assert fma.fma and fma[:5] == (32, 32, 3, 4, 3) and not MV.Blocks(*fma[:5]).fma
+    for rows in (1, 3):
+        x = _rand(rows, (rows, K))
+        np.testing.assert_allclose(MV.matvec(x, w, blocks=fma, interpret=True, **kw), x @ wk, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(MV.matvec(x, w, blocks=MV.Blocks(16, 128, 1, 4, 3, fma=1), interpret=True, **kw),
+                                   x @ wk, rtol=2e-5, atol=2e-5)
+    if layout != "nk":
+        gu = 0.5 * _rand(5, (1, 2 * K))
+        parts = MV.Partials(jnp.stack([0.25 * gu, 0.75 * gu]), jnp.float32)
+        ref = (jax.nn.silu(gu[:, :K]) * gu[:, K:]) @ wk
+        for x in (gu, parts):
+            np.testing.assert_allclose(MV.matvec(x, w, blocks=fma, activation="silu", interpret=True, **kw), ref,
+                                       rtol=2e-5, atol=2e-5)

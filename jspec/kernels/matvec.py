@@ -16,6 +16,9 @@ shape. This kernel is one simple shape-parametrised program:
     next XLA fusion sums (with its residual), or that the next matvec sums per K tile itself
     (`Partials`), so every program does a fixed share and results are deterministic (no atomics).
 
+One-row products may instead multiply and sum on the CUDA cores (`Blocks(..., fma=1)`, the
+row a [BK] vector, no padding to a tensor-core tile) where the tuning measured that faster.
+
 A gated MLP is two kernels: gate | up, then the down projection with `activation=`, which reads
 the gate | up product (or its partials) and forms act(gate) * up per K tile, so the [M, F]
 activation is never written and no elementwise kernel runs between the two.
@@ -57,12 +60,17 @@ _SMS_FALLBACK = 132  # H100 SXM; only used when the device does not report its c
 
 
 class Blocks(tuple):
-    """(block_n, block_k, split_k, num_warps, num_stages)."""
+    """(block_n, block_k, split_k, num_warps, num_stages), and a trailing 1 (`fma`) where a one-row
+    product multiplies and sums on the CUDA cores instead of padding its row to a tensor-core tile."""
 
     __slots__ = ()
 
-    def __new__(cls, bn, bk, split, warps, stages):
-        return super().__new__(cls, (int(bn), int(bk), int(split), int(warps), int(stages)))
+    def __new__(cls, bn, bk, split, warps, stages, fma=0):
+        return super().__new__(cls, (int(bn), int(bk), int(split), int(warps), int(stages)) + ((1,) if fma else ()))
+
+    @property
+    def fma(self) -> bool:
+        return len(self) > 5 and bool(self[5])
 
 
 def _pad_rows(m: int) -> int:
@@ -88,12 +96,18 @@ class Partials(NamedTuple):
     dtype: Any
 
 
+def _load(ref_at, mask):
+    """A masked load (masked-off elements read as 0); mask None: every element is in bounds."""
+    return plgpu.load(ref_at) if mask is None else plgpu.load(ref_at, mask=mask, other=0)
+
+
 def _kernel(layer_ref, x_ref, w_ref, o_ref, *, M, BM, K, N, BK, BN, KS, transposed, stacked, mask_n, mask_k,
-            x_parts, x_dtype, act, summed):
+            x_parts, x_dtype, act, summed, fma):
     n = pl.program_id(0)
     s = pl.program_id(1)
     at = (lambda *idx: w_ref.at[(layer_ref[0], *idx)]) if stacked else (lambda *idx: w_ref.at[idx])  # one indexer
-    rows = pl.ds(0, BM)
+    # fma: the one row as a vector [BK] (x) and [BN] (the result); else rows padded to BM
+    rows = jnp.int32(0) if fma else pl.ds(0, BM)
     r_ok = jnp.arange(BM) < M
     cols = n * BN + jnp.arange(BN)
     c_ok = cols < N
@@ -103,10 +117,13 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, M, BM, K, N, BK, BN, KS, transpos
     def load_x(col0, k_ok):
         """x's columns [col0, col0 + BK) for rows < M, as x_dtype: the partial sums added and
         rounded once (what the producing product would have stored)."""
-        mask = r_ok[:, None] & (k_ok[None, :] if mask_k else True)
+        if fma:
+            mask = k_ok if mask_k else None
+        else:
+            mask = r_ok[:, None] & (k_ok[None, :] if mask_k else True)
         if not x_parts:
-            return plgpu.load(x_ref.at[rows, pl.ds(col0, BK)], mask=mask, other=0)
-        part = lambda j: plgpu.load(x_ref.at[jnp.int32(j), rows, pl.ds(col0, BK)], mask=mask, other=0)  # noqa: E731
+            return _load(x_ref.at[rows, pl.ds(col0, BK)], mask)
+        part = lambda j: _load(x_ref.at[jnp.int32(j), rows, pl.ds(col0, BK)], mask)  # noqa: E731
         total = part(0)
         for j in range(1, x_parts):
             total = total + part(j)
@@ -124,19 +141,28 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, M, BM, K, N, BK, BN, KS, transpos
         xb = xb.astype(w_ref.dtype)
         if transposed:  # W [N, K]: tile [BN, BK], contiguous along K
             mask = (c_ok[:, None] if mask_n else True) & (k_ok[None, :] if mask_k else True)
-            wb = plgpu.load(at(pl.ds(n * BN, BN), kb), mask=None if mask is True else mask,
-                            other=None if mask is True else 0)
+            wb = _load(at(pl.ds(n * BN, BN), kb), None if mask is True else mask)
+            if fma:
+                return acc + jnp.sum(wb.astype(jnp.float32) * xb.astype(jnp.float32)[None, :], axis=1)
             dims = (((1,), (1,)), ((), ()))
         else:  # W [K, N]: tile [BK, BN], contiguous along N
             mask = (k_ok[:, None] if mask_k else True) & (c_ok[None, :] if mask_n else True)
-            wb = plgpu.load(at(kb, pl.ds(n * BN, BN)), mask=None if mask is True else mask,
-                            other=None if mask is True else 0)
+            wb = _load(at(kb, pl.ds(n * BN, BN)), None if mask is True else mask)
+            if fma:
+                return acc + jnp.sum(wb.astype(jnp.float32) * xb.astype(jnp.float32)[:, None], axis=0)
             dims = (((1,), (0,)), ((), ()))
         return acc + lax.dot_general(xb, wb, dims, preferred_element_type=jnp.float32, precision=precision)
 
-    acc = lax.fori_loop(0, KS // BK, body, jnp.zeros((BM, BN), jnp.float32))
+    acc = lax.fori_loop(0, KS // BK, body, jnp.zeros((BN,) if fma else (BM, BN), jnp.float32))
     out = o_ref.at[rows, pl.ds(n * BN, BN)] if summed else o_ref.at[s, rows, pl.ds(n * BN, BN)]
-    plgpu.store(out, acc.astype(o_ref.dtype), mask=r_ok[:, None] & (c_ok[None, :] if mask_n else True))
+    if fma:
+        mask = c_ok if mask_n else None
+    else:
+        mask = r_ok[:, None] & (c_ok[None, :] if mask_n else True)
+    if mask is None:
+        plgpu.store(out, acc.astype(o_ref.dtype))
+    else:
+        plgpu.store(out, acc.astype(o_ref.dtype), mask=mask)
 
 
 def _pallas_matvec(x, w, *, layer, transposed, blocks: Blocks, out_dtype, act, x_dtype, interpret):
@@ -154,7 +180,8 @@ def _pallas_matvec(x, w, *, layer, transposed, blocks: Blocks, out_dtype, act, x
                          f"{' read transposed' if transposed else ''}")
     if M > MAX_ROWS:
         raise ValueError(f"matvec: {M} rows, at most {MAX_ROWS}")
-    bn, bk, split, warps, stages = blocks
+    bn, bk, split, warps, stages = blocks[:5]
+    fma = len(blocks) > 5 and bool(blocks[5]) and M == 1  # (a one-row product only)
     bk = min(bk, 1 << (K - 1).bit_length())
     # each split owns a whole number of BK tiles; the last may run past K (masked)
     ks = -(-K // (split * bk)) * bk
@@ -162,7 +189,7 @@ def _pallas_matvec(x, w, *, layer, transposed, blocks: Blocks, out_dtype, act, x
     summed = split == 1
     kernel = functools.partial(_kernel, M=M, BM=_pad_rows(M), K=K, N=N, BK=bk, BN=bn, KS=ks, transposed=transposed,
                                stacked=stacked, mask_n=N % bn != 0, mask_k=(split * ks) != K, x_parts=x_parts,
-                               x_dtype=jnp.dtype(x_dtype), act=act, summed=summed)
+                               x_dtype=jnp.dtype(x_dtype), act=act, summed=summed, fma=fma)
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     out_shape = jax.ShapeDtypeStruct((M, N), out_dtype) if summed else jax.ShapeDtypeStruct((split, M, N), jnp.float32)
     return pl.pallas_call(
@@ -277,7 +304,7 @@ SMEM_BUDGET = 200 * 1024  # of the H100's 227 KiB a block may use
 
 def smem_bytes(M: int, blocks: Blocks, itemsize: int = 2) -> int:
     """Shared memory of the pipelined x and W tiles (what num_stages multiplies)."""
-    bn, bk, _, _, stages = blocks
+    bn, bk, _, _, stages = blocks[:5]
     return stages * itemsize * bk * (_pad_rows(M) + bn)
 
 
