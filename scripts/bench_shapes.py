@@ -170,7 +170,7 @@ def with_matmul(choice: str):
 # ---------------------------------------------------------------------------------------------
 
 
-def layer_products(cfg: ModelConfig):
+def layer_products(cfg: ModelConfig, order=None):
     """(name, K, N, transposed) of each product of a decode step (on one device of model=N tensor
     parallelism for a per-device config: an untied LM head then holds V/N columns)."""
     qkv = cfg.q_size + 2 * cfg.kv_size
@@ -183,6 +183,8 @@ def layer_products(cfg: ModelConfig):
     else:
         vocab = cfg.vocab_size // shards if cfg.vocab_size % shards == 0 else cfg.vocab_size
         out.append(("lm_head", cfg.hidden_size, vocab, False))
+    if order:
+        out.sort(key=lambda p: order.index(p[0]) if p[0] in order else len(order))
     return out
 
 
@@ -306,7 +308,7 @@ def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tu
               products=None, tune_rows=(1, 64), write=False):
     dtype = jnp.bfloat16
     bw = bandwidth()
-    for name, K, N, tr in layer_products(cfg):
+    for name, K, N, tr in layer_products(cfg, products):  # in --products' order (a time-limited run does the first first)
         if products and name not in products:
             continue
         nbytes = K * N * 2
@@ -662,7 +664,8 @@ def main(argv=None):
     ap.add_argument("--wide", action="store_true",
                     help="tune over a broader block search (BN 16-256, BK 64-512, splits, then 2/4/8 warps x 2-6 stages)")
     ap.add_argument("--tune-rows", default="1,64", help="row counts to tune (each of 1, 16, 32, 64)")
-    ap.add_argument("--products", default="", help="gemm/tune only these products (wqkv,wo,w_gate_up,w_down,lm_head)")
+    ap.add_argument("--products", default="",
+                    help="gemm/tune only these products, in this order (wqkv,wo,w_gate_up,w_down,lm_head)")
     ap.add_argument("--write-tuning", action="store_true",
                     help="merge the tuning into jspec/kernels/matvec_tuning.json (this card's entries; others kept)")
     ap.add_argument("--mesh", default="model=2", help="the tp part's mesh (tensor parallelism: model=N)")
