@@ -278,6 +278,7 @@ def search_blocks(m, K, N, tr, time_blocks, wide: bool, log=print):
     return (*ranked[0], len(results)) if ranked else None
 
 
+MAX_REL_ERR = 2e-2  # a tuning candidate whose product is further from XLA's (bf16 inputs) is rejected
 RESIDUAL_PRODUCTS = ("wo", "w_down")  # their results go into the residual stream, then an RMSNorm
 
 
@@ -291,15 +292,21 @@ def residual_and_norm(m, N):
 
 def fold_timing(x, ws, F, blocks, act, n_iter) -> dict:
     """The down projection [F, D] reading gate | up [M, 2F] with the activation folded in (one
-    kernel), against XLA's act(gate) * up fusion followed by the kernel (two)."""
+    kernel), against XLA's act(gate) * up fusion followed by the kernel (two). Not folded where the
+    folded kernel fails or computes otherwise."""
     gu = jnp.concatenate([x, x], axis=-1)  # [M, 2F]
-    folded = lambda g, w: MV.matvec(g, w, blocks=blocks, activation=act, out_dtype=jnp.float32, interpret=INTERPRET)  # noqa: E731
+    folded = lambda g, w: MV.matvec(g, w, blocks=blocks, activation=act, out_dtype=jnp.float32,  # noqa: E731
+                                    interpret=INTERPRET)
     apart = lambda g, w: MV.matvec(MV.activation(act)(g[:, :F]) * g[:, F:], w, blocks=blocks,  # noqa: E731
                                    out_dtype=jnp.float32, interpret=INTERPRET)
     try:
+        a, b = np.asarray(folded(gu, ws[0])), np.asarray(apart(gu, ws[0]))
+        if not np.linalg.norm(a - b) <= MAX_REL_ERR * np.linalg.norm(b):
+            return {"fold_activation": False,
+                    "fold_error": "the folded product differs from XLA's activation followed by the kernel"}
         t_fold, t_apart = product_timer(gu, ws, folded, n_iter)[0], product_timer(gu, ws, apart, n_iter)[0]
     except Exception as e:  # noqa: BLE001 - keep the tuning without the fold decision
-        return {"fold_error": repr(e)[:200]}
+        return {"fold_activation": False, "fold_error": repr(e)[:200]}
     return {"fold_activation": bool(t_fold <= t_apart), "fold_us": round(1e6 * t_fold, 2),
             "unfolded_us": round(1e6 * t_apart, 2)}
 
@@ -308,7 +315,7 @@ def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tu
               products=None, tune_rows=(1, 64), write=False):
     dtype = jnp.bfloat16
     bw = bandwidth()
-    for name, K, N, tr in layer_products(cfg, products):  # in --products' order (a time-limited run does the first first)
+    for name, K, N, tr in layer_products(cfg, products):  # --products' order: a time-limited run does those first
         if products and name not in products:
             continue
         nbytes = K * N * 2
@@ -386,6 +393,11 @@ def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tu
 
                 def time_blocks(b):
                     try:
+                        got = np.asarray(MV.matvec(x, ws[0], transposed=tr, blocks=b, out_dtype=jnp.float32,
+                                                   interpret=INTERPRET))
+                        if not np.linalg.norm(got - ref) <= MAX_REL_ERR * np.linalg.norm(ref):
+                            print(f"  {list(b)}: wrong result, skipped", flush=True)
+                            return None
                         return product_timer(x, ws, lambda x, w, b=b: then(MV.matvec(
                             x, w, transposed=tr, blocks=b, out_dtype=jnp.float32 if name not in RESIDUAL_PRODUCTS
                             else None, interpret=INTERPRET)), n_iter)[0]
@@ -662,7 +674,8 @@ def main(argv=None):
     ap.add_argument("--peer", default=None, help="path of the PyTorch peer script (torch_fast_peer.py)")
     ap.add_argument("--out", default=os.environ.get("OUT", "shape-results"))
     ap.add_argument("--wide", action="store_true",
-                    help="tune over a broader block search (BN 16-256, BK 64-512, splits, then 2/4/8 warps x 2-6 stages)")
+                    help="tune over a broader block search (BN 16-256, BK 64-512, splits, 2/4/8 warps, 2-6 stages, "
+                         "tensor or CUDA cores)")
     ap.add_argument("--tune-rows", default="1,64", help="row counts to tune (each of 1, 16, 32, 64)")
     ap.add_argument("--products", default="",
                     help="gemm/tune only these products, in this order (wqkv,wo,w_gate_up,w_down,lm_head)")
@@ -716,8 +729,8 @@ def main(argv=None):
         if parts & {"gemm", "tune"}:
             gemm_shape = shape if args.tp_shards == 1 else f"{shape} (one device of model={args.tp_shards})"
             gemm_part(gemm_shape, S.tensor_parallel_config(cfg, args.tp_shards), rows,
-                      row_counts=tune_rows if args.wide else (1, 16, 64), tune="tune" in parts, tuning=tuning, wide=args.wide, products=products,
-                      tune_rows=tune_rows, write=args.write_tuning)
+                      row_counts=tune_rows if args.wide else (1, 16, 64), tune="tune" in parts, tuning=tuning,
+                      wide=args.wide, products=products, tune_rows=tune_rows, write=args.write_tuning)
             if tuning:
                 (out_dir / "matvec_tuning.json").write_text(json.dumps({card(): tuning}, indent=1, sort_keys=True))
         if parts & {"ar", "verify", "draft", "memory", "published", "tp"}:
