@@ -13,7 +13,9 @@ string such as "data=2" or "data=2,model=2"):
     model axis (jspec.sharding's tensor-parallel layout), and the whole generation runs under
     `shard_map`: each device runs the one-device program (GPU kernels included) on its heads, its
     kv heads and its slice of the MLP, with one psum after each attention block and each MLP. The
-    drafter and the policy are replicated; EAGLE-3 features come from the split target.
+    drafter and the policy are replicated; EAGLE-3 features come from the split target. The
+    placed layout is kept for the next call on the same weights and mesh (one placement: a copy
+    of the weights spread over the mesh, freed with the source weights or by another placement).
     Both ("data=2,model=2"): rows over data, and each data shard's model group runs its rows'
     while_loop tensor-parallel (collectives only within the group).
 Greedy outputs equal one device's; sampled outputs are lossless but follow other random streams.
@@ -41,7 +43,7 @@ from . import model as M
 from .config import ModelConfig
 from .decode import GenerationResult, decode_chunk_jit, generate_ar_jit, pack_prompts, start_decode_jit, stream_row0
 from .sampling import GREEDY, Sampling
-from .sharding import (axis_size, parse_mesh, place_tensor_parallel, replicate, shard_params, tensor_parallel_config,
+from .sharding import (axis_size, parse_mesh, placed_tensor_parallel, replicate, shard_params, tensor_parallel_config,
                        tensor_parallel_map, tensor_parallel_specs)
 from .speculative.drafters.eagle import EagleDrafter
 from .speculative.drafters.hybrid import HybridDrafter
@@ -271,7 +273,7 @@ def _generate_tensor_parallel(mesh, params, cfg, tokens, lens, key, *, drafter, 
     B = tokens.shape[0]
     rows = np.arange(-(-B // groups) * groups) % B  # pad the batch to a multiple of the data axis
     specs = tensor_parallel_specs(params, cfg, n)
-    params = place_tensor_parallel(params, cfg, mesh)
+    params = placed_tensor_parallel(params, cfg, mesh)  # laid out once per weights and mesh
     split = ("tokens", "lens") if groups > 1 else ()
     common = dict(max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll)
     args = dict(tokens=jnp.asarray(tokens[rows]), lens=jnp.asarray(lens[rows]), key=key)

@@ -54,8 +54,9 @@ NEG_INF = -1e30  # finite, so fully-masked rows never produce NaN
 #             of up to fused_attn.MAX_BLOCK tokens (decode, chain and tree verify), and the
 #             bandwidth-bound matvec kernel (kernels/matvec.py) for every projection and the LM head
 #             of up to matvec.MAX_ROWS rows whose shape its tuning table (or rule) gives it; it reads
-#             stacked weights in place by layer index. Calls or families it doesn't cover fall back
-#             to "xla";
+#             stacked weights in place by layer index, the down projection applies the MLP's
+#             activation to gate | up itself, and split-K partials go unsummed to the next kernel
+#             (attention, down). Calls or families it doesn't cover fall back to "xla";
 #   "cudnn"   cuDNN flash attention (jax.nn.dot_product_attention) inside the "xla" layer.
 # Off GPU the Pallas kernels run in interpret mode (slow; what the CPU tests check them with).
 KERNEL_IMPLS = ("xla", "pallas", "cudnn")
@@ -213,9 +214,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def _activation(cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    if cfg.mlp_activation == "gelu_tanh":
-        return jax.nn.gelu(x, approximate=True)
-    return jax.nn.silu(x)
+    return MV.activation(cfg.mlp_activation)(x)
 
 
 def attention_mask(
@@ -350,15 +349,17 @@ def forward(
     def row_parallel(y):  # tensor parallelism: this device's share of wo / w_down -> the full product
         return jax.lax.psum(y, TP_AXIS) if cfg.tensor_parallel_shards > 1 else y
 
-    def attn_out_and_mlp(h, o, p, mm=dot):  # o [B, T, q_size] -> next hidden state
+    def mlp(m, p, mm=dot):  # the gated MLP: gate | up, act(gate) * up, down
+        gu = mm(m, p, "w_gate_up")
+        F = gu.shape[-1] // 2
+        return mm(_activation(cfg, gu[..., :F]) * gu[..., F:], p, "w_down")
+
+    def attn_out_and_mlp(h, o, p, mm=dot, mlp=mlp):  # o [B, T, q_size] -> next hidden state
         o = row_parallel(mm(o, p, "wo"))
         if cfg.sandwich_norm:
             o = rms_norm(o, p["post_attn_norm"], cfg.rms_norm_eps)
         h = h + o
-        m = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
-        gu = mm(m, p, "w_gate_up")
-        F = gu.shape[-1] // 2
-        m = row_parallel(mm(_activation(cfg, gu[..., :F]) * gu[..., F:], p, "w_down"))
+        m = row_parallel(mlp(rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps), p, mm))
         if cfg.sandwich_norm:
             m = rms_norm(m, p["post_mlp_norm"], cfg.rms_norm_eps)
         return h + m
@@ -379,20 +380,37 @@ def forward(
                   for n in big}
         in_place = {n for n in big if blocks[n] is not None and not per_layer}
 
+        # Two kernels for the MLP where the down projection is the kernel's: it reads gate | up (or
+        # its split-K partials) and applies the activation per K tile, so neither the sum of the
+        # partials nor act(gate) * up is a kernel of its own.
+        fold = blocks["w_down"] is not None and MV.fold_activation(rows, *shapes["w_down"], dtype=dtype)
+
         def layer_mm(li):
-            def mm(x, p, name):
+            def mm(x, p, name, **kw):
                 if blocks[name] is None:
                     return x @ p[name]
                 w = W[name] if name in in_place else p[name]
                 return MV.matvec(x, w, layer=li if name in in_place else None, blocks=blocks[name],
-                                 interpret=interpret)
+                                 interpret=interpret, **kw)
             return mm
 
-        def attend(qkv, kc, vc, li):
+        # Likewise the QKV projection's partials go straight to the attention kernel (no bias or
+        # q/k norm to apply in between).
+        qkv_partials = blocks["wqkv"] is not None and not (cfg.attention_bias or cfg.qk_norm) and MV.fuse_products()
+
+        def folded_mlp(m, p, mm):
+            gu = mm(m, p, "w_gate_up", keep_partials=True) if blocks["w_gate_up"] is not None else m @ p["w_gate_up"]
+            return mm(gu, p, "w_down", activation=cfg.mlp_activation)
+
+        def attend(qkv, kc, vc, li):  # qkv: [B, T, qkv] or the projection's MV.Partials (summed in the kernel)
+            H3 = cfg.num_heads + 2 * cfg.num_kv_heads
+            if isinstance(qkv, MV.Partials):
+                x, x_dtype = qkv.parts.reshape(-1, B, T, H3, hd), qkv.dtype
+            else:
+                x, x_dtype = qkv.reshape(B, T, H3, hd), None
             o, kc, vc = fused_attn.fused_block_attention(
-                qkv.reshape(B, T, cfg.num_heads + 2 * cfg.num_kv_heads, hd), cos_h, sin_h, kc, vc, li, cache.lengths,
-                new_mask, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, scale=cfg.attn_scale,
-                interpret=interpret)
+                x, cos_h, sin_h, kc, vc, li, cache.lengths, new_mask, num_heads=cfg.num_heads,
+                num_kv_heads=cfg.num_kv_heads, scale=cfg.attn_scale, interpret=interpret, qkv_dtype=x_dtype)
             return o.reshape(B, T, cfg.q_size), kc, vc
 
         def qk_normed(qkv, p):
@@ -405,11 +423,14 @@ def forward(
             h, kc, vc = carry
             p, li = xs
             mm = layer_mm(li)
-            qkv = project_qkv(h, p, mm)
+            if qkv_partials:  # the attention kernel sums the projection's split-K partials itself
+                qkv = mm(rms_norm(h, p["attn_norm"], cfg.rms_norm_eps), p, "wqkv", keep_partials=True)
+            else:
+                qkv = project_qkv(h, p, mm)
             if cfg.qk_norm:
                 qkv = qk_normed(qkv, p)
             o, kc, vc = attend(qkv, kc, vc, li)
-            h_next = attn_out_and_mlp(h, o, p, mm)
+            h_next = attn_out_and_mlp(h, o, p, mm, folded_mlp if fold else mlp)
             return (h_next, kc, vc), (h if capture else None)
 
         if per_layer:  # unrolled over each layer's own buffers: no weight slices to copy

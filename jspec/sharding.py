@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import weakref
 from typing import Any
 
 import jax
@@ -283,6 +284,30 @@ def place_tensor_parallel(params: dict, cfg, mesh: Mesh) -> dict:
         return jax.device_put(x, NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map_with_path(place, params, jax.tree_util.tree_unflatten(treedef, specs))
+
+
+# The latest placement: (mesh, cfg, ids of the source leaves) -> (weakrefs of those leaves, placed params)
+_PLACEMENT: dict = {}
+
+
+def placed_tensor_parallel(params: dict, cfg, mesh: Mesh) -> dict:
+    """place_tensor_parallel, once per parameter tree and mesh: generate(mesh="model=N") calls this,
+    so its next call on the same weights reuses their placed copy instead of moving and permuting
+    every weight again. One placement is kept (the latest), and dropped as soon as any source
+    weight is freed. Only trees of jax arrays are cached (immutable, so their identity is their
+    value); others are placed anew."""
+    leaves = jax.tree_util.tree_leaves(params)
+    if not all(isinstance(a, jax.Array) for a in leaves):
+        return place_tensor_parallel(params, cfg, mesh)
+    key = (mesh, cfg, tuple(map(id, leaves)))
+    hit = _PLACEMENT.get(key)
+    if hit is not None and all(ref() is a for ref, a in zip(hit[0], leaves)):
+        return hit[1]
+    _PLACEMENT.clear()  # the previous placement's device memory goes before this one's is taken
+    placed = place_tensor_parallel(params, cfg, mesh)
+    drop = lambda _ref: _PLACEMENT.pop(key, None)  # noqa: E731 - a source leaf was freed
+    _PLACEMENT[key] = (tuple(weakref.ref(a, drop) for a in leaves), placed)
+    return placed
 
 
 def tensor_parallel_map(fn, mesh: Mesh, params_name: str, param_specs: tuple, static_items: tuple,

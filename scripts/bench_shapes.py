@@ -11,12 +11,20 @@ keeps what it measured; the committed rows live in benchmarks/shapes/):
           ("xla_cublas"), XLA's dot on a slice of stacked [L, K, N] weights ("xla_stacked", what a
           layer loop over stacked weights runs), and the matvec kernel with its picked blocks
           reading a weight buffer ("matvec") or stacked weights by layer index ("matvec_stacked");
-  tune    the matvec kernel's candidate blocks for each product at 16 and 64 padded rows: the best,
-          against the best XLA variant; writes matvec_tuning.json (--write-tuning: into
-          jspec/kernels/, merged per card);
+  tune    the matvec kernel's candidate blocks for each product at --tune-rows (1, 16, 32, 64; of
+          --products): the best, against the best XLA variant (wo and w_down timed with the
+          residual add and RMSNorm that follow them in the model: unsplit blocks let XLA fold the
+          add into the norm's kernel); for the down projection also whether folding the MLP's
+          activation into it is faster (fold_activation). --wide
+          searches BN 16-256, BK 64-512, splits, 2/4/8 warps and 2-6 stages in three stages
+          (~60 candidates, about a minute a product; counts printed). Writes <out>/matvec_tuning.json;
+          --write-tuning also merges each entry into jspec/kernels/matvec_tuning.json as it is
+          measured (this card's entry for that product replaced, everything else kept), and the
+          parts that run next use it;
   ar      whole jitted generations (jspec.decode.generate_ar_jit: prompt 64 + 256 new tokens) at
           --batches, per --variants: "auto" (the default kernels), "xla" (JSPEC_MATMUL=xla: XLA's
-          dots everywhere, the previous default), "cublas" (xla + cuBLAS GEMMs);
+          dots everywhere, the previous default), "cublas" (xla + cuBLAS GEMMs), "unfused" (auto
+          with JSPEC_FUSE_PRODUCTS=0: every product summed and the MLP's activation in XLA);
   verify  one target forward + LM head over T = 1, 8, 64 tokens and a 60-node tree (cursor fixed);
   draft   an EAGLE-3 head at the target's shape (draft vocab 32k): a chain step and a 10-node tree
           level;
@@ -83,6 +91,7 @@ PEER_SHAPES = {"smollm2-135m": "smollm2", "llama-3.2-1b": "llama1b", "llama-3.1-
 # Datasheet HBM bandwidth, bytes/s (the floor's denominator)
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
 PROMPT, NEW = 64, 256
+INTERPRET = jax.default_backend() != "gpu"  # the matvec kernel off a GPU: Pallas interpret mode (checks, not timings)
 
 
 def card() -> str:
@@ -133,6 +142,8 @@ def base_row(shape, cfg, wbytes, method, batch, T, seconds_per_step, tokens_per_
     bw = bandwidth()
     tps = tokens_per_step / seconds_per_step
     floor = bw / (device_bytes or wbytes) * batch if bw else None  # every row of a batch rides one pass over the weights
+    if os.environ.get("XLA_FLAGS"):  # A/B runs of XLA flags (one process each) say which they ran
+        extra = {"xla_flags": os.environ["XLA_FLAGS"], **extra}
     return dict(shape=shape, card=card(), method=method, batch=batch, devices=devices, mesh=mesh, T=T,
                 tokens_per_s=round(tps, 1), ms_per_step=round(1000 * seconds_per_step, 4),
                 hbm_floor_tokens_per_s=None if floor is None else round(floor, 1),
@@ -159,7 +170,7 @@ def with_matmul(choice: str):
 # ---------------------------------------------------------------------------------------------
 
 
-def layer_products(cfg: ModelConfig):
+def layer_products(cfg: ModelConfig, order=None):
     """(name, K, N, transposed) of each product of a decode step (on one device of model=N tensor
     parallelism for a per-device config: an untied LM head then holds V/N columns)."""
     qkv = cfg.q_size + 2 * cfg.kv_size
@@ -172,6 +183,8 @@ def layer_products(cfg: ModelConfig):
     else:
         vocab = cfg.vocab_size // shards if cfg.vocab_size % shards == 0 else cfg.vocab_size
         out.append(("lm_head", cfg.hidden_size, vocab, False))
+    if order:
+        out.sort(key=lambda p: order.index(p[0]) if p[0] in order else len(order))
     return out
 
 
@@ -197,45 +210,129 @@ def product_timer(x, ws, fn, n_iter, compiler_options=None):
     return t / (n_iter * len(ws)), spread / (n_iter * len(ws))
 
 
-def wide_candidates(m, K, N, tr):
-    """A broader search than MV.candidate_blocks: more splits (many small programs, several per
-    SM), 8 warps, 3 stages."""
-    out = []
-    for bn in ((64, 128) if not tr else (32, 64)):
-        for bk in (128, 256):
-            for split in (1, 2, 4, 8, 16, 32):
-                if split > 1 and K // split < bk:
-                    continue
-                for warps in (4, 8):
-                    for stages in (3, 4):
-                        b = MV.Blocks(bn, bk, split, warps, stages)
-                        if MV.smem_bytes(m, b) <= MV.SMEM_BUDGET and (-(-N // bn)) * split <= 64 * 132:
-                            out.append(b)
-    return out
+WIDE_BN, WIDE_BK = (16, 32, 64, 128, 256), (64, 128, 256, 512)
+WIDE_SPLITS, WIDE_WARPS, WIDE_STAGES = (1, 2, 4, 8, 16, 32), (2, 4, 8), (2, 3, 4, 5, 6)
+SPLITS_PER_TILE = 4  # the first stage's splits per BN: those whose grid is nearest 4 programs per SM
+
+
+def _fits(m, b: MV.Blocks) -> bool:
+    return MV.smem_bytes(m, b) <= MV.SMEM_BUDGET and b[0] * b[1] <= 256 * 256  # larger W tiles spill registers
+
+
+def wide_search(m, K, N, tr, time_blocks, sms=None, log=print):
+    """--wide: a coordinate search over BN 16-256, BK 64-512, split 1-32, 2/4/8 warps, 2-6 stages,
+    tensor or CUDA cores, timing about 60 candidates a product (about a minute on a GPU) instead
+    of all ~3,600:
+      1. BN x split at BK 128 (256 for an [N, K] weight), 4 warps, 4 stages; the splits kept per BN
+         are the SPLITS_PER_TILE whose grid is nearest 4 programs per SM, between half a program
+         and 16 per SM (a grid smaller than the card keeps split 1), each split at least a tile;
+         1b. at one row, the best four of those multiplying and summing on the CUDA cores (fma);
+      2. the best two so far at every BK x stages that fits shared memory;
+      3. the best two so far at 2 and 8 warps.
+    time_blocks(b) -> seconds, or None where Triton rejects the blocks. Returns {blocks: seconds}."""
+    sms = sms or MV._sm_count()
+    bk0 = min(256 if tr else 128, max(64, 1 << (K - 1).bit_length()))
+    results: dict = {}
+
+    def run(cands, label):
+        cands = [b for b in dict.fromkeys(cands) if b not in results and _fits(m, b)]
+        t0 = time.perf_counter()
+        for b in cands:
+            results[b] = time_blocks(b)
+        log(f"  {label}: {len(cands)} candidates, {time.perf_counter() - t0:.1f} s", flush=True)
+
+    def best(k):
+        return [b for _, b in sorted((t, b) for b, t in results.items() if t is not None)[:k]]
+
+    first = []
+    for bn in WIDE_BN:
+        if bn > max(16, 1 << (N - 1).bit_length()):
+            continue
+        grid = -(-N // bn)
+        ok = [sp for sp in WIDE_SPLITS if (sp == 1 or K // sp >= bk0) and sms // 2 <= grid * sp <= 16 * sms]
+        if not ok:
+            ok = [1]  # a grid smaller than half the card even unsplit: a small product
+        ok.sort(key=lambda sp: abs(np.log2(grid * sp / (4 * sms))))
+        first += [MV.Blocks(bn, bk0, sp, 4, 4) for sp in ok[:SPLITS_PER_TILE]]
+    name = f"{m}x{K}x{N}{'t' if tr else ''}"
+    run(first, f"wide tune {name}, 1 (BN x split)")
+    if m == 1:
+        run([MV.Blocks(*b[:5], fma=1) for b in best(4)], "1b (the best 4 on the CUDA cores: multiply and sum)")
+    run([MV.Blocks(b[0], bk, b[2], 4, st, fma=b.fma) for b in best(2) for bk in WIDE_BK
+         if bk <= max(64, 1 << (K - 1).bit_length()) and (b[2] == 1 or K // b[2] >= bk) for st in WIDE_STAGES],
+        "2 (BK x stages of the best 2)")
+    run([MV.Blocks(*b[:3], w, b[4], fma=b.fma) for b in best(2) for w in WIDE_WARPS], "3 (warps of the best 2)")
+    return results
+
+
+def search_blocks(m, K, N, tr, time_blocks, wide: bool, log=print):
+    """The best blocks for one product: MV.candidate_blocks' small set, or `wide_search`. Returns
+    (seconds, blocks, candidates timed), or None if every candidate failed."""
+    if wide:
+        results = wide_search(m, K, N, tr, time_blocks, log=log)
+    else:
+        cands = MV.candidate_blocks(m, K, N, transposed=tr)
+        results = {b: time_blocks(b) for b in cands}
+        log(f"  tune {m}x{K}x{N}{'t' if tr else ''}: {len(cands)} candidates", flush=True)
+    ranked = sorted((t, b) for b, t in results.items() if t is not None)
+    return (*ranked[0], len(results)) if ranked else None
+
+
+MAX_REL_ERR = 2e-2  # a tuning candidate whose product is further from XLA's (bf16 inputs) is rejected
+RESIDUAL_PRODUCTS = ("wo", "w_down")  # their results go into the residual stream, then an RMSNorm
+
+
+def residual_and_norm(m, N):
+    """What the model does with wo's / w_down's [m, N] result: add it to the residual stream, then
+    RMSNorm the sum (the next product's input)."""
+    h = (0.1 * jax.random.normal(jax.random.PRNGKey(11), (m, N), jnp.float32)).astype(jnp.bfloat16)
+    ones = jnp.ones((N,), jnp.bfloat16)
+    return lambda y: M.rms_norm(h + y.astype(h.dtype), ones, 1e-5)
+
+
+def fold_timing(x, ws, F, blocks, act, n_iter) -> dict:
+    """The down projection [F, D] reading gate | up [M, 2F] with the activation folded in (one
+    kernel), against XLA's act(gate) * up fusion followed by the kernel (two). Not folded where the
+    folded kernel fails or computes otherwise."""
+    gu = jnp.concatenate([x, x], axis=-1)  # [M, 2F]
+    folded = lambda g, w: MV.matvec(g, w, blocks=blocks, activation=act, out_dtype=jnp.float32,  # noqa: E731
+                                    interpret=INTERPRET)
+    apart = lambda g, w: MV.matvec(MV.activation(act)(g[:, :F]) * g[:, F:], w, blocks=blocks,  # noqa: E731
+                                   out_dtype=jnp.float32, interpret=INTERPRET)
+    try:
+        a, b = np.asarray(folded(gu, ws[0])), np.asarray(apart(gu, ws[0]))
+        if not np.linalg.norm(a - b) <= MAX_REL_ERR * np.linalg.norm(b):
+            return {"fold_activation": False,
+                    "fold_error": "the folded product differs from XLA's activation followed by the kernel"}
+        t_fold, t_apart = product_timer(gu, ws, folded, n_iter)[0], product_timer(gu, ws, apart, n_iter)[0]
+    except Exception as e:  # noqa: BLE001 - keep the tuning without the fold decision
+        return {"fold_activation": False, "fold_error": repr(e)[:200]}
+    return {"fold_activation": bool(t_fold <= t_apart), "fold_us": round(1e6 * t_fold, 2),
+            "unfolded_us": round(1e6 * t_apart, 2)}
 
 
 def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tuning=None, wide=False,
-              products=None, tune_rows=(1, 64)):
+              products=None, tune_rows=(1, 64), write=False):
     dtype = jnp.bfloat16
     bw = bandwidth()
-    for name, K, N, tr in layer_products(cfg):
+    for name, K, N, tr in layer_products(cfg, products):  # --products' order: a time-limited run does those first
         if products and name not in products:
             continue
         nbytes = K * N * 2
-        R = copies_for(nbytes)
+        R = copies_for(nbytes) if not INTERPRET else 2  # (a CPU check of this script: few, short loops)
         key = jax.random.PRNGKey(hash(name) & 0xFFFF)
         wshape = (N, K) if tr else (K, N)
         stacked = (0.02 * jax.random.normal(key, (R, *wshape), jnp.float32)).astype(dtype)
         ws = [stacked[i] + 0 for i in range(R)]  # buffers of their own
         jax.block_until_ready(ws)
-        n_iter = max(2, int(2e9 // (nbytes * R)))
+        n_iter = max(2, int(2e9 // (nbytes * R))) if not INTERPRET else 2
         for m in row_counts:
             x = (jax.random.normal(jax.random.PRNGKey(m), (m, K), jnp.float32)).astype(dtype)
             xla_dot = lambda x, w: jnp.dot(x, w.T if tr else w, preferred_element_type=jnp.float32)  # noqa: E731
             variants = {"xla": (xla_dot, None), "xla_cublas": (xla_dot, {"xla_gpu_enable_triton_gemm": False})}
             blocks = MV.pick_blocks(m, K, N, transposed=tr) or MV.default_blocks(m, K, N, transposed=tr)
             variants["matvec"] = (lambda x, w, b=blocks: MV.matvec(x, w, transposed=tr, blocks=b,
-                                                                    out_dtype=jnp.float32), None)
+                                                                    out_dtype=jnp.float32, interpret=INTERPRET), None)
             ref = np.asarray(jnp.dot(x, ws[0].T if tr else ws[0], preferred_element_type=jnp.float32))
             try:
                 got = np.asarray(variants["matvec"][0](x, ws[0]))
@@ -257,9 +354,10 @@ def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tu
                     rows_out.add(shape=shape, card=card(), method="gemm", variant=vname, product=name, rows=m,
                                  error=repr(e)[:300])
             # stacked: a static layer slice inside the jit (what a loop over stacked weights does)
-            if not tr:
+            if not tr and not (tune and wide):  # (diagnostic rows: a wide tuning run skips them)
                 for vname, fn in (("xla_stacked", lambda x, st, i: x @ st[i]),
-                                  ("matvec_stacked", lambda x, st, i, b=blocks: MV.matvec(x, st, layer=i, blocks=b))):
+                                  ("matvec_stacked", lambda x, st, i, b=blocks: MV.matvec(x, st, layer=i, blocks=b,
+                                                                                        interpret=INTERPRET))):
                     try:
                         def run(x, st, fn=fn):
                             def body(j, x):
@@ -276,27 +374,55 @@ def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tu
                     except Exception as e:  # noqa: BLE001
                         rows_out.add(shape=shape, card=card(), method="gemm", variant=vname, product=name, rows=m,
                                      error=repr(e)[:300])
-            if tune and m in (1, 64) and m in tune_rows:
-                best_xla = min((results[v] for v in ("xla", "xla_cublas") if v in results), default=None)
-                best = None
-                for b in (wide_candidates(m, K, N, tr) if wide else MV.candidate_blocks(m, K, N, transposed=tr)):
+            if tune and m in tune_rows:
+                # wo's and w_down's results meet the residual and the next RMSNorm in an XLA fusion:
+                # timed with it, since unsplit blocks let XLA fold the add into the norm's kernel
+                # while split ones leave a summing kernel before it
+                then = residual_and_norm(m, N) if name in RESIDUAL_PRODUCTS else (lambda y: y)
+                best_xla = None
+                for vname, opts in (("xla", None), ("xla_cublas", {"xla_gpu_enable_triton_gemm": False})):
+                    if name in RESIDUAL_PRODUCTS:  # XLA's dots with the same epilogue
+                        try:
+                            t = product_timer(x, ws, lambda x, w: then(jnp.dot(x, w)), n_iter, opts)[0]
+                        except Exception:  # noqa: BLE001
+                            continue
+                    else:
+                        t = results.get(vname)
+                    if t is not None and (best_xla is None or t < best_xla):
+                        best_xla = t
+
+                def time_blocks(b):
                     try:
-                        t, _ = product_timer(x, ws, lambda x, w, b=b: MV.matvec(x, w, transposed=tr, blocks=b,
-                                                                                 out_dtype=jnp.float32), n_iter)
+                        got = np.asarray(MV.matvec(x, ws[0], transposed=tr, blocks=b, out_dtype=jnp.float32,
+                                                   interpret=INTERPRET))
+                        if not np.linalg.norm(got - ref) <= MAX_REL_ERR * np.linalg.norm(ref):
+                            print(f"  {list(b)}: wrong result, skipped", flush=True)
+                            return None
+                        return product_timer(x, ws, lambda x, w, b=b: then(MV.matvec(
+                            x, w, transposed=tr, blocks=b, out_dtype=jnp.float32 if name not in RESIDUAL_PRODUCTS
+                            else None, interpret=INTERPRET)), n_iter)[0]
                     except Exception:  # noqa: BLE001 - a block shape Triton rejects
-                        continue
-                    if best is None or t < best[0]:
-                        best = (t, b)
-                if best is None:
+                        return None
+
+                found = search_blocks(m, K, N, tr, time_blocks, wide)
+                if found is None:
                     continue
-                tuning[MV.tuning_key(m, K, N, tr, dtype)] = {
-                    "blocks": list(best[1]), "matvec_us": round(1e6 * best[0], 2),
-                    "xla_us": None if best_xla is None else round(1e6 * best_xla, 2),
-                    "xla_faster": best_xla is not None and best_xla < best[0]}
+                best_t, best_b, searched = found
+                entry = {"blocks": list(best_b), "matvec_us": round(1e6 * best_t, 2),
+                         "xla_us": None if best_xla is None else round(1e6 * best_xla, 2),
+                         "xla_faster": best_xla is not None and best_xla < best_t, "searched": searched}
+                if name in RESIDUAL_PRODUCTS:
+                    entry["timed_with"] = "residual add + RMSNorm"
+                if name == "w_down":  # fold the MLP's activation into this product, or leave it to XLA?
+                    entry.update(fold_timing(x, ws, K, best_b, cfg.mlp_activation, n_iter))
+                tuning[MV.tuning_key(m, K, N, tr, dtype)] = entry
+                if write:  # entry by entry, so a run cut off by a time limit keeps what it tuned
+                    write_tuning({MV.tuning_key(m, K, N, tr, dtype): entry})
                 rows_out.add(shape=shape, card=card(), method="tune", product=name, K=K, N=N, transposed=tr, rows=m,
-                             best_blocks=list(best[1]), matvec_us=round(1e6 * best[0], 2),
+                             best_blocks=list(best_b), matvec_us=round(1e6 * best_t, 2), searched=searched,
                              xla_us=None if best_xla is None else round(1e6 * best_xla, 2),
-                             bw_fraction=None if not bw else round(nbytes / best[0] / bw, 3))
+                             bw_fraction=None if not bw else round(nbytes / best_t / bw, 3),
+                             **{k: v for k, v in entry.items() if k.startswith(("fold", "unfolded", "timed"))})
         del stacked, ws
 
 
@@ -311,6 +437,7 @@ def ar_part(shape, cfg, params, rows_out: Rows, batches, variants):
     for variant in variants:
         jax.clear_caches()  # JSPEC_MATMUL is read when tracing: each variant must trace anew
         with_matmul("xla" if variant in ("xla", "cublas") else "auto")
+        os.environ["JSPEC_FUSE_PRODUCTS"] = "0" if variant == "unfused" else "1"
         opts = {"xla_gpu_enable_triton_gemm": False} if variant == "cublas" else None
         gen = jax.jit(D.generate_ar_jit.__wrapped__,
                       static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll"),
@@ -333,6 +460,7 @@ def ar_part(shape, cfg, params, rows_out: Rows, batches, variants):
                 traceback.print_exc()
                 rows_out.add(shape=shape, card=card(), method="ar", variant=variant, batch=b, error=repr(e)[:300])
     with_matmul("auto")
+    os.environ["JSPEC_FUSE_PRODUCTS"] = "1"
 
 
 def tp_part(shape, cfg, params, rows_out: Rows, batches, mesh_spec: str):
@@ -527,18 +655,32 @@ def peer_part(shape, peer: str, batches, rows_out: Rows, out_dir: Path):
     rows_out.add(shape=shape, card=card(), method="torch_compile_raw", raw=data, seconds=round(time.perf_counter() - t0, 1))
 
 
+def write_tuning(tuning: dict, path: Path = MV.TUNING_FILE):
+    """Merge this card's tuned entries into the kernel's table (other cards' and other products'
+    entries kept); the programs traced next read it."""
+    table = json.loads(path.read_text()) if path.exists() else {}
+    table.setdefault(card(), {}).update(tuning)
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    MV._tuning_table.cache_clear()
+    print(f"merged {len(tuning)} entries for {card()} into {path}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b,smollm2-135m")
     ap.add_argument("--parts", default="ar,verify,draft")
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--variants", default="auto,xla", help="ar variants: auto, xla, cublas")
+    ap.add_argument("--variants", default="auto,xla", help="ar variants: auto, unfused, xla, cublas")
     ap.add_argument("--peer", default=None, help="path of the PyTorch peer script (torch_fast_peer.py)")
     ap.add_argument("--out", default=os.environ.get("OUT", "shape-results"))
-    ap.add_argument("--wide", action="store_true", help="tune over a broader block search")
-    ap.add_argument("--tune-rows", default="1,64", help="row counts to tune (1 and/or 64)")
-    ap.add_argument("--products", default="", help="gemm/tune only these products (wqkv,wo,w_gate_up,w_down,lm_head)")
-    ap.add_argument("--write-tuning", action="store_true", help="merge the tuning into jspec/kernels/matvec_tuning.json")
+    ap.add_argument("--wide", action="store_true",
+                    help="tune over a broader block search (BN 16-256, BK 64-512, splits, 2/4/8 warps, 2-6 stages, "
+                         "tensor or CUDA cores)")
+    ap.add_argument("--tune-rows", default="1,64", help="row counts to tune (each of 1, 16, 32, 64)")
+    ap.add_argument("--products", default="",
+                    help="gemm/tune only these products, in this order (wqkv,wo,w_gate_up,w_down,lm_head)")
+    ap.add_argument("--write-tuning", action="store_true",
+                    help="merge the tuning into jspec/kernels/matvec_tuning.json (this card's entries; others kept)")
     ap.add_argument("--mesh", default="model=2", help="the tp part's mesh (tensor parallelism: model=N)")
     ap.add_argument("--tp-shards", type=int, default=1,
                     help="gemm/tune: the per-device products of model=N tensor parallelism (tune them for the tp part)")
@@ -547,6 +689,22 @@ def main(argv=None):
         if s not in SHAPES:
             ap.error(f"unknown shape {s!r}: expected one of {', '.join(SHAPES)}")
     parts = set(args.parts.split(","))
+    unknown = set(args.variants.split(",")) - {"auto", "unfused", "xla", "cublas"}
+    if unknown:
+        ap.error(f"--variants: unknown {', '.join(sorted(unknown))}; expected some of auto, unfused, xla, cublas")
+    tune_rows = tuple(int(r) for r in args.tune_rows.split(",") if r.strip().isdigit())
+    if not tune_rows or set(tune_rows) - {1, 16, 32, 64}:
+        ap.error(f"--tune-rows {args.tune_rows!r}: expected a comma-separated subset of 1, 16, 32, 64")
+    products = args.products.split(",") if args.products else None
+    known = {"wqkv", "wo", "w_gate_up", "w_down", "lm_head"}
+    if products and set(products) - known:
+        ap.error(f"--products {args.products!r}: expected some of {', '.join(sorted(known))}")
+    if args.tp_shards > 1:
+        for s in args.shapes.split(","):
+            try:
+                S.check_tensor_parallel(SHAPES[s], args.tp_shards)
+            except ValueError as e:
+                ap.error(f"--tp-shards {args.tp_shards}: {s}: {e}")
     if "tp" in parts:  # a bad --mesh fails here, before any weights are made
         try:
             mesh = S.parse_mesh(args.mesh)
@@ -569,11 +727,10 @@ def main(argv=None):
     for shape in args.shapes.split(","):
         cfg = SHAPES[shape]
         if parts & {"gemm", "tune"}:
-            tune_rows = tuple(int(r) for r in args.tune_rows.split(","))
             gemm_shape = shape if args.tp_shards == 1 else f"{shape} (one device of model={args.tp_shards})"
             gemm_part(gemm_shape, S.tensor_parallel_config(cfg, args.tp_shards), rows,
-                      row_counts=tune_rows if args.wide else (1, 16, 64), tune="tune" in parts, tuning=tuning, wide=args.wide, products=args.products.split(",") if args.products else None,
-                      tune_rows=tune_rows)
+                      row_counts=tune_rows if args.wide else (1, 16, 64), tune="tune" in parts, tuning=tuning,
+                      wide=args.wide, products=products, tune_rows=tune_rows, write=args.write_tuning)
             if tuning:
                 (out_dir / "matvec_tuning.json").write_text(json.dumps({card(): tuning}, indent=1, sort_keys=True))
         if parts & {"ar", "verify", "draft", "memory", "published", "tp"}:
@@ -595,10 +752,6 @@ def main(argv=None):
             del params
         if "peer" in parts and args.peer:
             peer_part(shape, args.peer, [b for b in batches if b <= 16], rows, out_dir)
-    if args.write_tuning and tuning:
-        table = json.loads(MV.TUNING_FILE.read_text()) if MV.TUNING_FILE.exists() else {}
-        table.setdefault(card(), {}).update(tuning)
-        MV.TUNING_FILE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Profile jspec's jitted decode and verify forwards on a model of SmolLM2-135M's shape (random weights).
+"""Profile jspec's jitted decode and verify forwards on a model of SmolLM2-135M's shape (random weights;
+--shape NAME: another of scripts/bench_shapes.py's shapes).
 
 Side by side in one process, for each layer implementation (model.KERNEL_IMPLS: the portable "xla"
 einsum path, "pallas" = fused attention kernel + the matvec kernel for few-row products (set
@@ -245,6 +246,7 @@ def attempt(rows, fn, *a, **kw):
 
 
 def main():
+    global LAYERS
     ap = argparse.ArgumentParser()
     ap.add_argument("--impls", default="xla,pallas,cudnn")
     ap.add_argument("--sections", default="kernels,decode,compare,generate,layers,verify")
@@ -254,6 +256,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="= --sections kernels,decode --batches 1")
     ap.add_argument("--tag", default="", help="suffix of the JSON file (e.g. the XLA flags)")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke test of this script)")
+    ap.add_argument("--shape", default="", help="profile one of bench_shapes.py's shapes (e.g. llama-3.2-1b) "
+                                                 "instead of SmolLM2-135M's")
     a = ap.parse_args()
     if a.quick:
         a.sections, a.batches = "kernels,decode", "1"
@@ -262,8 +266,13 @@ def main():
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     card = jax.devices()[0].device_kind
     cfg = SMOLLM2
+    if a.shape:
+        from bench_shapes import SHAPES  # this script's folder is on sys.path
+        if a.shape not in SHAPES:
+            ap.error(f"--shape {a.shape!r}: expected one of {', '.join(SHAPES)}")
+        cfg = SHAPES[a.shape]
+        LAYERS = cfg.num_layers
     if a.tiny:
-        global LAYERS
         LAYERS = 2
         cfg = cfg.replace(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=3,
                           num_kv_heads=1, head_dim=64)

@@ -6,6 +6,7 @@ scripts/profile_decode.py compares their bf16 logits there.
 """
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -129,3 +130,67 @@ def test_loop_params_per_layer_buffers():
         ref = _forward(params, cfg, toks, cache, impl, **kw)
         out = _forward(loop, cfg, toks, cache, impl, **kw)
         _assert_same(ref, out)
+
+
+def _intermediate_shapes(jaxpr, out=None):
+    """Shapes of every value the program stores between kernels (pallas kernels' insides excluded)."""
+    out = [] if out is None else out
+    for eqn in jaxpr.eqns:
+        out.extend(tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _intermediate_shapes(sub, out)
+    return out
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_mlp_is_two_kernels(activation, monkeypatch):
+    """With the matvec kernel on the down projection, the MLP is gate | up and down: act(gate) * up
+    is formed inside the down kernel, so no [.., F] value exists between kernels; the forward is
+    the portable one's, on stacked and per-layer weights."""
+    monkeypatch.setenv("JSPEC_MATMUL", "matvec")
+    cfg = TINY.replace(intermediate_size=80, mlp_activation=activation)
+    params = M.init_params(cfg, jax.random.PRNGKey(5), scale=0.2)
+    cache = _filled(cfg, params, 2, [5, 2])
+    toks = jax.random.randint(jax.random.PRNGKey(6), (2, 1), 0, cfg.vocab_size)
+    ref = _forward(params, cfg, toks, cache, "xla")
+    for p in (params, M.loop_params(params, cfg, kernels="pallas")):
+        _assert_same(ref, _forward(p, cfg, toks, cache, "pallas"))
+        jaxpr = jax.make_jaxpr(lambda p, t, c: M.forward(p, cfg, t, c, kernels="pallas"))(p, toks, cache).jaxpr
+        shapes = _intermediate_shapes(jaxpr)
+        assert not [s for s in shapes if s and s[-1] == cfg.intermediate_size], "act(gate) * up was stored"
+        assert [s for s in shapes if s and s[-1] == 2 * cfg.intermediate_size]  # gate | up (or its partials)
+    monkeypatch.setenv("JSPEC_FUSE_PRODUCTS", "0")  # the A/B switch: activation in XLA again
+    jaxpr = jax.make_jaxpr(lambda p, t, c: M.forward(p, cfg, t, c, kernels="pallas"))(params, toks, cache).jaxpr
+    assert [s for s in _intermediate_shapes(jaxpr) if s and s[-1] == cfg.intermediate_size]
+    _assert_same(ref, _forward(params, cfg, toks, cache, "pallas"))
+
+
+def test_split_products_feed_the_next_kernel_unsummed(monkeypatch):
+    """With blocks that split K, the QKV projection's partials go to the attention kernel and gate |
+    up's to the down projection, each summed inside the consumer: neither sum is stored. The
+    forward stays the portable one (decode and a tree block; stacked and per-layer weights)."""
+    from jspec.kernels import matvec as MV
+    monkeypatch.setattr(MV, "pick_blocks", lambda *a, **k: MV.Blocks(16, 16, 4, 4, 3))  # K 64 and 80: 4 splits
+    cfg = TINY.replace(intermediate_size=80)
+    params = M.init_params(cfg, jax.random.PRNGKey(8), scale=0.2)
+    B, qkv = 2, cfg.q_size + 2 * cfg.kv_size
+    cache = _filled(cfg, params, B, [5, 2])
+    anc, depth = _ancestors(4)
+    for T, kw in ((1, {}), (4, dict(new_mask=jnp.asarray(np.broadcast_to(anc, (B, 4, 4))),
+                                    positions=cache.lengths[:, None] + jnp.asarray(depth)[None]))):
+        toks = jax.random.randint(jax.random.PRNGKey(T), (B, T), 0, cfg.vocab_size)
+        ref = _forward(params, cfg, toks, cache, "xla", **kw)
+        for p in (params, M.loop_params(params, cfg, kernels="pallas")):
+            _assert_same(ref, _forward(p, cfg, toks, cache, "pallas", **kw))
+            jaxpr = jax.make_jaxpr(lambda p, t, c: M.forward(p, cfg, t, c, kernels="pallas", **kw))(p, toks, cache)
+            shapes = _intermediate_shapes(jaxpr.jaxpr)
+            for n in (qkv, 2 * cfg.intermediate_size):
+                assert (4, B * T, n) in shapes  # the partials
+                assert (B * T, n) not in shapes and (B, T, n) not in shapes, n  # never summed apart
+    # q/k norms (or a bias) sit between the projection and the attention: its sum is stored there
+    cfg = cfg.replace(arch="qwen3", qk_norm=True)
+    params = M.init_params(cfg, jax.random.PRNGKey(9), scale=0.2)
+    toks = jax.random.randint(jax.random.PRNGKey(1), (B, 1), 0, cfg.vocab_size)
+    _assert_same(_forward(params, cfg, toks, cache, "xla"), _forward(params, cfg, toks, cache, "pallas"))

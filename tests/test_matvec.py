@@ -74,3 +74,94 @@ def test_default_blocks_fill_the_card_within_shared_memory():
         b = MV.default_blocks(rows, K, N, transposed=t, sms=132)
         assert MV.smem_bytes(rows, b) <= MV.SMEM_BUDGET
         assert -(-N // b[0]) * b[2] >= 132 or K // (2 * b[2]) < 2 * b[1]
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("layout", ["kn", "stacked"])
+def test_folded_activation_matches_portable_mlp(act, layout):
+    """The down projection reading gate | up (as an array, or as the gate | up product's split-K
+    partials) forms act(gate) * up per K tile: the portable MLP's result, tails in K included."""
+    rows, D, F = 3, 40, 70
+    m, w_gu = _rand(4, (rows, D)), 0.2 * _rand(5, (D, 2 * F))
+    w_down = 0.2 * (_rand(6, (2, F, D)) if layout == "stacked" else _rand(6, (F, D)))
+    kw = dict(layer=jnp.int32(1)) if layout == "stacked" else {}
+    gu = m @ w_gu
+    ref = (MV.activation(act)(gu[:, :F]) * gu[:, F:]) @ (w_down[1] if layout == "stacked" else w_down)
+    split_gu = MV.Blocks(32, 16, 3, 4, 3)
+    parts = MV.matvec(m, w_gu, blocks=split_gu, keep_partials=True, interpret=True)
+    assert isinstance(parts, MV.Partials) and parts.parts.shape == (3, rows, 2 * F)
+    whole = MV.matvec(m, w_gu, blocks=MV.Blocks(32, 64, 1, 4, 3), keep_partials=True, interpret=True)
+    assert not isinstance(whole, MV.Partials)  # K in one program: stored summed and rounded
+    for x in (gu, parts, whole):
+        for blocks in (MV.Blocks(16, 32, 1, 4, 3), MV.Blocks(32, 16, 2, 4, 3)):
+            got = MV.matvec(x, w_down, blocks=blocks, activation=act, interpret=True, **kw)
+            np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="does not match W"):
+        MV.matvec(gu, w_down[0] if layout == "stacked" else w_down, blocks=MV.Blocks(16, 32, 1, 4, 3),
+                  interpret=True)
+
+
+def test_unsplit_blocks_store_the_output_dtype():
+    """Blocks that keep K whole store the rounded result (no summing kernel after); split blocks
+    round the float32 sum once; both equal XLA's dot with a float32 accumulator."""
+    x, w = _rand(7, (2, 64)).astype(jnp.bfloat16), _rand(8, (64, 48)).astype(jnp.bfloat16)
+    ref = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    for blocks in (MV.Blocks(16, 64, 1, 4, 3), MV.Blocks(16, 16, 4, 4, 3)):
+        got = MV.matvec(x, w, blocks=blocks, interpret=True)
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_folded_activation_gradient_is_the_portable_one():
+    x, w = _rand(9, (2, 2 * 24)), _rand(10, (24, 16))
+    f = lambda x, w: jnp.sum(jnp.sin(MV.matvec(x, w, blocks=MV.Blocks(16, 16, 2, 4, 3), activation="silu",  # noqa: E731
+                                                interpret=True)))
+    g = lambda x, w: jnp.sum(jnp.sin((jax.nn.silu(x[:, :24]) * x[:, 24:]) @ w))  # noqa: E731
+    for a, b in zip(jax.grad(f, (0, 1))(x, w), jax.grad(g, (0, 1))(x, w)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_wide_block_search_stays_small_and_in_budget():
+    """bench_shapes --parts tune --wide: a staged search over BN 16-256, BK 64-512, splits, 2/4/8
+    warps and 2-6 stages that times at most ~60 candidates a product (about a minute on a GPU),
+    each within shared memory; it ends at the fastest (here: a made-up time model)."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_shapes.py")
+    spec = importlib.util.spec_from_file_location("bench_shapes", path)
+    B = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(B)
+    fake = lambda b: abs(b[0] - 64) + abs(b[1] - 256) + 3 * abs(b[2] - 4) + abs(b[3] - 8) + abs(b[4] - 5)  # noqa: E731
+    for cfg in (B.SHAPES["llama-3.2-1b"], B.SHAPES["llama-3.1-8b"]):
+        for name, K, N, tr in B.layer_products(cfg):
+            for m in (1, 64):
+                results = B.wide_search(m, K, N, tr, fake, sms=132, log=lambda *a, **k: None)
+                assert 10 <= len(results) <= 64, (name, m, len(results))
+                assert all(MV.smem_bytes(m, b) <= MV.SMEM_BUDGET for b in results)
+                assert {b[3] for b in results} == {2, 4, 8} and len({b[4] for b in results}) >= 3
+                t, best, n = B.search_blocks(m, K, N, tr, fake, wide=True, log=lambda *a, **k: None)
+                assert t == min(results.values()) and n == len(results)
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk", "stacked"])
+def test_one_row_on_the_cuda_cores_matches_dot(layout):
+    """fma blocks (a one-row product multiplied and summed without tensor-core tiles): the same
+    product, tails, split K, partials in and the folded activation included; more rows ignore it."""
+    K, N = 100, 70
+    w = {"kn": _rand(1, (K, N)), "nk": _rand(1, (N, K)), "stacked": _rand(1, (2, K, N))}[layout]
+    kw = {"kn": {}, "nk": dict(transposed=True), "stacked": dict(layer=jnp.int32(1))}[layout]
+    wk = {"kn": w, "nk": w.T, "stacked": w[1] if layout == "stacked" else w}[layout]
+    fma = MV.Blocks(32, 32, 3, 4, 3, fma=1)
+    assert fma.fma and fma[:5] == (32, 32, 3, 4, 3) and not MV.Blocks(*fma[:5]).fma
+    for rows in (1, 3):
+        x = _rand(rows, (rows, K))
+        np.testing.assert_allclose(MV.matvec(x, w, blocks=fma, interpret=True, **kw), x @ wk, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(MV.matvec(x, w, blocks=MV.Blocks(16, 128, 1, 4, 3, fma=1), interpret=True, **kw),
+                                   x @ wk, rtol=2e-5, atol=2e-5)
+    if layout != "nk":
+        gu = 0.5 * _rand(5, (1, 2 * K))
+        parts = MV.Partials(jnp.stack([0.25 * gu, 0.75 * gu]), jnp.float32)
+        ref = (jax.nn.silu(gu[:, :K]) * gu[:, K:]) @ wk
+        for x in (gu, parts):
+            np.testing.assert_allclose(MV.matvec(x, w, blocks=fma, activation="silu", interpret=True, **kw), ref,
+                                       rtol=2e-5, atol=2e-5)

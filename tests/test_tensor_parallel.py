@@ -2,7 +2,8 @@
 round-trips and gives each device [q_i | k_i | v_i] and [gate_i | up_i]; the shard_map forward
 (psum after wo and w_down, vocab-split LM head, KV cache split on kv heads) gives one device's
 float32 logits and greedy tokens, GQA included, on model=2, model=4 and data=2,model=2; an EAGLE-3
-chain and an EAGLE-1 tree run under the same mesh; a model=N that does not divide the kv heads is a one-line error."""
+chain and an EAGLE-1 tree run under the same mesh; a second generation on the same weights reuses
+their placed layout; a model=N that does not divide the kv heads is a one-line error."""
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +110,24 @@ def test_tensor_parallel_generate_equals_one_device(target):
         out = generate(target, CFG, PROMPTS, max_new_tokens=10, mesh=mesh)
         np.testing.assert_array_equal(out.tokens, ref.tokens)
         np.testing.assert_array_equal(out.lengths, ref.lengths)
+
+
+def test_second_generate_reuses_the_placed_layout(target, monkeypatch):
+    """The per-head layout moves and permutes every weight: generate lays the same weights out once
+    per mesh, and again only for other weights or another mesh."""
+    from jspec import sharding
+    calls = []
+    laid_out = sharding._laid_out
+    monkeypatch.setattr(sharding, "_laid_out", lambda *a, **k: calls.append(a[0]) or laid_out(*a, **k))
+    first = generate(target, CFG, PROMPTS, max_new_tokens=3, mesh="model=2")
+    assert calls
+    n = len(calls)
+    again = generate(target, CFG, PROMPTS, max_new_tokens=3, mesh="model=2")
+    assert len(calls) == n  # not laid out again
+    np.testing.assert_array_equal(again.tokens, first.tokens)
+    other = {**target, "final_norm": target["final_norm"] * 2}
+    generate(other, CFG, PROMPTS, max_new_tokens=3, mesh="model=2")
+    assert len(calls) == 2 * n  # other weights: placed anew
 
 
 def test_eagle3_chain_under_model_2_and_data_2_model_2_equals_one_device():

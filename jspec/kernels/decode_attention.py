@@ -7,8 +7,9 @@ attention alone: rope on q and k, two scatters into the cache, the per-layer cac
 QK product, the masked softmax and the PV product. This Pallas (Triton) kernel does all of it in
 one launch per layer:
 
-  * reads q, k, v straight from the fused QKV projection [B, T, Hq + 2*Hkv, hd] and applies rope
-    (rotate-half layout: the two halves are loaded separately, so no in-register shuffles);
+  * reads q, k, v straight from the fused QKV projection [B, T, Hq + 2*Hkv, hd] (or sums its
+    split-K partials) and applies rope (rotate-half layout: the two halves are loaded separately,
+    so no in-register shuffles);
   * attends over the committed cache slots [0, lengths[b]) of layer `layer` of the full stacked
     cache [L, B, S, Hkv, hd] (online softmax over key blocks), then over the T new tokens under
     their mask (causal, or a tree's ancestor mask [B, T, T]);
@@ -46,7 +47,7 @@ def _next_pow2(n: int) -> int:
 
 
 def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in, o_ref, k_out, v_out, *,
-            T, BT, G, Hq, Hkv, hd, scale, causal, drop_past_end):
+            T, BT, G, Hq, Hkv, hd, scale, causal, drop_past_end, qkv_parts):
     del k_in, v_in  # aliased with k_out / v_out: read and write through the outputs
     b = pl.program_id(0)
     qh = pl.program_id(1)
@@ -61,22 +62,30 @@ def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in,
     t_ok = t < T
     rows = pl.ds(0, BT)
     lo, hi = pl.ds(0, half), pl.ds(half, half)
-    dt = qkv_ref.dtype
+    dt = o_ref.dtype
 
     def load(ref_at, mask):
         return plgpu.load(ref_at, mask=mask, other=0)
+
+    def load_qkv(head, cols):  # [BT, cols] of one head of the QKV row; split-K partials summed, rounded once
+        if not qkv_parts:
+            return load(qkv_ref.at[b, rows, head, cols], t_ok[:, None])
+        total = load(qkv_ref.at[jnp.int32(0), b, rows, head, cols], t_ok[:, None])
+        for j in range(1, qkv_parts):
+            total = total + load(qkv_ref.at[jnp.int32(j), b, rows, head, cols], t_ok[:, None])
+        return total.astype(dt)
 
     c = load(cos_ref.at[b, rows, :], t_ok[:, None])  # [BT, half] f32
     s = load(sin_ref.at[b, rows, :], t_ok[:, None])
 
     def rope(head):  # rotate-half rope of one head of the QKV row, rounded to the model dtype
-        x1 = load(qkv_ref.at[b, rows, head, lo], t_ok[:, None]).astype(jnp.float32)
-        x2 = load(qkv_ref.at[b, rows, head, hi], t_ok[:, None]).astype(jnp.float32)
+        x1 = load_qkv(head, lo).astype(jnp.float32)
+        x2 = load_qkv(head, hi).astype(jnp.float32)
         return (x1 * c - x2 * s).astype(dt), (x2 * c + x1 * s).astype(dt)
 
     q1, q2 = rope(qh)
     k1, k2 = rope(Hq + kvh)
-    vn = load(qkv_ref.at[b, rows, Hq + Hkv + kvh, :], t_ok[:, None])  # [BT, hd]
+    vn = load_qkv(Hq + Hkv + kvh, slice(None))  # [BT, hd]
 
     def dot(a, b, trans_b=False):  # f32 accumulation; float32 models get no tf32 rounding
         return lax.dot_general(a, b, (((1,), (1 if trans_b else 0,)), ((), ())), preferred_element_type=jnp.float32,
@@ -141,10 +150,12 @@ def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in,
 
 
 def fused_block_attention(qkv, cos, sin, k_cache, v_cache, layer, lengths, new_mask, *, num_heads, num_kv_heads,
-                          scale, interpret=False, num_warps=4, drop_past_end=True):
+                          scale, interpret=False, num_warps=4, drop_past_end=True, qkv_dtype=None):
     """Attention of T new tokens over a stacked cache, writing their K/V; one kernel.
 
-    qkv [B, T, Hq + 2*Hkv, hd] (before rope); cos, sin [B, T, hd//2] float32; k_cache, v_cache
+    qkv [B, T, Hq + 2*Hkv, hd] (before rope), or the QKV projection's float32 split-K partials
+    [S, B, T, Hq + 2*Hkv, hd] with `qkv_dtype`, the dtype their sum rounds to (summed here: no
+    kernel between the projection and this one); cos, sin [B, T, hd//2] float32; k_cache, v_cache
     [L, B, S, Hkv, hd]; layer: int32 scalar (which layer of the cache); lengths [B] committed
     slots; new_mask [B, T, T] (nonzero = visible) or None for causal.
     Returns (out [B, T, Hq, hd], k_cache, v_cache) with slots lengths[b] + t of `layer` written.
@@ -152,19 +163,22 @@ def fused_block_attention(qkv, cos, sin, k_cache, v_cache, layer, lengths, new_m
     also hidden from the block (model.forward: the einsum path reads keys back from the cache) or
     still attended (draft heads, whose einsum path attends to the new tokens' own K/V).
     """
-    B, T, H3, hd = qkv.shape
+    B, T, H3, hd = qkv.shape[-4:]
     assert H3 == num_heads + 2 * num_kv_heads and T <= MAX_BLOCK, (qkv.shape, num_heads, num_kv_heads)
+    qkv_parts = qkv.shape[0] if qkv.ndim == 5 else 0
+    dtype = jnp.dtype(qkv_dtype or qkv.dtype)
     BT = max(16, _next_pow2(T))
     causal = new_mask is None
     mask = jnp.zeros((1, 1, 1), jnp.int32) if causal else new_mask.astype(jnp.int32)
     kernel = functools.partial(_kernel, T=T, BT=BT, G=num_heads // num_kv_heads, Hq=num_heads, Hkv=num_kv_heads,
-                               hd=hd, scale=float(scale), causal=causal, drop_past_end=drop_past_end)
+                               hd=hd, scale=float(scale), causal=causal, drop_past_end=drop_past_end,
+                               qkv_parts=qkv_parts)
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     out, k_cache, v_cache = pl.pallas_call(
         kernel,
         grid=(B, num_heads),
         out_shape=(
-            jax.ShapeDtypeStruct((B, T, num_heads, hd), qkv.dtype),
+            jax.ShapeDtypeStruct((B, T, num_heads, hd), dtype),
             jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
             jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
         ),

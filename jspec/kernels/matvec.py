@@ -10,9 +10,18 @@ shape. This kernel is one simple shape-parametrised program:
     grid (ceil(N / BN), S): program (n, s) owns output columns [n*BN, +BN) and the K range
     [s*K/S, +K/S); it walks that range in BK-row tiles (software-pipelined by Triton over
     `num_stages` buffers) and accumulates x_tile @ W_tile in float32 on the tensor cores
-    (rows masked up to 16, the smallest MMA tile: the padding rows are never read from memory). Split-K (S > 1) writes float32 partials
-    [S, Mp, N] that the caller's next XLA fusion sums (with its residual / activation), so every
-    program does a fixed share and results are deterministic (no atomics).
+    (rows masked up to 16, the smallest MMA tile: the padding rows are never read from memory).
+    Without a split (S = 1) each program stores its columns rounded to the output dtype: no
+    kernel runs after it. Split-K (S > 1) writes float32 partials [S, M, N] that the caller's
+    next XLA fusion sums (with its residual), or that the next matvec sums per K tile itself
+    (`Partials`), so every program does a fixed share and results are deterministic (no atomics).
+
+One-row products may instead multiply and sum on the CUDA cores (`Blocks(..., fma=1)`, the
+row a [BK] vector, no padding to a tensor-core tile) where the tuning measured that faster.
+
+A gated MLP is two kernels: gate | up, then the down projection with `activation=`, which reads
+the gate | up product (or its partials) and forms act(gate) * up per K tile, so the [M, F]
+activation is never written and no elementwise kernel runs between the two.
 
 `W` may be:
   * [K, N] (a projection), or [N, K] with `transposed=True` (a tied embedding as the LM head,
@@ -33,6 +42,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,117 +60,210 @@ _SMS_FALLBACK = 132  # H100 SXM; only used when the device does not report its c
 
 
 class Blocks(tuple):
-    """(block_n, block_k, split_k, num_warps, num_stages)."""
+    """(block_n, block_k, split_k, num_warps, num_stages), and a trailing 1 (`fma`) where a one-row
+    product multiplies and sums on the CUDA cores instead of padding its row to a tensor-core tile."""
 
     __slots__ = ()
 
-    def __new__(cls, bn, bk, split, warps, stages):
-        return super().__new__(cls, (int(bn), int(bk), int(split), int(warps), int(stages)))
+    def __new__(cls, bn, bk, split, warps, stages, fma=0):
+        return super().__new__(cls, (int(bn), int(bk), int(split), int(warps), int(stages)) + ((1,) if fma else ()))
+
+    @property
+    def fma(self) -> bool:
+        return len(self) > 5 and bool(self[5])
 
 
 def _pad_rows(m: int) -> int:
     return max(16, 1 << (m - 1).bit_length())
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, M, BM, K, N, BK, BN, KS, transposed, stacked, mask_n, mask_k):
+def activation(name: str):
+    """The gated MLP's activation by name (ModelConfig.mlp_activation): "silu" (SwiGLU) or
+    "gelu_tanh" (GeGLU). The model's portable path and the kernel's folded one both use it."""
+    if name == "gelu_tanh":
+        return functools.partial(jax.nn.gelu, approximate=True)
+    if name == "silu":
+        return jax.nn.silu
+    raise ValueError(f"mlp activation {name!r}: expected silu or gelu_tanh")
+
+
+class Partials(NamedTuple):
+    """Split-K partial products of a matvec, not yet summed: parts [S, ..., N] in float32, whose sum
+    rounded to `dtype` is the product. A matvec that takes them as its x sums them per K tile
+    itself, so no kernel sits between the two products."""
+
+    parts: jax.Array
+    dtype: Any
+
+
+def _load(ref_at, mask):
+    """A masked load (masked-off elements read as 0); mask None: every element is in bounds."""
+    return plgpu.load(ref_at) if mask is None else plgpu.load(ref_at, mask=mask, other=0)
+
+
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, M, BM, K, N, BK, BN, KS, transposed, stacked, mask_n, mask_k,
+            x_parts, x_dtype, act, summed, fma):
     n = pl.program_id(0)
     s = pl.program_id(1)
     at = (lambda *idx: w_ref.at[(layer_ref[0], *idx)]) if stacked else (lambda *idx: w_ref.at[idx])  # one indexer
-    rows = pl.ds(0, BM)
+    # fma: the one row as a vector [BK] (x) and [BN] (the result); else rows padded to BM
+    rows = jnp.int32(0) if fma else pl.ds(0, BM)
     r_ok = jnp.arange(BM) < M
     cols = n * BN + jnp.arange(BN)
     c_ok = cols < N
     k_start = s * KS
-    precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
+    precision = lax.Precision.HIGHEST if w_ref.dtype == jnp.float32 else None
+
+    def load_x(col0, k_ok):
+        """x's columns [col0, col0 + BK) for rows < M, as x_dtype: the partial sums added and
+        rounded once (what the producing product would have stored)."""
+        if fma:
+            mask = k_ok if mask_k else None
+        else:
+            mask = r_ok[:, None] & (k_ok[None, :] if mask_k else True)
+        if not x_parts:
+            return _load(x_ref.at[rows, pl.ds(col0, BK)], mask)
+        part = lambda j: _load(x_ref.at[jnp.int32(j), rows, pl.ds(col0, BK)], mask)  # noqa: E731
+        total = part(0)
+        for j in range(1, x_parts):
+            total = total + part(j)
+        return total.astype(x_dtype)
 
     def body(i, acc):
         k0 = k_start + i * BK
         kb = pl.ds(k0, BK)
         k_ok = (k0 + jnp.arange(BK)) < K
-        xb = plgpu.load(x_ref.at[rows, kb], mask=r_ok[:, None] & (k_ok[None, :] if mask_k else True), other=0)
+        if act is None:
+            xb = load_x(k0, k_ok)
+        else:  # x is gate | up [M, 2K]: the down projection's input act(gate) * up, made per tile
+            gate, up = load_x(k0, k_ok).astype(jnp.float32), load_x(K + k0, k_ok).astype(jnp.float32)
+            xb = (activation(act)(gate) * up).astype(x_dtype)
+        xb = xb.astype(w_ref.dtype)
         if transposed:  # W [N, K]: tile [BN, BK], contiguous along K
             mask = (c_ok[:, None] if mask_n else True) & (k_ok[None, :] if mask_k else True)
-            wb = plgpu.load(at(pl.ds(n * BN, BN), kb), mask=None if mask is True else mask,
-                            other=None if mask is True else 0)
+            wb = _load(at(pl.ds(n * BN, BN), kb), None if mask is True else mask)
+            if fma:
+                return acc + jnp.sum(wb.astype(jnp.float32) * xb.astype(jnp.float32)[None, :], axis=1)
             dims = (((1,), (1,)), ((), ()))
         else:  # W [K, N]: tile [BK, BN], contiguous along N
             mask = (k_ok[:, None] if mask_k else True) & (c_ok[None, :] if mask_n else True)
-            wb = plgpu.load(at(kb, pl.ds(n * BN, BN)), mask=None if mask is True else mask,
-                            other=None if mask is True else 0)
+            wb = _load(at(kb, pl.ds(n * BN, BN)), None if mask is True else mask)
+            if fma:
+                return acc + jnp.sum(wb.astype(jnp.float32) * xb.astype(jnp.float32)[:, None], axis=0)
             dims = (((1,), (0,)), ((), ()))
         return acc + lax.dot_general(xb, wb, dims, preferred_element_type=jnp.float32, precision=precision)
 
-    acc = lax.fori_loop(0, KS // BK, body, jnp.zeros((BM, BN), jnp.float32))
-    plgpu.store(o_ref.at[s, rows, pl.ds(n * BN, BN)], acc, mask=r_ok[:, None] & (c_ok[None, :] if mask_n else True))
+    acc = lax.fori_loop(0, KS // BK, body, jnp.zeros((BN,) if fma else (BM, BN), jnp.float32))
+    out = o_ref.at[rows, pl.ds(n * BN, BN)] if summed else o_ref.at[s, rows, pl.ds(n * BN, BN)]
+    if fma:
+        mask = c_ok if mask_n else None
+    else:
+        mask = r_ok[:, None] & (c_ok[None, :] if mask_n else True)
+    if mask is None:
+        plgpu.store(out, acc.astype(o_ref.dtype))
+    else:
+        plgpu.store(out, acc.astype(o_ref.dtype), mask=mask)
 
 
-def matvec_partials(x, w, *, layer=None, transposed=False, blocks: Blocks, interpret=False):
-    """float32 partial products [S, M, N] of x [M, K] @ W (see the module doc for W's layouts).
-
-    Sum over axis 0 and round to the output dtype to get `x @ W`."""
-    M, K = x.shape
+def _pallas_matvec(x, w, *, layer, transposed, blocks: Blocks, out_dtype, act, x_dtype, interpret):
+    """x [M, Kx] (or float32 partials [S_in, M, Kx]) @ W: [M, N] in out_dtype when the blocks keep
+    K whole (one program per column block sums everything: the result is stored rounded, no
+    kernel after), else float32 partial products [S, M, N] to be summed."""
+    x_parts = x.shape[0] if x.ndim == 3 else 0
+    M, Kx = x.shape[-2:]
+    K = Kx // 2 if act else Kx
     stacked = layer is not None
     kn = w.shape[-2:]
     N = kn[0] if transposed else kn[1]
-    assert (kn[1] if transposed else kn[0]) == K, (x.shape, w.shape, transposed)
-    assert M <= MAX_ROWS, M
-    bn, bk, split, warps, stages = blocks
+    if (kn[1] if transposed else kn[0]) != K or (act and Kx % 2):
+        raise ValueError(f"matvec: x {x.shape}{' (gate | up)' if act else ''} does not match W {w.shape}"
+                         f"{' read transposed' if transposed else ''}")
+    if M > MAX_ROWS:
+        raise ValueError(f"matvec: {M} rows, at most {MAX_ROWS}")
+    bn, bk, split, warps, stages = blocks[:5]
+    fma = len(blocks) > 5 and bool(blocks[5]) and M == 1  # (a one-row product only)
     bk = min(bk, 1 << (K - 1).bit_length())
     # each split owns a whole number of BK tiles; the last may run past K (masked)
     ks = -(-K // (split * bk)) * bk
     split = -(-K // ks)
-    kernel = functools.partial(_kernel, M=M, BM=_pad_rows(M), K=K, N=N, BK=bk, BN=bn, KS=ks, transposed=transposed, stacked=stacked,
-                               mask_n=N % bn != 0, mask_k=(split * ks) != K)
+    summed = split == 1
+    kernel = functools.partial(_kernel, M=M, BM=_pad_rows(M), K=K, N=N, BK=bk, BN=bn, KS=ks, transposed=transposed,
+                               stacked=stacked, mask_n=N % bn != 0, mask_k=(split * ks) != K, x_parts=x_parts,
+                               x_dtype=jnp.dtype(x_dtype), act=act, summed=summed, fma=fma)
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    out_shape = jax.ShapeDtypeStruct((M, N), out_dtype) if summed else jax.ShapeDtypeStruct((split, M, N), jnp.float32)
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(N, bn), split),
-        out_shape=jax.ShapeDtypeStruct((split, M, N), jnp.float32),
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name="jspec_matvec",
     )(layer_arr, x, w)
 
 
-def matvec(x, w, *, layer=None, transposed=False, blocks: Blocks | None = None, out_dtype=None, interpret=False):
+def matvec(x, w, *, layer=None, transposed=False, blocks: Blocks | None = None, out_dtype=None, activation=None,
+           keep_partials=False, interpret=False):
     """x [..., K] @ W for few rows, W [K, N] / [N, K] (transposed) / [L, K, N] (with `layer`).
 
     Returns [..., N] in out_dtype (default x's dtype): the float32 sum rounded once, as XLA's
-    dot with preferred_element_type=float32 followed by a cast computes it. Differentiable in x
-    and W when `layer` is None (the backward pass is XLA's dots)."""
-    K = x.shape[-1]
+    dot with preferred_element_type=float32 followed by a cast computes it.
+
+    `activation` ("silu" / "gelu_tanh"): x is a gated MLP's gate | up product [..., 2K] and the
+    product is act(gate) * up @ W, made per K tile: the [..., K] input is never stored.
+    x may be `Partials` (a previous matvec's, keep_partials=True): summed per K tile, no kernel
+    between the products. `keep_partials`: return `Partials` where the blocks split K (an array
+    where they don't).
+
+    Differentiable in x and W (XLA's dots backwards) when `layer` is None and neither x nor the
+    result is Partials."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if isinstance(x, Partials):
+        lead = x.parts.shape[1:-1]
+        xf, x_dtype = x.parts.reshape(x.parts.shape[0], -1, x.parts.shape[-1]), jnp.dtype(x.dtype)
+    else:
+        lead = x.shape[:-1]
+        xf, x_dtype = x.reshape(-1, x.shape[-1]), x.dtype
+    K = xf.shape[-1] // 2 if activation else xf.shape[-1]
     N = w.shape[-2] if transposed else w.shape[-1]
     if blocks is None:
-        blocks = default_blocks(math.prod(x.shape[:-1]), K, N, transposed=transposed)
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if layer is not None:
-        return _matvec(x, w, layer, transposed, blocks, out_dtype, interpret)
-    return _matvec_vjp(x, w, transposed, blocks, out_dtype, interpret)
+        blocks = default_blocks(math.prod(lead), K, N, transposed=transposed)
+    if layer is None and not isinstance(x, Partials) and not keep_partials:
+        return _matvec_vjp(x, w, transposed, blocks, out_dtype, activation, interpret)
+    out = _pallas_matvec(xf, w, layer=layer, transposed=transposed, blocks=blocks, out_dtype=out_dtype,
+                         act=activation, x_dtype=x_dtype, interpret=interpret)
+    if out.ndim == 2:
+        return out.reshape(*lead, N)
+    if keep_partials:
+        return Partials(out.reshape(out.shape[0], *lead, N), out_dtype)
+    return jnp.sum(out, axis=0).astype(out_dtype).reshape(*lead, N)
 
 
-def _matvec(x, w, layer, transposed, blocks, out_dtype, interpret):
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    part = matvec_partials(x2, w, layer=layer, transposed=transposed, blocks=blocks, interpret=interpret)
-    return jnp.sum(part, axis=0).astype(out_dtype).reshape(*lead, part.shape[-1])
+def _reference(x, w, transposed, out_dtype, act):
+    """The portable function the kernel computes (its backward pass)."""
+    if act:
+        K = x.shape[-1] // 2
+        x = activation(act)(x[..., :K]) * x[..., K:]
+    return jnp.dot(x, w.T if transposed else w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _matvec_vjp(x, w, transposed, blocks, out_dtype, interpret):
-    return _matvec(x, w, None, transposed, blocks, out_dtype, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _matvec_vjp(x, w, transposed, blocks, out_dtype, act, interpret):
+    out = _pallas_matvec(x.reshape(-1, x.shape[-1]), w, layer=None, transposed=transposed, blocks=blocks,
+                         out_dtype=out_dtype, act=act, x_dtype=x.dtype, interpret=interpret)
+    if out.ndim == 3:
+        out = jnp.sum(out, axis=0).astype(out_dtype)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _matvec_fwd(x, w, transposed, blocks, out_dtype, interpret):
-    return _matvec(x, w, None, transposed, blocks, out_dtype, interpret), (x, w)
+def _matvec_fwd(x, w, transposed, blocks, out_dtype, act, interpret):
+    return _matvec_vjp(x, w, transposed, blocks, out_dtype, act, interpret), (x, w)
 
 
-def _matvec_bwd(transposed, blocks, out_dtype, interpret, res, g):
+def _matvec_bwd(transposed, blocks, out_dtype, act, interpret, res, g):
     x, w = res
-    wk = w.T if transposed else w  # [K, N]
-    dx = jnp.dot(g, wk.T.astype(g.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
-    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    dw = jnp.dot(x2.T, g.reshape(-1, g.shape[-1]).astype(jnp.float32))  # [K, N]
-    return dx, (dw.T if transposed else dw).astype(w.dtype)
+    _, pullback = jax.vjp(lambda x, w: _reference(x, w, transposed, out_dtype, act), x, w)
+    return pullback(g)
 
 
 _matvec_vjp.defvjp(_matvec_fwd, _matvec_bwd)
@@ -201,7 +304,7 @@ SMEM_BUDGET = 200 * 1024  # of the H100's 227 KiB a block may use
 
 def smem_bytes(M: int, blocks: Blocks, itemsize: int = 2) -> int:
     """Shared memory of the pipelined x and W tiles (what num_stages multiplies)."""
-    bn, bk, _, _, stages = blocks
+    bn, bk, _, _, stages = blocks[:5]
     return stages * itemsize * bk * (_pad_rows(M) + bn)
 
 
@@ -226,6 +329,16 @@ def card_name() -> str:
         return jax.devices()[0].device_kind
     except Exception:  # noqa: BLE001
         return "unknown"
+
+
+def fuse_products() -> bool:
+    """$JSPEC_FUSE_PRODUCTS (read when a program is traced): "1" (default) lets split-K partials go
+    unsummed to the next kernel and folds the MLP's activation into the down projection; "0" sums
+    every product and applies the activation in XLA, as before them (for A/B benchmarks)."""
+    value = os.environ.get("JSPEC_FUSE_PRODUCTS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"JSPEC_FUSE_PRODUCTS={value!r}: expected 0 or 1")
+    return value == "1"
 
 
 def matmul_choice() -> str:
@@ -254,6 +367,17 @@ def pick_blocks(M: int, K: int, N: int, *, transposed: bool, dtype=jnp.bfloat16,
         return Blocks(*hit["blocks"])
     return default_blocks(M, K, N, transposed=transposed)
 
+
+
+def fold_activation(M: int, F: int, D: int, *, dtype=jnp.bfloat16) -> bool:
+    """Whether a gated MLP's down projection [F, D] (run by the kernel) should read gate | up and
+    apply the activation itself (`matvec(activation=...)`): yes, one kernel fewer and no [M, F]
+    round trip, unless the tuning table's entry for this product measured otherwise
+    ("fold_activation": false, from bench_shapes --parts tune)."""
+    if not fuse_products():
+        return False
+    hit = _tuning_table(card_name()).get(tuning_key(M, F, D, False, dtype))
+    return bool(hit.get("fold_activation", True)) if hit else True
 
 
 def candidate_blocks(M: int, K: int, N: int, *, transposed: bool, sms: int | None = None) -> list[Blocks]:
