@@ -54,9 +54,10 @@ NEG_INF = -1e30  # finite, so fully-masked rows never produce NaN
 #             of up to fused_attn.MAX_BLOCK tokens (decode, chain and tree verify), and the
 #             bandwidth-bound matvec kernel (kernels/matvec.py) for every projection and the LM head
 #             of up to matvec.MAX_ROWS rows whose shape its tuning table (or rule) gives it; it reads
-#             stacked weights in place by layer index, the down projection applies the MLP's
-#             activation to gate | up itself, and split-K partials go unsummed to the next kernel
-#             (attention, down). Calls or families it doesn't cover fall back to "xla";
+#             stacked weights in place by layer index; with JSPEC_FUSE_PRODUCTS=1 (opt-in until
+#             measured on a GPU) the down projection applies the MLP's activation to gate | up
+#             itself and split-K partials go unsummed to the next kernel (attention, down). Calls
+#             or families it doesn't cover fall back to "xla";
 #   "cudnn"   cuDNN flash attention (jax.nn.dot_product_attention) inside the "xla" layer.
 # Off GPU the Pallas kernels run in interpret mode (slow; what the CPU tests check them with).
 KERNEL_IMPLS = ("xla", "pallas", "cudnn")

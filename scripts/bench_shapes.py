@@ -23,8 +23,9 @@ keeps what it measured; the committed rows live in benchmarks/shapes/):
           parts that run next use it;
   ar      whole jitted generations (jspec.decode.generate_ar_jit: prompt 64 + 256 new tokens) at
           --batches, per --variants: "auto" (the default kernels), "xla" (JSPEC_MATMUL=xla: XLA's
-          dots everywhere, the previous default), "cublas" (xla + cuBLAS GEMMs), "unfused" (auto
-          with JSPEC_FUSE_PRODUCTS=0: every product summed and the MLP's activation in XLA);
+          dots everywhere, the previous default), "cublas" (xla + cuBLAS GEMMs), "fused" (auto
+          with JSPEC_FUSE_PRODUCTS=1: split-K partials summed by the next kernel and the MLP's
+          activation folded into the down projection; opt-in until measured);
   verify  one target forward + LM head over T = 1, 8, 64 tokens and a 60-node tree (cursor fixed);
   draft   an EAGLE-3 head at the target's shape (draft vocab 32k): a chain step and a 10-node tree
           level;
@@ -437,7 +438,7 @@ def ar_part(shape, cfg, params, rows_out: Rows, batches, variants):
     for variant in variants:
         jax.clear_caches()  # JSPEC_MATMUL is read when tracing: each variant must trace anew
         with_matmul("xla" if variant in ("xla", "cublas") else "auto")
-        os.environ["JSPEC_FUSE_PRODUCTS"] = "0" if variant == "unfused" else "1"
+        os.environ["JSPEC_FUSE_PRODUCTS"] = "1" if variant == "fused" else "0"
         opts = {"xla_gpu_enable_triton_gemm": False} if variant == "cublas" else None
         gen = jax.jit(D.generate_ar_jit.__wrapped__,
                       static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll"),
@@ -460,7 +461,7 @@ def ar_part(shape, cfg, params, rows_out: Rows, batches, variants):
                 traceback.print_exc()
                 rows_out.add(shape=shape, card=card(), method="ar", variant=variant, batch=b, error=repr(e)[:300])
     with_matmul("auto")
-    os.environ["JSPEC_FUSE_PRODUCTS"] = "1"
+    os.environ["JSPEC_FUSE_PRODUCTS"] = "0"
 
 
 def tp_part(shape, cfg, params, rows_out: Rows, batches, mesh_spec: str):
@@ -670,7 +671,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b,smollm2-135m")
     ap.add_argument("--parts", default="ar,verify,draft")
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--variants", default="auto,xla", help="ar variants: auto, unfused, xla, cublas")
+    ap.add_argument("--variants", default="auto,xla", help="ar variants: auto, fused, xla, cublas")
     ap.add_argument("--peer", default=None, help="path of the PyTorch peer script (torch_fast_peer.py)")
     ap.add_argument("--out", default=os.environ.get("OUT", "shape-results"))
     ap.add_argument("--wide", action="store_true",
@@ -689,9 +690,9 @@ def main(argv=None):
         if s not in SHAPES:
             ap.error(f"unknown shape {s!r}: expected one of {', '.join(SHAPES)}")
     parts = set(args.parts.split(","))
-    unknown = set(args.variants.split(",")) - {"auto", "unfused", "xla", "cublas"}
+    unknown = set(args.variants.split(",")) - {"auto", "fused", "xla", "cublas"}
     if unknown:
-        ap.error(f"--variants: unknown {', '.join(sorted(unknown))}; expected some of auto, unfused, xla, cublas")
+        ap.error(f"--variants: unknown {', '.join(sorted(unknown))}; expected some of auto, fused, xla, cublas")
     tune_rows = tuple(int(r) for r in args.tune_rows.split(",") if r.strip().isdigit())
     if not tune_rows or set(tune_rows) - {1, 16, 32, 64}:
         ap.error(f"--tune-rows {args.tune_rows!r}: expected a comma-separated subset of 1, 16, 32, 64")

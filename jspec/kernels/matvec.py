@@ -332,10 +332,12 @@ def card_name() -> str:
 
 
 def fuse_products() -> bool:
-    """$JSPEC_FUSE_PRODUCTS (read when a program is traced): "1" (default) lets split-K partials go
-    unsummed to the next kernel and folds the MLP's activation into the down projection; "0" sums
-    every product and applies the activation in XLA, as before them (for A/B benchmarks)."""
-    value = os.environ.get("JSPEC_FUSE_PRODUCTS", "1")
+    """$JSPEC_FUSE_PRODUCTS (read when a program is traced): "1" lets split-K partials go unsummed
+    to the next kernel and folds the MLP's activation into the down projection; "0" (default)
+    sums every product and applies the activation in XLA. Opt-in until a GPU run has compiled and
+    timed the fused kernels (they are tested against the portable path in interpret mode only);
+    `bench_shapes.py --variants fused` is the A/B row that decides the default."""
+    value = os.environ.get("JSPEC_FUSE_PRODUCTS", "0")
     if value not in ("0", "1"):
         raise ValueError(f"JSPEC_FUSE_PRODUCTS={value!r}: expected 0 or 1")
     return value == "1"
