@@ -115,3 +115,20 @@ def test_calibrate_command_writes_beside_the_head(setup, tmp_path, monkeypatch, 
     assert set(entry["policies"]) == {"svip", "ldlp"} and entry["k_max"] == K and "training split" in entry["prompts"]
     assert cli.main(["calibrate", "--policy", "static"]) == 2
     assert "calibrate fits confidence, svip" in capsys.readouterr().err
+
+
+def test_calibration_prompts_from_a_questions_file(tmp_path):
+    """--prompt-file: a user's own workload (bench --questions' format), all of it or its first
+    --n-prompts; a missing file or too large a count is a one-line usage error before any loading."""
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "category": "x", "turns": [f"q{i}", "again"]}) + "\n"
+                            for i in range(5)))
+    args = lambda **kw: C.add_calibrate_args(__import__("argparse").ArgumentParser()).parse_args(  # noqa: E731
+        [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()])
+    texts, note = C.calibration_prompts(args(prompt_file=path))
+    assert texts == [f"q{i}" for i in range(5)] and "first 5 of 5" in note
+    assert C.calibration_prompts(args(prompt_file=path, n_prompts=2))[0] == ["q0", "q1"]
+    with pytest.raises(C.UsageError, match="holds 5 questions"):
+        C.calibration_prompts(args(prompt_file=path, n_prompts=9))
+    with pytest.raises(C.UsageError, match="does not exist"):
+        C.calibration_prompts(args(prompt_file=tmp_path / "none.jsonl"))

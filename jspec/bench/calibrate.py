@@ -26,7 +26,7 @@ from jspec.speculative.policies.auto import card_name
 from jspec.speculative.policies.calibration import (CALIBRATED_POLICIES, Records, RecordingPolicy, RoundCost, fit_all,
                                                     save_calibration)
 from jspec.speculative.policies.ldlp import load_ldlp
-from jspec.tasks import Question, training_prompts
+from jspec.tasks import Question, TaskDataError, load_questions_file, training_prompts
 
 STATIC_REFERENCE = 6  # the static chain the issue's bars compare against
 
@@ -39,7 +39,12 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--k-max", type=int, default=8, help="the chain's maximum draft length the constants are fit for")
     p.add_argument("--batch", type=int, default=1, help="batch size of the cost model the fit optimises for")
     p.add_argument("--record-batch", type=int, default=16, help="rows per generate call while recording")
-    p.add_argument("--n-prompts", type=int, default=128, help="training-side prompts to record rounds on")
+    p.add_argument("--n-prompts", type=int, default=None,
+                   help="prompts to record rounds on (default: 128 chitchat training prompts, or all of --prompt-file)")
+    p.add_argument("--prompt-file", default=None, metavar="JSONL",
+                   help="calibrate on your own workload instead of chitchat's training split: questions in the "
+                        "format `jspec bench --questions` takes (one JSON object a line with `turns`; the first "
+                        "turn is the prompt). Never an evaluation set you report on")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0, help="which training prompts")
     p.add_argument("--out-dir", default=None, help="head directory to write jspec/calibration.json into (default: the head's)")
@@ -55,13 +60,29 @@ def check_calibrate_args(a) -> list[str]:
         raise UsageError(f"--policy {a.policy!r}: calibrate fits {', '.join(CALIBRATED_POLICIES)}")
     for flag, value in (("--k-max", a.k_max), ("--batch", a.batch), ("--record-batch", a.record_batch),
                         ("--n-prompts", a.n_prompts), ("--max-new-tokens", a.max_new_tokens)):
-        if value < 1:
+        if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if a.k_max < 2:
         raise UsageError(f"--k-max {a.k_max}: a policy can only choose a draft length when k_max >= 2")
     if not check_drafter_spec(a.drafter).__name__.startswith("Eagle"):
         raise UsageError(f"--drafter {a.drafter!r}: calibration fits policies to an EAGLE head (eagle3[:PATH], eagle[:PATH])")
     return names
+
+
+def calibration_prompts(a) -> tuple[list[str], str]:
+    """The prompt texts to record rounds on and a note saying where they came from: --prompt-file's
+    first turns (all of them, or the first --n-prompts), else chitchat's training split."""
+    if a.prompt_file is None:
+        n = a.n_prompts or 128
+        return training_prompts(n, seed=a.seed), f"chitchat training split (jspec.tasks.training_prompts): {n} prompts, seed {a.seed}"
+    try:
+        questions = load_questions_file(a.prompt_file)
+    except TaskDataError as e:
+        raise UsageError(f"--prompt-file: {e}") from None
+    n = a.n_prompts or len(questions)
+    if not questions or n > len(questions):
+        raise UsageError(f"--n-prompts {n}: {a.prompt_file} holds {len(questions)} questions")
+    return [q.turns[0] for q in questions[:n]], f"{Path(a.prompt_file).name}: the first {n} of {len(questions)} questions"
 
 
 def record_rounds(params, cfg, drafter, dparams, prompts: list[list[int]], *, k_max: int, batch: int, max_new: int,
@@ -105,7 +126,7 @@ def report_lines(entry: dict) -> list[str]:
 
 def run_calibrate(a) -> int:
     names = check_calibrate_args(a)
-    texts = training_prompts(a.n_prompts, seed=a.seed)  # before the model loads: a bad count fails fast
+    texts, source = calibration_prompts(a)  # before the model loads: a bad file or count fails fast
     cfg, params, tokenizer = presets.resolve_model(a.model)
     drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)
     head = Path(a.out_dir) if a.out_dir else head_dir(a.drafter, a.model)
@@ -114,7 +135,7 @@ def run_calibrate(a) -> int:
     costs = ensure_costs(params, cfg, drafter, dparams, batch=a.batch, preset=preset_name(a.model), models_dir=a.models_dir)
     entry = calibrate(params, cfg, drafter, dparams, prompts, names, costs=costs, k_max=a.k_max, batch=a.batch,
                       record_batch=a.record_batch, max_new=a.max_new_tokens, ldlp_params=ldlp_params)
-    entry["prompts"] = f"chitchat training split (jspec.tasks.training_prompts): {a.n_prompts} prompts, seed {a.seed}"
+    entry["prompts"] = source
     path = save_calibration(head, card_name(), entry)
     print("\n".join(report_lines(entry)))
     print(f"calibration: {path}")
