@@ -21,7 +21,7 @@ from .config import UnsupportedModelError, config_from_hf
 from .decode import PromptError, pack_prompts
 from .errors import UsageError
 from .generate import SpeculativeConfig, generate, generate_stream
-from .presets import list_presets, resolve_config, resolve_model, resolve_tokenizer
+from .presets import list_presets, models_dir, resolve_config, resolve_model, resolve_tokenizer
 from .sampling import Sampling
 from .sharding import parse_mesh
 from .speculative.drafters.base import DrafterError
@@ -32,6 +32,7 @@ from .speculative.engines.specbranch import SpecBranchConfig
 from .speculative.engines.tree import TreeConfig
 from .speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, resolve_policy_spec, shipped_head_path
 from .speculative.policies import POLICY_NAMES, make_policy
+from .speculative.policies.auto import load_costs, plan_for
 from .speculative.policies.ldlp import load_ldlp
 from .speculative.verify.consultant import DEFAULT_EPS, ConsultantRule
 from .tasks import TaskDataError
@@ -371,6 +372,10 @@ def cmd_generate(a) -> int:
     if spec is not None:
         drafter, dparams = build_drafter(spec.drafter, cfg, params, model_name=a.model, k_max=spec.k_max)
         spec = spec.replace(drafter=drafter, drafter_params=dparams)
+        if spec.policy == "auto":  # planned on the preset's committed cost table for this card, as `jspec bench` plans
+            tree = TreeConfig() if spec.tree is True or spec.tree == "auto" else spec.tree
+            costs = load_costs(a.model if a.model in list_presets() else None, models_dir=str(models_dir()))
+            spec = spec.replace(policy=plan_for(drafter, costs, batch=len(prompts), k_cap=spec.k_max, tree=tree))
     if not a.no_stream:  # each prompt streamed in turn
         for i, prompt in enumerate(prompts):
             if len(prompts) > 1:
