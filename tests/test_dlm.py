@@ -169,7 +169,8 @@ class HandMarginalsDrafter(DiffuSpecDrafter):
 
     def denoise(self, dparams, tparams, dstate, last):
         _, fixed, fixed_tok, dstate = super().denoise(dparams, tparams, dstate, last)
-        logits = jnp.broadcast_to(jnp.asarray(_hand_marginals()), (last.shape[0],) + fixed.shape[1:] + (CFG.vocab_size,))
+        marginals = jnp.asarray(_hand_marginals()[: fixed.shape[1]])
+        logits = jnp.broadcast_to(marginals, (last.shape[0],) + fixed.shape[1:] + (CFG.vocab_size,))
         return logits, fixed, fixed_tok, dstate
 
 
