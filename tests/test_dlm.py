@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jspec import model as M
+from jspec.bench import round_cost as RC
 from jspec.config import ModelConfig
 from jspec.decode import generate_ar_jit, pack_prompts
 from jspec.heads import dlm as D
@@ -18,7 +19,7 @@ from jspec.speculative.drafters.diffusion import (
     DiffuSpecDrafter, cps_beam_search, cps_lattice, fit_trigram_proxy, proxy_logprob,
 )
 from jspec.speculative.engines import ssd as SSD
-from jspec.speculative.engines.chain import speculative_generate
+from jspec.speculative.engines.chain import speculative_generate, start_spec
 from jspec.speculative.policies import make_policy
 from jspec.speculative.policies.adl import ADLPolicy
 from jspec.train.testing import numpy_params
@@ -231,3 +232,18 @@ def test_ssd_identical_to_stepwise(target, dlm):
                                                      n_nodes=n_nodes, **kw)
     np.testing.assert_array_equal(same, ref)
     np.testing.assert_array_equal(f_same, f_ref)
+
+
+def test_round_profile_times_the_dlm_forward_cps_and_ssd_steps(target, dlm):
+    """The round-cost parts bench_dlm.py --rows profile reports: the DLM's block call and the CPS
+    choice each timed alone, SSD's N-node step against the one-block step."""
+    k = 6
+    drafter = DiffuSpecDrafter(dcfg=DCFG, k_max=k, m_max=4, beam=2, kernels="xla")
+    tokens, lens, cache_len = pack_prompts(CFG, PROMPTS, 16, extra=k)
+    state = jax.jit(lambda tp, dp, t, ln: start_spec(tp, CFG, drafter, dp, ADLPolicy(k_max=k, k_min=2, delta=2), None, k,
+                                                       16, cache_len, GREEDY, 1, t, ln, jax.random.PRNGKey(0)))(
+        target, _diffuspec_params(dlm), jnp.asarray(tokens), jnp.asarray(lens))
+    parts = RC.block_draft_us(target, CFG, drafter, _diffuspec_params(dlm), state, n=2)
+    assert set(parts) == {"dlm_forward_us", "choose_us"} and min(parts.values()) > 0
+    ssd = RC.ssd_forward_us(dlm, target, DCFG, batch=2, b=4, n_nodes=3, prompt_len=8, n=2)
+    assert ssd["ssd_over_stepwise"] == pytest.approx(ssd["ssd_step_us"] / ssd["stepwise_step_us"]) and ssd["ssd_step_us"] > 0
