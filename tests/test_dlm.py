@@ -3,6 +3,7 @@ greedy identity, SSD == stepwise. Tiny random models (fp32), a handful of compil
 
 import dataclasses
 import itertools
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -130,6 +131,35 @@ def test_cps_finds_best_causal_path():
     assert best_path[:2] == [5, 7]
     _, _, greedy_score = search(1)  # beam width 1 (greedy) misses the optimum here
     assert float(greedy_score[0]) < best - 1e-3
+
+
+def test_proxy_lookup_matches_counted_ngrams():
+    """The hashed device tables give the stupid-backoff 3-gram log-probs counted directly, for seen
+    trigrams, bigram backoffs and unigram backoffs alike (and a table with no trigrams at all)."""
+    rng = np.random.default_rng(0)
+    V = 40
+    seqs = [rng.integers(0, V, rng.integers(1, 50)).tolist() for _ in range(200)]
+    tri, bi, uni = Counter(), Counter(), np.zeros(V)
+    for s in seqs:
+        uni += np.bincount(s, minlength=V)
+        tri.update(tuple(s[i : i + 3]) for i in range(len(s) - 2))
+        bi.update(tuple(s[i : i + 2]) for i in range(len(s) - 1))
+    ctx2, ctx1 = Counter(), Counter()
+    for (a, b, _), n in tri.items():
+        ctx2[a, b] += n
+    for (b, _), n in bi.items():
+        ctx1[b] += n
+    q = rng.integers(0, V, (3, 4000))
+    q[:, :1000] = np.asarray(list(tri)[:1000]).T
+    alpha = np.log(0.4)
+    ref = [np.log(tri[a, b, c] / ctx2[a, b]) if (a, b, c) in tri else
+           alpha + np.log(bi[b, c] / ctx1[b]) if (b, c) in bi else
+           2 * alpha + np.log((uni[c] + 1) / (uni.sum() + V)) for a, b, c in q.T]
+    lookup = jax.jit(proxy_logprob)
+    proxy = jax.tree.map(jnp.asarray, fit_trigram_proxy(seqs, V))
+    np.testing.assert_allclose(lookup(proxy, *map(jnp.asarray, q)), ref, rtol=1e-5, atol=1e-5)
+    short = jax.tree.map(jnp.asarray, fit_trigram_proxy([[4, 5]], V))  # bigrams only
+    np.testing.assert_allclose(lookup(short, *map(jnp.asarray, ([1], [4], [5]))), [alpha], rtol=1e-6)
 
 
 def _diffuspec_params(dlm):
