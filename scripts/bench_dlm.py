@@ -22,6 +22,12 @@ Rows (RESULTS_DIR/dlm_bench.json, a list; bench-report fields plus extras):
                       speedup_vs_stepwise (against ssd:stepwise)
   an fp32 row         DiffuSpec greedy identity to fp32 AR on --fp32-prompts prompts
                       (matmul precision "highest")
+  method "profile"    (--rows profile) the round's cost breakdown at --batch, each part timed by
+                      itself in a jitted loop (jspec.bench.round_cost): per DiffuSpec variant
+                      dlm_forward_us (the DLM's block call), choose_us (CPS lattice + beam, or the
+                      argmax), verify_us (the target's forward over k_max + 1 tokens), round_us
+                      (a whole round); for SSD stepwise_step_us, ssd_step_us (the N-node step) and
+                      their ratio
 The proxy 3-gram table is fitted on the training split of DATA_DIR at start (seconds).
 --prompts-from-data N benchmarks N prompts of DATA_DIR's eval split instead of the tasks (for a
 target without a tokenizer, e.g. the CPU smoke test).
@@ -47,6 +53,7 @@ def parse(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--tasks", default="mt_bench,humaneval")
     ap.add_argument("--prompts-from-data", type=int, default=0)
+    ap.add_argument("--n-prompts", type=int, default=0, help="the first N prompts of each task (default: all)")
     ap.add_argument("--time-budget-s", type=float, default=240.0,
                     help="whole run incl. compiles: prompts per task are cut to fit (default 240)")
     ap.add_argument("--batch", type=int, default=8)
@@ -58,14 +65,16 @@ def parse(argv=None):
     ap.add_argument("--dtype", default=None, help="default: the preset's (bfloat16 on GPU)")
     ap.add_argument("--paper", action="store_true", help="add the paper-settings DiffuSpec row (k in [20, 30])")
     ap.add_argument("--rows", default="diffuspec,ssd,fp32",
-                    help="row groups: diffuspec (with AR), ssd (with stepwise), fp32 (greedy identity); "
-                         "split them over processes / GPUs to save wall time")
+                    help="row groups: diffuspec (with AR), ssd (with stepwise), fp32 (greedy identity), profile "
+                         "(round cost breakdown); split them over processes / GPUs to save wall time")
     args = ap.parse_args(argv)
     if args.batch < 1 or args.max_new_tokens < 1:
         ap.error("--batch and --max-new-tokens must be >= 1")
     args.rows = [r for r in args.rows.split(",") if r]
-    if not args.rows or set(args.rows) - {"diffuspec", "ssd", "fp32"}:
-        ap.error(f"--rows {','.join(args.rows)}: choose from diffuspec, ssd, fp32")
+    if not args.rows or set(args.rows) - {"diffuspec", "ssd", "fp32", "profile"}:
+        ap.error(f"--rows {','.join(args.rows)}: choose from diffuspec, ssd, fp32, profile")
+    if args.n_prompts < 0:
+        ap.error(f"--n-prompts must be >= 0, got {args.n_prompts}")
     if not os.path.isfile(args.dlm):
         ap.error(f"--dlm {args.dlm}: no such file")
     needs_data = bool(set(args.rows) - {"ssd"}) or args.prompts_from_data
@@ -81,6 +90,7 @@ def main(argv=None):
     import numpy as np
 
     from jspec import model as M
+    from jspec.bench import round_cost as RC
     from jspec.bench.device import card_name
     from jspec.decode import bucket, generate_ar_jit, plan_cache_len
     from jspec.heads import dlm as D
@@ -119,6 +129,8 @@ def main(argv=None):
         chat = load_preset(args.target).chat if args.target in list_presets() else None
         for name in [t for t in args.tasks.split(",") if t]:
             prompts[name] = encode_questions(tok, load_task(name), chat=chat)
+    if args.n_prompts:
+        prompts = {name: ps[: args.n_prompts] for name, ps in prompts.items()}
     P = bucket(max(len(p) for ps in prompts.values() for p in ps))
     k_paper = 30 if dcfg.block_size >= 30 and args.paper else 0
     k_lib = min(args.k, dcfg.block_size)
@@ -284,11 +296,34 @@ def main(argv=None):
             "peak_mem_bytes": None, "compile_s": None, "timestamp": stamp,
         })
 
+    # ---- the round's cost breakdown ---------------------------------------------------------
+    if "profile" in args.rows:
+        prof_rows = [("diffuspec:cps:adl", DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib), ADLPolicy(k_max=k_lib, **lib)),
+                     ("diffuspec:nocps:adl", DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, cps=False), ADLPolicy(k_max=k_lib, **lib))]
+        for name, drafter, policy in prof_rows if proxy is not None else prof_rows[1:]:
+            prof = RC.profile_method(tparams, tcfg, drafter, dparams, batch=B, policy=policy, k_max=k_lib, prompt_len=P,
+                                     max_new=args.max_new_tokens, verify_ts=(1, k_lib + 1))
+            all_rows.append({"card": card, "jax_version": jax.__version__, "target": args.target, "method": "profile",
+                             "name": name, "dtype": str(jnp.dtype(dtype)), "batch": B, "timestamp": stamp,
+                             "settings": {"k_max": k_lib, "dlm_layers": dcfg.num_layers}, **prof})
+            print(f"profile {name} b={B}: DLM forward {prof['dlm_forward_us']:.0f} µs, choose {prof['choose_us']:.0f} µs, "
+                  f"verify[{k_lib + 1}] {prof['verify_us'][str(k_lib + 1)]:.0f} µs (AR step {prof['verify_us']['1']:.0f}), "
+                  f"round {prof['round_us']:.0f} µs", flush=True)
+        prof = RC.ssd_forward_us(own, tparams, dcfg, batch=B, b=args.ssd_block, n_nodes=args.ssd_nodes, prompt_len=P)
+        all_rows.append({"card": card, "jax_version": jax.__version__, "target": args.target, "method": "profile",
+                         "name": f"ssd:N={args.ssd_nodes}", "dtype": str(jnp.dtype(dtype)), "batch": B, "timestamp": stamp,
+                         "settings": {"ssd_block": args.ssd_block, "ssd_nodes": args.ssd_nodes,
+                                      "dlm_layers": dcfg.num_layers}, **prof})
+        print(f"profile ssd b={B}: one-block step {prof['stepwise_step_us']:.0f} µs, {args.ssd_nodes}-node step "
+              f"{prof['ssd_step_us']:.0f} µs (x{prof['ssd_over_stepwise']:.2f})", flush=True)
+
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "dlm_bench.json")
     with open(path, "w") as fh:
         json.dump(all_rows, fh, indent=1)
     for r in all_rows:
+        if r["method"] == "profile":
+            continue
         extra_s = ""
         if r["method"] == "ssd":
             extra_s = (f" identical {r['identical_to_stepwise']:.2f} fwd/tok {r['forwards_per_token']:.3f} "

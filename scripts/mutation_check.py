@@ -72,8 +72,8 @@ MUTATIONS = (
         "EAGLE-1's feature-regression term dropped"),
     Mutation(
         "diffuspec_argmax_not_cps", "jspec/speculative/drafters/diffusion.py",
-        "        if self.cps:\n            cand, lq, ok, eos_stop = cps_lattice(",
-        "        if False:\n            cand, lq, ok, eos_stop = cps_lattice(",
+        "        if not self.cps:\n            return jnp.argmax(x, axis=-1)",
+        "        if True:\n            return jnp.argmax(x, axis=-1)",
         ("tests/test_dlm.py",),
         "the DiffuSpec drafter drafts the per-position argmax, bypassing CPS"),
     Mutation(

@@ -1,7 +1,14 @@
 """Train the masked-diffusion drafter (DiffuSpec / SSD) on distilled shards, on one device.
 
     python scripts/train_dlm.py --target smollm2-135m-instruct --data DATA_DIR --out OUT \
-        --time-budget-s 390 [--layers 6] [--parts-dir $OUT]
+        --time-budget-s 390 [--layers 6] [--init prefix] [--resume] [--parts-dir $OUT]
+
+--init ends (default) starts from the target's first and last layers (half each); --init prefix
+from its first --layers layers, the target cut at that depth (DiffuSpec's drafters are the AR
+model itself adapted to denoise; `--layers` = the target's depth adapts all of it). Either way the
+network and the file format are the same (jspec.heads.dlm): the layers and final norm, the
+embeddings and LM head read from the target at load time. --resume continues the Orbax checkpoint
+in OUT/checkpoints (saved every --ckpt-every steps and at the end).
 
 DATA_DIR: distilled shards (jspec.train.shards, "jspec-distill-v2"). Writes OUT/dlm.safetensors
 (bfloat16 layers + final norm; embeddings and LM head are the target's and are not shipped; 6
@@ -43,6 +50,8 @@ def main(argv=None):
     ap.add_argument("--data", required=True, help="distilled dataset directory (jspec-distill-v2)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=6, help="DLM layers (default 6: 42 MB in bf16 for SmolLM2-135M)")
+    ap.add_argument("--init", choices=("ends", "prefix"), default="ends",
+                    help="ends: the target's first and last layers (default); prefix: its first --layers layers")
     ap.add_argument("--init-layers", default=None, help="comma-separated target layer ids to start from")
     ap.add_argument("--block-size", type=int, default=32, help="inference block (longest draft), default 32")
     ap.add_argument("--time-budget-s", type=float, default=None, help="whole run, evaluation and export included")
@@ -55,6 +64,8 @@ def main(argv=None):
     ap.add_argument("--parts-dir", default=None, help="also write the weights in pieces + dlm_metrics.json here")
     ap.add_argument("--part-mb", type=float, default=15.0)
     ap.add_argument("--max-mb", type=float, default=60.0, help="fail before training if the weights would exceed this")
+    ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints")
+    ap.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps (and at the end)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if args.layers < 1:
@@ -62,13 +73,21 @@ def main(argv=None):
     if not os.path.isfile(os.path.join(args.data, "meta.json")):
         raise SystemExit(f"train_dlm: error: {args.data}: no meta.json (not a distilled dataset)")
 
+    if args.init_layers and args.init != "ends":
+        raise SystemExit("train_dlm: error: --init-layers names the layers itself; leave --init at its default")
+
     import jax
 
-    from jspec.presets import resolve_model
+    from jspec.presets import resolve_config, resolve_model
     from jspec.train.dlm import DLMTrainConfig, train_dlm
 
+    depth = resolve_config(args.target).num_layers
+    if args.init == "prefix" and args.layers > depth:
+        raise SystemExit(f"train_dlm: error: --init prefix --layers {args.layers}: the target has {depth} layers")
     tcfg, tparams, _ = resolve_model(args.target, dtype="float32", tokenizer=False)
     init_layers = tuple(int(x) for x in args.init_layers.split(",")) if args.init_layers else None
+    if args.init == "prefix":
+        init_layers = tuple(range(args.layers))
     n_layers = len(init_layers) if init_layers else args.layers
     per_layer = sum(int(v[0].size) for v in tparams["layers"].values())
     mb = (n_layers * per_layer + tcfg.hidden_size) * 2 / 1e6
@@ -79,9 +98,9 @@ def main(argv=None):
         num_layers=n_layers, init_layers=init_layers, block_size=args.block_size, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, steps=args.steps or (100_000 if args.time_budget_s else 500),
         time_budget_s=args.time_budget_s, compute_dtype=dtype, mask_token_id=args.mask_token_id,
-        train_block_sizes=tuple(sorted({8, args.block_size})),
+        train_block_sizes=tuple(sorted({8, args.block_size})), ckpt_every=args.ckpt_every,
     )
-    summary = train_dlm(tcfg, tparams, args.data, args.out, tc, progress=not args.no_progress)
+    summary = train_dlm(tcfg, tparams, args.data, args.out, tc, resume=args.resume, progress=not args.no_progress)
     if args.parts_dir:
         parts = write_parts(os.path.join(args.out, "dlm.safetensors"), args.parts_dir, args.part_mb)
         shutil.copy(os.path.join(args.out, "dlm_metrics.json"), os.path.join(args.parts_dir, "dlm_metrics.json"))

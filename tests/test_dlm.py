@@ -3,6 +3,7 @@ greedy identity, SSD == stepwise. Tiny random models (fp32), a handful of compil
 
 import dataclasses
 import itertools
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from jspec import model as M
+from jspec.bench import round_cost as RC
 from jspec.config import ModelConfig
 from jspec.decode import generate_ar_jit, pack_prompts
 from jspec.heads import dlm as D
@@ -18,7 +20,7 @@ from jspec.speculative.drafters.diffusion import (
     DiffuSpecDrafter, cps_beam_search, cps_lattice, fit_trigram_proxy, proxy_logprob,
 )
 from jspec.speculative.engines import ssd as SSD
-from jspec.speculative.engines.chain import speculative_generate
+from jspec.speculative.engines.chain import speculative_generate, start_spec
 from jspec.speculative.policies import make_policy
 from jspec.speculative.policies.adl import ADLPolicy
 from jspec.train.testing import numpy_params
@@ -131,6 +133,35 @@ def test_cps_finds_best_causal_path():
     assert float(greedy_score[0]) < best - 1e-3
 
 
+def test_proxy_lookup_matches_counted_ngrams():
+    """The hashed device tables give the stupid-backoff 3-gram log-probs counted directly, for seen
+    trigrams, bigram backoffs and unigram backoffs alike (and a table with no trigrams at all)."""
+    rng = np.random.default_rng(0)
+    V = 40
+    seqs = [rng.integers(0, V, rng.integers(1, 50)).tolist() for _ in range(200)]
+    tri, bi, uni = Counter(), Counter(), np.zeros(V)
+    for s in seqs:
+        uni += np.bincount(s, minlength=V)
+        tri.update(tuple(s[i : i + 3]) for i in range(len(s) - 2))
+        bi.update(tuple(s[i : i + 2]) for i in range(len(s) - 1))
+    ctx2, ctx1 = Counter(), Counter()
+    for (a, b, _), n in tri.items():
+        ctx2[a, b] += n
+    for (b, _), n in bi.items():
+        ctx1[b] += n
+    q = rng.integers(0, V, (3, 4000))
+    q[:, :1000] = np.asarray(list(tri)[:1000]).T
+    alpha = np.log(0.4)
+    ref = [np.log(tri[a, b, c] / ctx2[a, b]) if (a, b, c) in tri else
+           alpha + np.log(bi[b, c] / ctx1[b]) if (b, c) in bi else
+           2 * alpha + np.log((uni[c] + 1) / (uni.sum() + V)) for a, b, c in q.T]
+    lookup = jax.jit(proxy_logprob)
+    proxy = jax.tree.map(jnp.asarray, fit_trigram_proxy(seqs, V))
+    np.testing.assert_allclose(lookup(proxy, *map(jnp.asarray, q)), ref, rtol=1e-5, atol=1e-5)
+    short = jax.tree.map(jnp.asarray, fit_trigram_proxy([[4, 5]], V))  # bigrams only
+    np.testing.assert_allclose(lookup(short, *map(jnp.asarray, ([1], [4], [5]))), [alpha], rtol=1e-6)
+
+
 def _diffuspec_params(dlm):
     seqs = [p + [9, 11, 13, 3] for p in PROMPTS]
     return {"dlm": dlm, "proxy": jax.tree.map(jnp.asarray, fit_trigram_proxy(seqs, CFG.vocab_size))}
@@ -169,7 +200,8 @@ class HandMarginalsDrafter(DiffuSpecDrafter):
 
     def denoise(self, dparams, tparams, dstate, last):
         _, fixed, fixed_tok, dstate = super().denoise(dparams, tparams, dstate, last)
-        logits = jnp.broadcast_to(jnp.asarray(_hand_marginals()), (last.shape[0],) + fixed.shape[1:] + (CFG.vocab_size,))
+        marginals = jnp.asarray(_hand_marginals()[: fixed.shape[1]])
+        logits = jnp.broadcast_to(marginals, (last.shape[0],) + fixed.shape[1:] + (CFG.vocab_size,))
         return logits, fixed, fixed_tok, dstate
 
 
@@ -230,3 +262,18 @@ def test_ssd_identical_to_stepwise(target, dlm):
                                                      n_nodes=n_nodes, **kw)
     np.testing.assert_array_equal(same, ref)
     np.testing.assert_array_equal(f_same, f_ref)
+
+
+def test_round_profile_times_the_dlm_forward_cps_and_ssd_steps(target, dlm):
+    """The round-cost parts bench_dlm.py --rows profile reports: the DLM's block call and the CPS
+    choice each timed alone, SSD's N-node step against the one-block step."""
+    k = 6
+    drafter = DiffuSpecDrafter(dcfg=DCFG, k_max=k, m_max=4, beam=2, kernels="xla")
+    tokens, lens, cache_len = pack_prompts(CFG, PROMPTS, 16, extra=k)
+    state = jax.jit(lambda tp, dp, t, ln: start_spec(tp, CFG, drafter, dp, ADLPolicy(k_max=k, k_min=2, delta=2), None, k,
+                                                       16, cache_len, GREEDY, 1, t, ln, jax.random.PRNGKey(0)))(
+        target, _diffuspec_params(dlm), jnp.asarray(tokens), jnp.asarray(lens))
+    parts = RC.block_draft_us(target, CFG, drafter, _diffuspec_params(dlm), state, n=2)
+    assert set(parts) == {"dlm_forward_us", "choose_us"} and min(parts.values()) > 0
+    ssd = RC.ssd_forward_us(dlm, target, DCFG, batch=2, b=4, n_nodes=3, prompt_len=8, n=2)
+    assert ssd["ssd_over_stepwise"] == pytest.approx(ssd["ssd_step_us"] / ssd["stepwise_step_us"]) and ssd["ssd_step_us"] > 0

@@ -13,6 +13,9 @@ next iteration (so nothing is hoisted), on a mid-generation cache:
   tree_level_us    one EAGLE-2 level, by difference: (tree build at depth D - at depth 1) / (D - 1)
   tree_build_us    the whole tree build at the method's TreeConfig
   commit_us        drafter.commit over the verified block (plus the target cache move for trees)
+  dlm_forward_us   block drafters (DiffuSpec): the DLM's one cached call (drafter.denoise)
+  choose_us        block drafters: the draft read off its logits (drafter.choose: CPS's lattice and
+                   beam search, or the per-position argmax)
   policy_us        start_round + K observes + update of the method's policy
   round_us         one whole engine round (spec_round / tree_round) in a loop of real rounds
 
@@ -39,6 +42,7 @@ import numpy as np
 
 from jspec import model as M
 from jspec.sampling import GREEDY
+from jspec.speculative.engines import ssd as SSD
 from jspec.speculative.engines.chain import draft_autoregressive, spec_round, start_spec
 from jspec.speculative.engines.tree import TreeConfig, draft_tree, tree_round
 from jspec.speculative.policies import resolve_policy
@@ -189,6 +193,8 @@ def profile_method(tparams, tcfg, drafter, dparams, *, batch: int, policy="stati
     if verify_ts is not None:
         prof["verify_us"] = verify_us(tparams, tcfg, batch, verify_ts, nodes, cache_len=cache_len, committed=prompt_len, n=n,
                                       capture=capture)
+    if getattr(drafter, "block", False):
+        prof.update(block_draft_us(tparams, tcfg, drafter, dparams, state, n))
     if not drafter.parallel:
         if tree is None:
             t1 = draft_loop_us(tparams, tcfg, drafter, dparams, state, 1, n)
@@ -213,6 +219,63 @@ def profile_method(tparams, tcfg, drafter, dparams, *, batch: int, policy="stati
     if bookkeeping:
         prof["commit_us"] = commit_us(tparams, tcfg, drafter, dparams, state, extra, n)
     return prof
+
+
+def block_draft_us(tparams, tcfg, drafter, dparams, state, n: int) -> dict[str, float]:
+    """A block drafter's two parts, each timed alone on the state `state` reached:
+    {"dlm_forward_us": drafter.denoise (the DLM's cached call, its LM head included),
+     "choose_us": drafter.choose on that call's logits (CPS lattice + beam, or the argmax)}."""
+    last = state.last
+    limit = jnp.full(last.shape, drafter.k_max, jnp.int32)
+
+    def forward(k, c):
+        tp, dp = k
+        dstate, last = c
+        logits, _, _, dstate = drafter.denoise(dp, tp, dstate, last)
+        return dstate, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+
+    out = {"dlm_forward_us": loop_us(forward, (tparams, dparams), (state.dstate, last), n, tcfg=tcfg)}
+    logits, fixed, fixed_tok, _ = jax.jit(lambda tp, dp, ds, t: drafter.denoise(dp, tp, ds, t))(
+        tparams, dparams, state.dstate, last)
+    logits = logits[:, : drafter.k_max]
+
+    def choose(k, c):
+        dp, fixed, fixed_tok = k
+        logits, prev = c
+        path, _ = drafter.choose(dp, tcfg, logits, fixed, fixed_tok, prev, last, limit)
+        # the next call's logits depend on this one's path (never in fact changed: paths are >= 0),
+        # so nothing is hoisted out of the loop; the carried buffer is updated in place
+        logits = logits.at[:, 0, 0].set(jnp.where(path[:, 0] < 0, 0.0, logits[:, 0, 0]))
+        return logits, path[:, 0]
+
+    out["choose_us"] = loop_us(choose, (dparams, fixed[:, : drafter.k_max], fixed_tok[:, : drafter.k_max]),
+                               (logits, state.dstate.prev), n)
+    return out
+
+
+def ssd_forward_us(own, tparams, dcfg, *, batch: int, b: int, n_nodes: int, prompt_len: int = 128,
+                   n: int = 20) -> dict[str, float]:
+    """SSD's forward against stepwise decoding's, each a whole step (forward, the rule, the
+    block's bookkeeping) on a mid-generation state: {"stepwise_step_us", "ssd_step_us" (n_nodes
+    nodes), "ssd_over_stepwise"}."""
+    toks = jax.random.randint(jax.random.PRNGKey(3), (batch, prompt_len), 0, dcfg.target.vocab_size)
+    lens = jnp.full((batch,), prompt_len, jnp.int32)
+    max_new = 4 * (n + 1) * b  # the timed steps never finish a row
+    cache_len = SSD.cache_len_for(prompt_len, max_new, b, n_nodes)
+
+    def started(nodes):
+        return jax.jit(lambda o, tp, t, ln: SSD.start(o, tp, dcfg, t, ln, b=b, n_nodes=nodes, max_new=max_new,
+                                                      cache_len=cache_len))(own, tparams, toks, lens)
+
+    def one_block(k, st):
+        return SSD.stepwise_step(k[0], k[1], dcfg, max_new, None, st)
+
+    def nodes(k, st):
+        return SSD.ssd_step(k[0], k[1], dcfg, max_new, None, n_nodes, st)
+
+    step = loop_us(one_block, (own, tparams), started(1), n)
+    ssd = loop_us(nodes, (own, tparams), started(n_nodes), n)
+    return {"stepwise_step_us": step, "ssd_step_us": ssd, "ssd_over_stepwise": ssd / step}
 
 
 def policy_us(policy, batch: int, k_max: int, vocab: int, n: int) -> float:
@@ -341,7 +404,8 @@ def attach_profile(rows: list[dict], method, batch: int, prof: dict) -> None:
         same = all(row.get(k) == getattr(method, k) for k in ("method", "drafter", "policy", "tree"))
         if same and row.get("batch") == batch:
             row["round_cost"] = prof
-            for key in ("draft_step_us", "verify_us", "round_us", "commit_us", "policy_us", "tree_level_us"):
+            for key in ("draft_step_us", "verify_us", "round_us", "commit_us", "policy_us", "tree_level_us",
+                        "dlm_forward_us", "choose_us"):
                 if key in prof:
                     row[key] = prof[key]
 

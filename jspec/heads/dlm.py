@@ -189,12 +189,13 @@ def prefill(own: dict, target_params: dict, dcfg: DLMConfig, tokens: jax.Array, 
 
 
 def block_logits(own: dict, target_params: dict, dcfg: DLMConfig, cache: M.KVCache, pending: jax.Array,
-                 n_pending: jax.Array, block: jax.Array, *, kernels: str | None = None):
+                 n_pending: jax.Array, block: jax.Array, *, kernels: str | None = None, n_logits: int | None = None):
     """One cached call: commit the first n_pending[b] of `pending` [B, P] causally (their K/V
     become prefix), and denoise `block` [B, T] bidirectionally right after them.
 
-    Returns (logits [B, T, V] float32, cache with the cursor advanced by n_pending). The block's
-    K/V land beyond the cursor and are never read again. P may be 0.
+    Returns (logits [B, n_logits or T, V] float32: the LM head runs on the block's first n_logits
+    slots only, cache with the cursor advanced by n_pending). The block's K/V land beyond the
+    cursor and are never read again. P may be 0.
     """
     B, P = pending.shape
     T = block.shape[1]
@@ -206,7 +207,7 @@ def block_logits(own: dict, target_params: dict, dcfg: DLMConfig, cache: M.KVCac
     mask = block_call_mask(n_pending, P, T)
     params = full_params(own, target_params)
     out = M.forward(params, dcfg.model, tokens, cache, positions=positions, new_mask=mask, kernels=kernels)
-    logits = M.lm_head(params, dcfg.model, out.hidden[:, P:])
+    logits = M.lm_head(params, dcfg.model, out.hidden[:, P : P + (T if n_logits is None else n_logits)])
     return logits, M.advance(out.cache, n_pending)
 
 

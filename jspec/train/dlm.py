@@ -238,8 +238,13 @@ def evaluate(own, tparams, dcfg: D.DLMConfig, rows: dict, batch: int, mask_ratio
 
 
 def train_dlm(tcfg: ModelConfig, tparams: dict, data_dir: str, out_dir: str, tc: DLMTrainConfig, *,
-              mesh: Mesh | None = None, resume: bool = False, progress: bool = True) -> dict:
-    """Train, export OUT/dlm.safetensors, write OUT/dlm_metrics.json; returns the summary."""
+              mesh: Mesh | None = None, resume: bool = False, progress: bool = True,
+              stop_at: int | None = None) -> dict:
+    """Train, export OUT/dlm.safetensors, write OUT/dlm_metrics.json; returns the summary.
+
+    Checkpoints (Orbax, OUT/checkpoints) every tc.ckpt_every steps and at the end; `resume`
+    continues from the latest one. `stop_at` ends the run after that step as a kill would (no
+    final checkpoint, no export; returns {"steps": stop_at}): how the tests stop a run midway."""
     t_start = time.perf_counter()
     deadline = t_start + tc.time_budget_s if tc.time_budget_s else math.inf
     mesh = mesh or S.make_mesh(1)
@@ -269,7 +274,10 @@ def train_dlm(tcfg: ModelConfig, tparams: dict, data_dir: str, out_dir: str, tc:
     state, step, history, train_s = run_timed_loop(
         state, lambda st, lr, i: train_step(dcfg, tc, mesh, st, tparams_c, lr, S.global_batch(mesh, loader(i))), tc,
         deadline=deadline, reserve=reserve, t_start=t_start, metric_keys=("loss", "acc", "acc_full_mask", "grad_norm"),
-        log_path=os.path.join(out_dir, "metrics.jsonl"), describe=describe, ckpt=ckpt)
+        log_path=os.path.join(out_dir, "metrics.jsonl"), describe=describe, ckpt=ckpt, stop_at=stop_at)
+    if stop_at is not None and step >= stop_at:
+        ckpt.close()
+        return {"steps": step}
     if step:
         ckpt.save(step, state, {}, {"step": step})
     ckpt.close()

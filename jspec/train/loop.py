@@ -25,8 +25,10 @@ def lr_at(tc, step: int, progress: float) -> float:
 
 def run_timed_loop(state, step_fn: Callable[[Any, float, int], tuple[Any, dict]], tc, *, deadline: float,
                    reserve: float, t_start: float, metric_keys: tuple[str, ...], log_path: str,
-                   describe: Callable[[dict], str] | None = None, ckpt=None) -> tuple[Any, int, list[dict], float]:
-    """Run `step_fn(state, lr, step) -> (state, metrics)` until tc.steps or the deadline.
+                   describe: Callable[[dict], str] | None = None, ckpt=None,
+                   stop_at: int | None = None) -> tuple[Any, int, list[dict], float]:
+    """Run `step_fn(state, lr, step) -> (state, metrics)` until tc.steps or the deadline (or
+    `stop_at`, a kill's stand-in: the schedule is still tc.steps').
 
     Logs the mean of `metric_keys` every tc.log_every steps to `log_path` (process 0; `describe`
     prints a line too), checkpoints every tc.ckpt_every steps when `ckpt` is given.
@@ -36,7 +38,7 @@ def run_timed_loop(state, step_fn: Callable[[Any, float, int], tuple[Any, dict]]
     step = int(state["step"])
     t_loop = time.perf_counter()
     t_clock = None  # when the first (compiling) step finished: the schedule's clock starts there
-    while step < tc.steps:
+    while step < tc.steps and (stop_at is None or step < stop_at):
         now = time.perf_counter()
         if tc.time_budget_s:
             est = float(np.median(step_times[-20:])) if step_times else 0.0

@@ -59,13 +59,47 @@ LIBRARY_CPS = {"tau": 0.8, "m_max": 6, "beam": 3, "lam": 0.5}
 # ---------------------------------------------------------------------------------------------
 
 
+_HASH_MULT = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D)
+
+
+def _bucket_of(cols, bits: int, xp):
+    """Hash bucket in [0, 2**bits) of key columns (a tuple of int arrays): the same uint32
+    arithmetic in numpy (xp=np, fitting) and on the device (xp=jnp, lookup)."""
+    h = xp.zeros(cols[0].shape, xp.uint32)
+    for c, mult in zip(cols, _HASH_MULT):
+        h = (h ^ c.astype(xp.uint32)) * xp.uint32(mult)
+        h = h ^ (h >> xp.uint32(15))
+    return (h >> xp.uint32(32 - bits)).astype(xp.int32) if bits else xp.zeros(h.shape, xp.int32)
+
+
+def _hashed_table(cols: list[np.ndarray], lp: np.ndarray, prefix: str) -> dict:
+    """Key columns and log-probs grouped by hash bucket, with each bucket's start: a lookup reads
+    one bucket (a fixed-width window of rows: `{prefix}_window`'s length, the fullest bucket's
+    size) instead of binary-searching. At most one key per two buckets on average (4M random
+    keys: 7 in the fullest bucket, 3 in the 99th percentile); a sentinel row past every real key
+    keeps the table non-empty."""
+    n = len(lp)
+    bits = int(math.ceil(math.log2(max(n, 1)))) + 1
+    bucket = _bucket_of(tuple(cols), bits, np)
+    order = np.argsort(bucket, kind="stable")
+    start = np.searchsorted(bucket[order], np.arange((1 << bits) + 1)).astype(np.int32)
+    width = int(np.max(np.diff(start))) if n else 1
+    big = np.int32(np.iinfo(np.int32).max)
+    out = {f"{prefix}_{i}": np.append(c[order].astype(np.int32), big) for i, c in enumerate(cols)}
+    out[f"{prefix}_lp"] = np.append(lp[order], np.float32(0.0))
+    out[f"{prefix}_start"] = start
+    out[f"{prefix}_window"] = np.zeros(max(width, 1), np.int8)
+    return out
+
+
 def fit_trigram_proxy(sequences, vocab_size: int, *, min_count: int = 1, max_entries: int = 4_000_000) -> dict:
     """Tables of a 3-gram model with stupid backoff from token sequences (host, numpy).
 
-    Returns a pytree of arrays: lexicographically sorted (a, b, c) trigram keys with log P(c | a b),
-    (b, c) bigram keys with log P(c | b), and dense add-one unigram log-probs [V]. Keys are int32
-    columns (no 64-bit keys needed on the device). Only the `max_entries` most frequent n-grams of
-    each order are kept (ties by key order)."""
+    Returns a pytree of arrays: (a, b, c) trigram keys with log P(c | a b) and (b, c) bigram keys
+    with log P(c | b), each as int32 key columns grouped by hash bucket (`_hashed_table`: a
+    device lookup is a few vectorised gathers, no search loop, no 64-bit keys), and dense add-one
+    unigram log-probs [V]. Only the `max_entries` most frequent n-grams of each order are kept
+    (ties by key order)."""
     V = int(vocab_size)
     uni = np.zeros(V, np.int64)
     tri_keys, bi_keys = [], []
@@ -101,49 +135,27 @@ def fit_trigram_proxy(sequences, vocab_size: int, *, min_count: int = 1, max_ent
     def cols(k, n):
         out = []
         for _ in range(n):
-            out.append((k % V).astype(np.int32))
+            out.append(k % V)
             k = k // V
         return out[::-1]
 
-    ta, tb, tc = cols(tk, 3)
-    ba, bc = cols(bk, 2)
-    # A sentinel past every real key keeps the tables non-empty (binary search needs N >= 1).
-    big = np.int32(np.iinfo(np.int32).max)
-    pad = lambda a, v: np.concatenate([a, np.asarray([v], a.dtype)])  # noqa: E731
-    return {
-        "uni": uni_lp,
-        "bi_b": pad(ba, big), "bi_c": pad(bc, big), "bi_lp": pad(blp, 0.0),
-        "tri_a": pad(ta, big), "tri_b": pad(tb, big), "tri_c": pad(tc, big), "tri_lp": pad(tlp, 0.0),
-    }
+    return {"uni": uni_lp, **_hashed_table(cols(tk, 3), tlp, "tri"), **_hashed_table(cols(bk, 2), blp, "bi")}
 
 
-def _lex_lookup(cols: tuple, values: jax.Array, query: tuple):
-    """(found, value) of query keys (tuple of int32 arrays, same shape) in lexicographically
-    sorted key columns (tuple of [N] int32): a vectorised binary search, log2(N) gathers."""
-    N = cols[0].shape[0]
-    shape = query[0].shape
-    lo = jnp.zeros(shape, jnp.int32)
-    hi = jnp.full(shape, N, jnp.int32)
-
-    def less(idx):  # key[idx] < query, lexicographically
-        out = jnp.zeros(shape, bool)
-        eq = jnp.ones(shape, bool)
-        for c, q in zip(cols, query):
-            k = c[idx]
-            out = out | (eq & (k < q))
-            eq = eq & (k == q)
-        return out
-
-    # a static loop (not fori_loop): XLA fuses the whole search into a few kernels
-    for _ in range(max(1, math.ceil(math.log2(N + 1)))):
-        mid = (lo + hi) // 2
-        go_right = less(jnp.clip(mid, 0, N - 1)) & (lo < hi)
-        lo, hi = jnp.where(go_right, mid + 1, lo), jnp.where(~go_right & (lo < hi), mid, hi)
-    idx = jnp.clip(lo, 0, N - 1)
-    found = lo < N
-    for c, q in zip(cols, query):
-        found = found & (c[idx] == q)
-    return found, values[idx]
+def _hashed_lookup(proxy: dict, prefix: str, query: tuple):
+    """(found, log-prob) of query keys (tuple of int32 arrays, same shape) in a `_hashed_table`:
+    every query reads its bucket's window of rows in one gather per column."""
+    start = proxy[f"{prefix}_start"]
+    bits = int(round(math.log2(start.shape[0] - 1)))
+    width = proxy[f"{prefix}_window"].shape[0]
+    bucket = _bucket_of(query, bits, jnp)
+    lo, hi = start[bucket], start[bucket + 1]
+    idx = lo[..., None] + jnp.arange(width, dtype=jnp.int32)  # [..., width]
+    hit = idx < hi[..., None]
+    idx = jnp.minimum(idx, proxy[f"{prefix}_lp"].shape[0] - 1)
+    for i, q in enumerate(query):
+        hit = hit & (proxy[f"{prefix}_{i}"][idx] == q[..., None])
+    return jnp.any(hit, axis=-1), jnp.sum(jnp.where(hit, proxy[f"{prefix}_lp"][idx], 0.0), axis=-1)
 
 
 BACKOFF_LOG_ALPHA = math.log(0.4)
@@ -151,8 +163,8 @@ BACKOFF_LOG_ALPHA = math.log(0.4)
 
 def proxy_logprob(proxy: dict, a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
     """log P_proxy(c | a, b) with stupid backoff (alpha 0.4) to bigrams and add-one unigrams."""
-    t_found, t_lp = _lex_lookup((proxy["tri_a"], proxy["tri_b"], proxy["tri_c"]), proxy["tri_lp"], (a, b, c))
-    b_found, b_lp = _lex_lookup((proxy["bi_b"], proxy["bi_c"]), proxy["bi_lp"], (b, c))
+    t_found, t_lp = _hashed_lookup(proxy, "tri", (a, b, c))
+    b_found, b_lp = _hashed_lookup(proxy, "bi", (b, c))
     uni = proxy["uni"][c]
     return jnp.where(t_found, t_lp, jnp.where(b_found, BACKOFF_LOG_ALPHA + b_lp, 2 * BACKOFF_LOG_ALPHA + uni))
 
@@ -171,20 +183,25 @@ def load_proxy(path: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def cps_lattice(logp: jax.Array, eos_id: int, tau: float, m_max: int):
-    """Per-position candidates from DLM log-probs [B, K, V].
+def cps_lattice(logits: jax.Array, eos_id: int, tau: float, m_max: int):
+    """Per-position candidates from DLM logits (or log-probs) [B, K, V].
 
     Returns (tokens [B, K, C], logq [B, K, C], ok [B, K, C], eos_stop [B]) with C = m_max + 1:
     the smallest top set with cumulative mass >= tau (capped at m_max), plus an EOS slot that is
     always kept (a duplicate of an EOS already in the set is dropped). eos_stop: index of the first
-    position whose tau-set contains EOS (K if none): later positions are not expanded."""
-    B, K, V = logp.shape
-    top_lp, top_tok = top_k(logp, m_max)
+    position whose tau-set contains EOS (K if none): later positions are not expanded. The
+    log-probs are normalised on the C candidates only (logit - logsumexp): one top_k and two
+    reductions over the vocabulary, nothing [B, K, V]-sized written."""
+    B, K, V = logits.shape
+    x = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(x, axis=-1, keepdims=True)
+    top_x, top_tok = top_k(x, m_max)
+    top_lp = top_x - lse
     p = jnp.exp(top_lp)
     keep = (jnp.cumsum(p, axis=-1) - p) < tau
     eos_in_set = jnp.any(keep & (top_tok == eos_id), axis=-1)  # [B, K]
     keep = keep & (top_tok != eos_id)
-    eos_lp = logp[..., eos_id][..., None]
+    eos_lp = x[..., eos_id][..., None] - lse
     tokens = jnp.concatenate([top_tok.astype(jnp.int32), jnp.full((B, K, 1), eos_id, jnp.int32)], axis=-1)
     logq = jnp.concatenate([top_lp, eos_lp], axis=-1)
     ok = jnp.concatenate([keep, jnp.ones((B, K, 1), bool)], axis=-1)
@@ -337,15 +354,17 @@ class DiffuSpecDrafter:
                               prev=take_row(prompt[:, :, None], lens - 1)[:, 0])
 
     def denoise(self, dparams, tparams, dstate: DiffuSpecState, last):
-        """The DLM's distributions for the next T tokens: (logits [B, T, V], fixed [B, T] bool,
-        fixed tokens [B, T], state with the pending block committed)."""
+        """The DLM's distributions for the next tokens: (logits [B, T', V], fixed [B, T'] bool,
+        fixed tokens [B, T'], state with the pending block committed); T' = k_max with one step
+        (the block is still the DLM's T tokens, as trained), T with refinement steps."""
         own, T = dparams["dlm"], self.dcfg.block_size
         B = last.shape[0]
         block = jnp.full((B, T), self.dcfg.mask_token_id, jnp.int32).at[:, 0].set(last)
+        # without refinement only the first k_max slots are drafted: the LM head runs on those alone
         logits, cache = D.block_logits(own, tparams, self.dcfg, dstate.cache, dstate.pending, dstate.n_pending,
-                                       block, kernels=self.kernels)
-        fixed = jnp.zeros((B, T), bool)
-        fixed_tok = jnp.zeros((B, T), jnp.int32)
+                                       block, kernels=self.kernels, n_logits=self.k_max if self.steps == 1 else None)
+        fixed = jnp.zeros(logits.shape[:2], bool)
+        fixed_tok = jnp.zeros(logits.shape[:2], jnp.int32)
         if self.steps > 1:
             per_step = -(-T // self.steps)
             empty = jnp.zeros((B, 0), jnp.int32)
@@ -368,27 +387,32 @@ class DiffuSpecDrafter:
             logits, fixed, fixed_tok, _ = jax.lax.fori_loop(0, self.steps - 1, refine, (logits, fixed, fixed_tok, block))
         return logits, fixed, fixed_tok, dstate.replace(cache=cache, n_pending=jnp.zeros_like(dstate.n_pending))
 
+    def choose(self, dparams, tcfg, logits, fixed, fixed_tok, prev, last, limit):
+        """The draft read off the DLM's logits [B, K, V]: CPS's best path (or the per-position
+        argmax without CPS) and its length (path [B, K], length [B])."""
+        K = logits.shape[1]
+        x = logits.astype(jnp.float32)
+        if self.steps > 1:  # a fixed (refined) position has a single candidate: its token
+            onehot = jax.nn.one_hot(fixed_tok, x.shape[-1], dtype=bool)
+            x = jnp.where(fixed[..., None], jnp.where(onehot, 0.0, -jnp.inf), x)
+        if not self.cps:
+            return jnp.argmax(x, axis=-1).astype(jnp.int32), jnp.full(x.shape[:1], K, jnp.int32)
+        eos = tcfg.eos_token_ids[0]
+        cand, lq, ok, eos_stop = cps_lattice(x, eos, self.tau, self.m_max)
+        proxy = dparams["proxy"]
+        fn = lambda a, b, c: proxy_logprob(proxy, a, b, c)  # noqa: E731
+        path, path_len, _ = cps_beam_search(cand, lq, ok, jnp.minimum(limit, eos_stop + 1), prev, last, fn,
+                                            beam=self.beam, lam=self.lam, eos_id=eos)
+        return path, path_len
+
     def draft_block(self, dparams, tparams, tcfg, dstate: DiffuSpecState, last, limit, sampling: Sampling, key, keep_probs):
         """(tokens [B, K], valid [B, K], q [B, K, V] or None, state) for this round."""
         del key
         K = self.k_max
+        prev = dstate.prev
         logits, fixed, fixed_tok, dstate = self.denoise(dparams, tparams, dstate, last)
         logits, fixed, fixed_tok = logits[:, :K], fixed[:, :K], fixed_tok[:, :K]
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        # a fixed (refined) position has a single candidate: its token, at the q it was fixed with
-        onehot = jax.nn.one_hot(fixed_tok, logp.shape[-1], dtype=bool)
-        logp_c = jnp.where(fixed[..., None], jnp.where(onehot, 0.0, -jnp.inf), logp)
-        eos = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else -1
-        if self.cps:
-            cand, lq, ok, eos_stop = cps_lattice(logp_c, eos, self.tau, self.m_max)
-            proxy = dparams["proxy"]
-            fn = lambda a, b, c: proxy_logprob(proxy, a, b, c)  # noqa: E731
-            lim = jnp.minimum(limit, eos_stop + 1)
-            path, path_len, _ = cps_beam_search(cand, lq, ok, lim, dstate.prev, last, fn, beam=self.beam, lam=self.lam,
-                                                eos_id=eos)
-        else:
-            path = jnp.argmax(logp_c, axis=-1).astype(jnp.int32)
-            path_len = jnp.full(path.shape[:1], K, jnp.int32)
+        path, path_len = self.choose(dparams, tcfg, logits, fixed, fixed_tok, prev, last, limit)
         # drafting stops before the first EOS, at the policy's limit, and where the path ends: a beam
         # that stops short (its lattice ended at an EOS it did not take) leaves padding ids behind it
         is_eos = jnp.isin(path, jnp.asarray(tcfg.eos_token_ids or (-1,), jnp.int32))

@@ -70,26 +70,35 @@ def block_inputs(dcfg: D.DLMConfig, anchor, block, filled):
     return jnp.concatenate([jnp.broadcast_to(anchor[..., None], ins.shape[:-1] + (1,)), ins], axis=-1)
 
 
-def stepwise_choice(logits, filled):
-    """The rule: (position [..], token [..], confidence [.., b]) from block logits [.., b, V]."""
-    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    conf = jnp.where(filled, -jnp.inf, jnp.max(lp, axis=-1))
-    pos = jnp.argmax(conf, axis=-1).astype(jnp.int32)
-    tok = jnp.argmax(jnp.take_along_axis(logits, pos[..., None, None], axis=-2)[..., 0, :], axis=-1).astype(jnp.int32)
-    return pos, tok, conf
+def block_stats(logits):
+    """What the rule reads off block logits [.., b, V]: (confidence [.., b], argmax token [.., b]).
+    The confidence is the top token's log-probability, -log sum exp(x - max x): bit for bit the max
+    of log_softmax(x) (whose top entry is exactly 0 - that log). Reductions over the logits only,
+    computed once per forward: no log-probabilities are materialised, and the drafts read the
+    same [.., b] arrays instead of the logits again."""
+    x = logits.astype(jnp.float32)
+    top = jnp.max(x, axis=-1, keepdims=True)
+    conf = -jnp.log(jnp.sum(jnp.exp(x - top), axis=-1))
+    return conf, jnp.argmax(x, axis=-1).astype(jnp.int32)
 
 
-def next_drafts(logits, filled, n_drafts: int):
-    """The rule's next n_drafts choices read off one forward: masked positions by decreasing
-    confidence, argmax tokens. (positions, tokens, valid) [.., n_drafts]. At most (masked - 1)
-    are valid: the node after the last accepted draft must still have a position to choose."""
-    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    conf = jnp.where(filled, -jnp.inf, jnp.max(lp, axis=-1))
+def stepwise_choice(conf, tok, filled):
+    """The rule: (position [..], token [..]) from block_stats (conf, tok) [.., b]: the most
+    confident still-masked position (ties -> the leftmost) and its argmax token."""
+    pos = jnp.argmax(jnp.where(filled, -jnp.inf, conf), axis=-1).astype(jnp.int32)
+    return pos, jnp.take_along_axis(tok, pos[..., None], axis=-1)[..., 0]
+
+
+def next_drafts(conf, tok, filled, n_drafts: int):
+    """The rule's next n_drafts choices read off one forward's block_stats: masked positions by
+    decreasing confidence, argmax tokens. (positions, tokens, valid) [.., n_drafts]. At most
+    (masked - 1) are valid: the node after the last accepted draft must still have a position to
+    choose."""
     # top_k on confidence; ties -> lower index first, like argmax in stepwise_choice
-    val, pos = top_k(conf, n_drafts)
-    tok = jnp.argmax(jnp.take_along_axis(logits, pos[..., None], axis=-2), axis=-1).astype(jnp.int32)
+    val, pos = top_k(jnp.where(filled, -jnp.inf, conf), n_drafts)
     room = jnp.sum(~filled, axis=-1, keepdims=True) - 1
-    return pos.astype(jnp.int32), tok, (val > -jnp.inf) & (jnp.arange(n_drafts) < room)
+    return (pos.astype(jnp.int32), jnp.take_along_axis(tok, pos, axis=-1),
+            (val > -jnp.inf) & (jnp.arange(n_drafts) < room))
 
 
 def start(own, tparams, dcfg: D.DLMConfig, tokens, lens, *, b: int, n_nodes: int, max_new: int,
@@ -132,7 +141,7 @@ def stepwise_step(own, tparams, dcfg, max_new, kernels, state: SSDState) -> SSDS
     """One forward, one token per unfinished row."""
     ins = block_inputs(dcfg, state.anchor, state.block, state.filled)
     logits, cache = D.block_logits(own, tparams, dcfg, state.cache, state.pending, state.n_pending, ins, kernels=kernels)
-    pos, tok, _ = stepwise_choice(logits, state.filled)
+    pos, tok = stepwise_choice(*block_stats(logits), state.filled)
     active = ~state.done
     hit = (jnp.arange(ins.shape[1])[None] == pos[:, None]) & active[:, None]
     block = jnp.where(hit, tok[:, None], state.block)
@@ -159,7 +168,8 @@ def ssd_step(own, tparams, dcfg, max_new, kernels, n_nodes: int, state: SSDState
     node_block = jnp.where(node_extra, dtok_at[:, None], state.block[:, None])
     ins = block_inputs(dcfg, state.anchor[:, None], node_block, node_filled)  # [B, N, b]
     logits, cache = D.nodes_logits(own, tparams, dcfg, state.cache, state.pending, state.n_pending, ins, kernels=kernels)
-    pos, tok, _ = stepwise_choice(logits, node_filled)  # [B, N]: the rule's choice at every node
+    conf, argmax_tok = block_stats(logits)  # [B, N, b]
+    pos, tok = stepwise_choice(conf, argmax_tok, node_filled)  # [B, N]: the rule's choice at every node
     # d_{j+1} accepted iff node j chooses it, and all earlier drafts were accepted
     match = (pos[:, : N - 1] == state.dpos[:, : N - 1]) & (tok[:, : N - 1] == state.dtok[:, : N - 1]) & state.dvalid[:, : N - 1]
     m = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32) if N > 1 else jnp.zeros((B,), jnp.int32)
@@ -171,7 +181,7 @@ def ssd_step(own, tparams, dcfg, max_new, kernels, n_nodes: int, state: SSDState
     block = jnp.where(active[:, None], jnp.where(hit_c, c_tok[:, None], acc_block), state.block)
     filled = jnp.where(active[:, None], acc_filled | hit_c, state.filled)
     # the next drafts: node m's distributions, with c_m's position now filled
-    dpos, dtok, dvalid = next_drafts(take(logits), filled, nd)
+    dpos, dtok, dvalid = next_drafts(take(conf), take(argmax_tok), filled, nd)
     state = state.replace(cache=cache, forwards=state.forwards + active.astype(jnp.int32))
     state, complete = finish_block(dcfg, state, block, filled, max_new)
     dvalid = dvalid & ~complete[:, None] & (N > 1) & drafts  # a new block starts without drafts

@@ -1,0 +1,127 @@
+"""The target-adapted DLM: initialised as the target's first N layers, trained with the
+masked-denoising objective, resumed after a kill, loaded as `dlm:PATH` and lossless as a drafter."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec import model as M
+from jspec.decode import generate_ar_jit, pack_prompts
+from jspec.heads import dlm as D
+from jspec.sampling import GREEDY
+from jspec.speculative.drafters.diffusion import fit_trigram_proxy
+from jspec.speculative.engines.chain import speculative_generate
+from jspec.speculative.factory import build_drafter
+from jspec.speculative.policies.adl import ADLPolicy
+from jspec.train.dlm import DLMTrainConfig, train_dlm
+from jspec.train.shards import RowWriter
+from jspec.train.testing import numpy_params, tiny_target_config
+
+TARGET = tiny_target_config(num_layers=3)  # vocab 128, EOS 1, pad 0
+MASK = 3  # a token id the data never holds
+TC = DLMTrainConfig(num_layers=2, init_layers=(0, 1), block_size=8, train_block_sizes=(4, 8), batch_size=8, seq_len=32,
+                    steps=8, lr=3e-3, warmup_steps=2, compute_dtype="float32", log_every=1, ckpt_every=2, eval_rows=8,
+                    mask_token_id=MASK)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return numpy_params(M.init_params, TARGET, seed=0, scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """v2 shards: 4-token prompts + patterned responses (x <- 3x + c), a held-out split."""
+    d = str(tmp_path_factory.mktemp("dlm_data"))
+    w = RowWriter(d, vocab_size=TARGET.vocab_size, pad_id=0, eos_token_ids=(1,), sources=["t"], rows_per_shard=8,
+                  holdout_every=4)
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        x, c, resp = int(rng.integers(4, 100)), int(rng.integers(1, 7)), []
+        for _ in range(int(rng.integers(8, 24))):
+            x = (3 * x + c) % (TARGET.vocab_size - 4) + 4
+            resp.append(x)
+        w.add(rng.integers(4, 128, 4), np.asarray(resp + [1]), item=i, source=0, temperature=0.0, ended=True)
+    w.flush()
+    return d
+
+
+@pytest.fixture(scope="module")
+def straight(target, data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dlm_straight")
+    summary = train_dlm(TARGET, target, data_dir, str(out), TC, progress=False)
+    return out, summary
+
+
+def _losses(out):
+    return {r["step"]: r["loss"] for r in map(json.loads, open(out / "metrics.jsonl"))}
+
+
+def test_prefix_init_is_the_target_cut_at_depth(target):
+    """Before training, DLM layer i is target layer i and the final norm is the target's; at the
+    target's full depth its causal prefill writes exactly the target's KV cache."""
+    dcfg = D.DLMConfig(target=TARGET, num_layers=2, mask_token_id=MASK, block_size=8, init_layers=(0, 1))
+    own = D.init_dlm(dcfg, target)
+    for name, stacked in target["layers"].items():
+        for i in range(2):
+            np.testing.assert_array_equal(own["layers"][name][i], stacked[i])
+    np.testing.assert_array_equal(own["final_norm"], target["final_norm"])
+
+    full = D.DLMConfig(target=TARGET, num_layers=3, mask_token_id=MASK, block_size=8, init_layers=(0, 1, 2))
+    toks = jnp.asarray([[5, 9, 17, 33, 65, 7]], jnp.int32)
+    lens = jnp.asarray([6], jnp.int32)
+    dcache = D.prefill(D.init_dlm(full, target), target, full, toks, lens, M.init_cache(full.model, 1, 16), kernels="xla")
+    tcache = M.forward(target, TARGET, toks, M.init_cache(TARGET, 1, 16), kernels="xla").cache
+    np.testing.assert_array_equal(dcache.k, tcache.k)
+    np.testing.assert_array_equal(dcache.v, tcache.v)
+
+
+def test_training_reduces_the_denoising_loss(straight):
+    out, summary = straight
+    losses = _losses(out)
+    assert summary["steps"] == TC.steps and sorted(losses) == list(range(1, TC.steps + 1))
+    assert np.mean([losses[7], losses[8]]) < np.mean([losses[1], losses[2]])
+    dcfg, _ = D.load_dlm(str(out / "dlm.safetensors"), TARGET)
+    assert dcfg.layer_ids == (0, 1) and dcfg.mask_token_id == MASK
+
+
+def test_kill_and_resume_reproduces_the_run(straight, target, data_dir, tmp_path):
+    """Killed after step 5 (last checkpoint: step 4), resumed: the same losses and weights."""
+    ref_out, _ = straight
+    killed = train_dlm(TARGET, target, data_dir, str(tmp_path), TC, progress=False, stop_at=5)
+    assert killed == {"steps": 5} and not (tmp_path / "dlm.safetensors").exists()
+    summary = train_dlm(TARGET, target, data_dir, str(tmp_path), TC, progress=False, resume=True)
+    assert summary["steps"] == TC.steps
+    ref, got = _losses(ref_out), _losses(tmp_path)  # the resumed run appends steps 5..8 again
+    for s in range(5, TC.steps + 1):
+        assert got[s] == pytest.approx(ref[s], abs=1e-6), s
+    _, a = D.load_dlm(str(ref_out / "dlm.safetensors"))
+    _, b = D.load_dlm(str(tmp_path / "dlm.safetensors"))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_adapted_dlm_drafts_losslessly(straight, target):
+    """`dlm:PATH` loads the trained file; DiffuSpec with CPS + ADL over it is greedy-identical to
+    AR in float32."""
+    out, _ = straight
+    k, max_new = 6, 20
+    drafter, dparams = build_drafter(f"dlm:{out}", TARGET, target, k_max=k)
+    drafter = dataclasses.replace(drafter, cps=True, m_max=4, beam=2, kernels="xla")
+    prompts = [[7, 9, 11, 13, 9, 11], [20, 21, 22]]
+    dparams = {**dparams, "proxy": jax.tree.map(jnp.asarray, fit_trigram_proxy([p + [9, 11, 1] for p in prompts],
+                                                                               TARGET.vocab_size))}
+    tokens, lens, cache_len = pack_prompts(TARGET, prompts, max_new, extra=k)
+    ar, n_ar, _ = generate_ar_jit(target, TARGET, jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(0),
+                                  max_new=max_new, cache_len=cache_len, sampling=GREEDY)
+    res = speculative_generate(target, TARGET, tokens, lens, jax.random.PRNGKey(0), drafter=drafter,
+                               drafter_params=dparams, policy=ADLPolicy(k_max=k, k_min=2, delta=2), policy_params=None,
+                               k_max=k, max_new=max_new, cache_len=cache_len, sampling=GREEDY, verify="lossless",
+                               unroll=1)
+    for b in range(len(prompts)):
+        assert res.row(b) == np.asarray(ar)[b, : int(n_ar[b])].tolist()
+    assert (res.drafted > 0).all()
