@@ -1,7 +1,7 @@
 """Train the masked-diffusion drafter (DiffuSpec / SSD) on distilled shards, on one device.
 
     python scripts/train_dlm.py --target smollm2-135m-instruct --data DATA_DIR --out OUT \
-        --time-budget-s 390 [--layers 6] [--init prefix] [--resume] [--parts-dir $OUT]
+        --time-budget-s 390 [--layers 6] [--init prefix] [--resume]
 
 --init ends (default) starts from the target's first and last layers (half each); --init prefix
 from its first --layers layers, the target cut at that depth (DiffuSpec's drafters are the AR
@@ -13,9 +13,7 @@ in OUT/checkpoints (saved every --ckpt-every steps and at the end).
 DATA_DIR: distilled shards (jspec.train.shards, "jspec-distill-v2"). Writes OUT/dlm.safetensors
 (bfloat16 layers + final norm; embeddings and LM head are the target's and are not shipped; 6
 SmolLM2-135M layers = 42 MB), OUT/dlm_metrics.json (training curve, held-out denoising accuracy by
-distance from the anchor) and OUT/metrics.jsonl. --parts-dir also writes the weights as
-`dlm.safetensors.part-NN` pieces of at most --part-mb MB plus dlm_metrics.json there (for transfer
-limits); reassemble with `cat dlm.safetensors.part-* > dlm.safetensors`.
+distance from the anchor) and OUT/metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -23,25 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-
-def write_parts(path: str, out_dir: str, part_mb: float) -> list[str]:
-    os.makedirs(out_dir, exist_ok=True)
-    size = int(part_mb * 1024 * 1024)
-    names = []
-    with open(path, "rb") as fh:
-        i = 0
-        while chunk := fh.read(size):
-            name = os.path.join(out_dir, f"{os.path.basename(path)}.part-{i:02d}")
-            with open(name, "wb") as out:
-                out.write(chunk)
-            names.append(name)
-            i += 1
-    return names
 
 
 def main(argv=None):
@@ -61,8 +43,6 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--mask-token-id", type=int, default=None, help="default: smallest id < 256 absent from the data")
     ap.add_argument("--dtype", default=None, help="compute dtype (default bfloat16 on GPU, float32 on CPU)")
-    ap.add_argument("--parts-dir", default=None, help="also write the weights in pieces + dlm_metrics.json here")
-    ap.add_argument("--part-mb", type=float, default=15.0)
     ap.add_argument("--max-mb", type=float, default=60.0, help="fail before training if the weights would exceed this")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints")
     ap.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps (and at the end)")
@@ -101,11 +81,7 @@ def main(argv=None):
         train_block_sizes=tuple(sorted({8, args.block_size})), ckpt_every=args.ckpt_every,
     )
     summary = train_dlm(tcfg, tparams, args.data, args.out, tc, resume=args.resume, progress=not args.no_progress)
-    if args.parts_dir:
-        parts = write_parts(os.path.join(args.out, "dlm.safetensors"), args.parts_dir, args.part_mb)
-        shutil.copy(os.path.join(args.out, "dlm_metrics.json"), os.path.join(args.parts_dir, "dlm_metrics.json"))
-        summary["parts"] = [os.path.basename(p) for p in parts]
-    keys = ("steps", "epochs", "train_s", "weights_bytes", "shipped_params", "parts")
+    keys = ("steps", "epochs", "train_s", "weights_bytes", "shipped_params")
     print(json.dumps({k: summary.get(k) for k in keys}, indent=1))
     full = summary.get("held_out_full_mask") or {}
     print("held-out full-mask accuracy by distance:", [round(a, 3) if a is not None else None for a in full.get("accuracy_by_distance", [])[:8]])
