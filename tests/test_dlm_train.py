@@ -18,8 +18,7 @@ from jspec.speculative.engines.chain import speculative_generate
 from jspec.speculative.factory import build_drafter
 from jspec.speculative.policies.adl import ADLPolicy
 from jspec.train.dlm import DLMTrainConfig, train_dlm
-from jspec.train.shards import RowWriter
-from jspec.train.testing import numpy_params, tiny_target_config
+from jspec.train.testing import numpy_params, tiny_target_config, write_patterned_shards
 
 TARGET = tiny_target_config(num_layers=3)  # vocab 128, EOS 1, pad 0
 MASK = 3  # a token id the data never holds
@@ -36,18 +35,7 @@ def target():
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     """v2 shards: 4-token prompts + patterned responses (x <- 3x + c), a held-out split."""
-    d = str(tmp_path_factory.mktemp("dlm_data"))
-    w = RowWriter(d, vocab_size=TARGET.vocab_size, pad_id=0, eos_token_ids=(1,), sources=["t"], rows_per_shard=8,
-                  holdout_every=4)
-    rng = np.random.default_rng(0)
-    for i in range(40):
-        x, c, resp = int(rng.integers(4, 100)), int(rng.integers(1, 7)), []
-        for _ in range(int(rng.integers(8, 24))):
-            x = (3 * x + c) % (TARGET.vocab_size - 4) + 4
-            resp.append(x)
-        w.add(rng.integers(4, 128, 4), np.asarray(resp + [1]), item=i, source=0, temperature=0.0, ended=True)
-    w.flush()
-    return d
+    return write_patterned_shards(str(tmp_path_factory.mktemp("dlm_data")), TARGET.vocab_size, low=4, lengths=(8, 24))
 
 
 @pytest.fixture(scope="module")

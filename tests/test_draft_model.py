@@ -14,8 +14,7 @@ from jspec.heads import draft_model as DM
 from jspec.model import init_params
 from jspec.speculative.factory import build_drafter
 from jspec.train.draft_model import DraftTrainConfig, train_draft_model
-from jspec.train.shards import RowWriter
-from jspec.train.testing import numpy_params, tiny_target_config
+from jspec.train.testing import numpy_params, tiny_target_config, write_patterned_shards
 
 TARGET = tiny_target_config(num_layers=3)  # vocab 128, EOS 1
 
@@ -28,18 +27,7 @@ def target():
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     """v2 shards: 4-token prompts + patterned responses (x <- 3x + c), a holdout split."""
-    d = str(tmp_path_factory.mktemp("dm_data"))
-    w = RowWriter(d, vocab_size=TARGET.vocab_size, pad_id=0, eos_token_ids=(1,), sources=["t"], rows_per_shard=8,
-                  holdout_every=4)
-    rng = np.random.default_rng(0)
-    for i in range(40):
-        x, c, resp = int(rng.integers(2, 100)), int(rng.integers(1, 7)), []
-        for _ in range(int(rng.integers(6, 20))):
-            x = (3 * x + c) % (TARGET.vocab_size - 2) + 2
-            resp.append(x)
-        w.add(rng.integers(2, 128, 4), np.asarray(resp + [1]), item=i, source=0, temperature=0.0, ended=True)
-    w.flush()
-    return d
+    return write_patterned_shards(str(tmp_path_factory.mktemp("dm_data")), TARGET.vocab_size)
 
 
 def test_default_layers_keep_both_ends():

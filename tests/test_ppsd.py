@@ -152,22 +152,11 @@ def test_exit_head_training_lowers_kl(tmp_path):
     """Self-distillation (the draft-model trainer with exit_layer=E) lowers the held-out KL; the
     export is a tied draft-model directory that records E."""
     from jspec.train.draft_model import DraftTrainConfig, train_draft_model
-    from jspec.train.shards import RowWriter
-    from jspec.train.testing import numpy_params, tiny_target_config
+    from jspec.train.testing import numpy_params, tiny_target_config, write_patterned_shards
 
     tcfg = tiny_target_config(num_layers=3)
     tparams = numpy_params(M.init_params, tcfg, seed=0, scale=0.3)
-    d = str(tmp_path / "data")
-    w = RowWriter(d, vocab_size=tcfg.vocab_size, pad_id=0, eos_token_ids=(1,), sources=["t"], rows_per_shard=8,
-                  holdout_every=4)
-    rng = np.random.default_rng(0)
-    for i in range(32):
-        x, c, resp = int(rng.integers(2, 100)), int(rng.integers(1, 7)), []
-        for _ in range(int(rng.integers(6, 20))):
-            x = (3 * x + c) % (tcfg.vocab_size - 2) + 2
-            resp.append(x)
-        w.add(rng.integers(2, 128, 4), np.asarray(resp + [1]), item=i, source=0, temperature=0.0, ended=True)
-    w.flush()
+    d = write_patterned_shards(str(tmp_path / "data"), tcfg.vocab_size, rows=32)
     tc = DraftTrainConfig(batch_size=8, seq_len=32, steps=20, lr=1e-2, warmup_steps=2, compute_dtype="float32",
                           logits_chunk=8, log_every=10, exit_layer=1)
     out = tmp_path / "out"

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
+from .shards import RowWriter
 
 
 def tiny_target_config(**overrides) -> ModelConfig:
@@ -42,3 +43,21 @@ def numpy_params(init_fn, *args, seed: int = 0, scale: float = 0.02, **kwargs) -
     if "t2d" in shapes:
         params["t2d"] = jnp.zeros(shapes["t2d"].shape, bool).at[params["d2t"]].set(True)
     return params
+
+
+def write_patterned_shards(directory: str, vocab_size: int, *, rows: int = 40, low: int = 2,
+                           lengths: tuple[int, int] = (6, 20)) -> str:
+    """Distilled shards (jspec-distill-v2) a drafter can learn fast: 4-token random prompts and
+    responses following x <- 3x + c (mod the vocabulary, tokens >= `low`), EOS (1) last; 8 rows a
+    shard, every 4th row held out. Returns `directory`."""
+    w = RowWriter(directory, vocab_size=vocab_size, pad_id=0, eos_token_ids=(1,), sources=["t"], rows_per_shard=8,
+                  holdout_every=4)
+    rng = np.random.default_rng(0)
+    for i in range(rows):
+        x, c, resp = int(rng.integers(low, 100)), int(rng.integers(1, 7)), []
+        for _ in range(int(rng.integers(*lengths))):
+            x = (3 * x + c) % (vocab_size - low) + low
+            resp.append(x)
+        w.add(rng.integers(low, 128, 4), np.asarray(resp + [1]), item=i, source=0, temperature=0.0, ended=True)
+    w.flush()
+    return directory
