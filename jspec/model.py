@@ -343,8 +343,8 @@ def forward(
     def dot(x, p, name):  # the portable product; `mm` below may replace it by the matvec kernel
         return x @ p[name]
 
-    def project_qkv(h, p, mm=dot):  # [B, T, q_size + 2 * kv_size], before rope
-        qkv = mm(rms_norm(h, p["attn_norm"], cfg.rms_norm_eps), p, "wqkv")
+    def project_qkv(h, p, mm=dot, **kw):  # [B, T, q_size + 2 * kv_size], before rope (kw: the kernel's options)
+        qkv = mm(rms_norm(h, p["attn_norm"], cfg.rms_norm_eps), p, "wqkv", **kw)
         return qkv + p["bqkv"] if cfg.attention_bias else qkv
 
     def row_parallel(y):  # tensor parallelism: this device's share of wo / w_down -> the full product
@@ -424,10 +424,8 @@ def forward(
             h, kc, vc = carry
             p, li = xs
             mm = layer_mm(li)
-            if qkv_partials:  # the attention kernel sums the projection's split-K partials itself
-                qkv = mm(rms_norm(h, p["attn_norm"], cfg.rms_norm_eps), p, "wqkv", keep_partials=True)
-            else:
-                qkv = project_qkv(h, p, mm)
+            # with qkv_partials the attention kernel sums the projection's split-K partials itself
+            qkv = project_qkv(h, p, mm, keep_partials=True) if qkv_partials else project_qkv(h, p, mm)
             if cfg.qk_norm:
                 qkv = qk_normed(qkv, p)
             o, kc, vc = attend(qkv, kc, vc, li)

@@ -56,7 +56,7 @@ def test_block_choice(monkeypatch, tmp_path):
         assert MV.pick_blocks(1, 4096, 8192, transposed=False, in_place=True) == (128, 128, 2, 4, 3)  # XLA would copy
         assert MV.pick_blocks(2, 64, 64, transposed=False) is None  # untuned and small: launch-bound, XLA
         # ... but at one row XLA's multiply-and-reduce lowering loses: the kernel, K split over the card
-        assert MV.pick_blocks(1, 576, 576, transposed=False) == MV.small_blocks(576, 576) == (64, 128, 4, 4, 4)
+        assert MV.pick_blocks(1, 576, 576, transposed=False) == MV.default_blocks(1, 576, 576, transposed=False, sms=132) == (64, 128, 4, 4, 4)
         assert MV.pick_blocks(1, 64, 64, transposed=False, in_place=True) is not None
         assert MV.pick_blocks(MV.MAX_ROWS + 1, 4096, 4096, transposed=False, in_place=True) is None
         assert MV.tuning_key(1, 8, 8, False, jnp.bfloat16) != MV.tuning_key(2, 8, 8, False, jnp.bfloat16)

@@ -285,8 +285,20 @@ def default_blocks(M: int, K: int, N: int, *, transposed: bool, sms: int | None 
     """A rule that keeps the HBM busy: enough programs for ~4 per SM, each streaming >= 64 KiB.
 
     BN 64 columns (128-byte rows, coalesced) for [K, N]; for [N, K] the tile's rows are contiguous
-    along K, so wider BK reads longer runs. Split K until the grid fills the card."""
+    along K, so wider BK reads longer runs. Split K until the grid fills the card.
+
+    A [K, N] product below MIN_ELEMENTS is launch-bound: BK 128 and K split (up to 8 ways, each
+    split at least one tile) until the grid has about two programs per SM. That is what tuning
+    chose on the H100 for SmolLM2's one-row products (576 x 576 and 576 x 960: split 4; 1536 x 576:
+    split 8), where the kernel took 2.2-3.2 µs against XLA's 4.3-8.5 µs."""
     sms = sms or _sm_count()
+    if K * N < MIN_ELEMENTS and not transposed:
+        bk = min(128, 1 << (K - 1).bit_length())
+        programs = -(-N // 64)
+        split = 1
+        while split < 8 and K // (2 * split) >= bk and programs * 2 * split <= 2 * sms:
+            split *= 2
+        return Blocks(64, bk, split, 4, 4)
     bn = 64 if not transposed else 32
     bk = 256 if not transposed else 512
     bk = min(bk, 1 << (K - 1).bit_length())
@@ -297,20 +309,6 @@ def default_blocks(M: int, K: int, N: int, *, transposed: bool, sms: int | None 
     while programs * split < 4 * sms and (K // (2 * split)) >= 2 * bk:
         split *= 2
     return Blocks(bn, bk, split, 4, 4)
-
-
-def small_blocks(K: int, N: int, *, sms: int | None = None) -> Blocks:
-    """A one-row product below MIN_ELEMENTS without a tuned entry: BN 64, BK 128, K split (up to
-    8 ways, each split at least one BK tile) until the grid has about two programs per SM. It is
-    what tuning chose on the H100 for SmolLM2's one-row products (576 x 576 and 576 x 960: split
-    4; 1536 x 576: split 8), where the kernel took 2.2-3.2 µs against XLA's 4.3-8.5 µs."""
-    sms = sms or _sm_count()
-    bk = min(128, 1 << (K - 1).bit_length())
-    programs = -(-N // 64)
-    split = 1
-    while split < 8 and K // (2 * split) >= bk and programs * 2 * split <= 2 * sms:
-        split *= 2
-    return Blocks(64, bk, split, 4, 4)
 
 
 SMEM_BUDGET = 200 * 1024  # of the H100's 227 KiB a block may use
@@ -371,21 +369,20 @@ def pick_blocks(M: int, K: int, N: int, *, transposed: bool, dtype=jnp.bfloat16,
     A table entry (measured by bench_shapes --parts tune) gives the best blocks and whether XLA's
     dot on a weight buffer of its own was faster. `in_place`: the weight is one layer of a stacked
     array, which XLA would first copy out (about 2.3x slower at 8B shapes), so the kernel is used
-    whatever XLA's own-buffer time. Without an entry: `default_blocks` for matrices of at least
-    MIN_ELEMENTS; smaller ones are launch-bound, so XLA's dot serves them, except at one row
-    (`small_blocks`): XLA lowers a one-row product to a multiply and a reduction, which lost to the
-    kernel at every small product tuned on the H100 (by 1.4-2.6x), and a card without a table
-    would otherwise pay that in every layer of a small model's decode step."""
+    whatever XLA's own-buffer time. Without an entry: `default_blocks`, except that XLA's dot
+    serves matrices below MIN_ELEMENTS (launch-bound) at more than one row. At one row XLA lowers
+    the product to a multiply and a reduction, which lost to the kernel at every small product
+    tuned on the H100 (by 1.4-2.6x); a card without a table would pay that in every layer of a
+    small model's decode step."""
     choice = matmul_choice()
     if choice == "xla" or M > MAX_ROWS:
         return None
     hit = _tuning_table(card_name()).get(tuning_key(M, K, N, transposed, dtype))
-    small = K * N < MIN_ELEMENTS
-    if choice == "auto" and not in_place and (hit.get("xla_faster") if hit else small and M > 1):
+    if choice == "auto" and not in_place and (hit.get("xla_faster") if hit else K * N < MIN_ELEMENTS and M > 1):
         return None
     if hit:
         return Blocks(*hit["blocks"])
-    return small_blocks(K, N) if small and M == 1 and not transposed else default_blocks(M, K, N, transposed=transposed)
+    return default_blocks(M, K, N, transposed=transposed)
 
 
 
