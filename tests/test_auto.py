@@ -11,7 +11,7 @@ from jspec import model as M
 from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.policies import make_policy
-from jspec.speculative.policies.auto import REFERENCE_COSTS, ROW_SPREAD, TREE_SIZES, AutoPolicy, plan
+from jspec.speculative.policies.auto import PLAN_TOLERANCE, REFERENCE_COSTS, ROW_SPREAD, TREE_SIZES, AutoPolicy, plan
 from test_spec import CFG, _drafters, _prompts
 
 # verify grows steeply with the block: speculation cannot pay
@@ -28,6 +28,18 @@ def test_plan_picks_a_budget_or_plain_decoding():
         assert plan(COSTLY, batch=1, drafter_name="eagle", parallel=False, tree=tree).mode == "ar"
     # the n-gram drafter costs nothing per step, so only verify's growth limits K
     assert plan(REFERENCE_COSTS, batch=1, drafter_name="ngram", parallel=True).mode == "chain"
+
+
+def test_near_ties_go_to_the_smaller_budget():
+    """Gains within PLAN_TOLERANCE of the best count as ties and the smallest budget wins, so a
+    re-measured table whose entries moved by a few percent plans the same."""
+    flat = {"verify_us": {"1": {"1": 1000, "4": 1000, "8": 1000}}, "draft_step_us": {"1": 2.0}, "tree_level_us": {"1": 2.0}}
+    gains = {k: plan(flat, batch=1, drafter_name="eagle", parallel=False, alpha=0.6, k_cap=k).gain for k in range(1, 9)}
+    best_k = max(gains, key=gains.get)
+    p = plan(flat, batch=1, drafter_name="eagle", parallel=False, alpha=0.6)
+    assert p.k_max < best_k and p.gain >= gains[best_k] * (1 - PLAN_TOLERANCE)
+    jittered = {**flat, "verify_us": {"1": {"1": 1000, "4": 1010, "8": 990}}}
+    assert plan(jittered, batch=1, drafter_name="eagle", parallel=False, alpha=0.6).k_max == p.k_max
 
 
 def test_larger_batches_plan_for_a_slow_row():

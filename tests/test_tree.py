@@ -1,5 +1,6 @@
 """EAGLE-2 dynamic trees: structure invariants, greedy identity to AR, lossless tree sampling."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,8 +11,11 @@ from hypothesis import strategies as st
 from jspec import model as M
 from jspec.generate import SpeculativeConfig, generate
 from jspec.sampling import Sampling
-from jspec.speculative.engines.tree import TreeConfig, build_tree
+from jspec.decode import pack_prompts
+from jspec.speculative.engines.chain import start_spec
+from jspec.speculative.engines.tree import TreeConfig, build_tree, policy_prunes, tree_round
 from jspec.speculative.policies import make_policy
+from jspec.speculative.policies.auto import AutoPolicy
 from jspec.speculative.verify.tree import Tree, ancestor_mask, path_of, verify_tree_greedy, verify_tree_sampling
 from test_spec import CFG, _drafters, _prompts
 
@@ -117,9 +121,12 @@ def test_verify_tree_sampling_is_lossless():
 PRUNED = TreeConfig(top_k=3, depth=4, num_nodes=12, verify_sizes=(3, 6))
 
 
-def test_a_pruned_tree_stops_drafting_and_verifies_fewer_nodes(target):
-    """A policy that stops after the first level: the deeper levels are skipped, the kept nodes are
-    the first level's, and the round verifies the smallest compiled block (3 nodes, not 12)."""
+@pytest.mark.parametrize("skip_levels", [False, True])
+def test_a_pruned_tree_stops_drafting_and_verifies_fewer_nodes(target, skip_levels):
+    """A policy that stops after the first level: the kept nodes are the first level's (the deeper
+    levels skipped under skip_levels, masked otherwise), and the round verifies the smallest
+    compiled block (3 nodes, not 12). `auto` never cuts: its tree is the static one even when its
+    per-row limit is 1."""
     drafter, dparams = _drafters(target)["eagle3"]
     prompts = _prompts(2)
     from jspec.decode import pack_prompts
@@ -130,13 +137,15 @@ def test_a_pruned_tree_stops_drafting_and_verifies_fewer_nodes(target):
     sizes = PRUNED.block_sizes(True)
     assert sizes == (3, 6, 12) and PRUNED.block_sizes(False) == (12,)
 
+    tc = dataclasses.replace(PRUNED, skip_levels=skip_levels)
+
     def run(policy):
         @jax.jit
         def go(target, dparams, tokens, lens):
-            state = start_spec(target, CFG, drafter, dparams, policy, None, PRUNED.depth, 8, cache_len, Sampling(), 1,
+            state = start_spec(target, CFG, drafter, dparams, policy, None, tc.depth, 8, cache_len, Sampling(), 1,
                                tokens, lens, jax.random.PRNGKey(0))
-            pstate, limit = policy.start_round(state.pstate, PRUNED.depth)
-            tree, _, _ = draft_tree(drafter, dparams, target, CFG, state.dstate, state.last, PRUNED, policy, pstate, limit)
+            pstate, limit = policy.start_round(state.pstate, tc.depth)
+            tree, _, _ = draft_tree(drafter, dparams, target, CFG, state.dstate, state.last, tc, policy, pstate, limit)
             return tree, verify_size_index(tree.valid, sizes)
 
         return go(target, dparams, jnp.asarray(tokens), jnp.asarray(lens))
@@ -146,6 +155,24 @@ def test_a_pruned_tree_stops_drafting_and_verifies_fewer_nodes(target):
     assert (np.asarray(tree.valid[:, 1 : PRUNED.top_k + 1])).all()  # the valid nodes come first
     tree, index = run(make_policy("static", k_max=PRUNED.depth))
     assert int(index) == len(sizes) - 1 and np.asarray(tree.valid).sum() > 2 * PRUNED.top_k
+    assert not policy_prunes(make_policy("static", k_max=PRUNED.depth)) and policy_prunes(make_policy("confidence"))
+
+
+def test_auto_keeps_its_planned_tree_whole(target):
+    """`auto` does not cut trees (Policy.cuts_trees): a round under an auto policy whose rows would
+    limit the depth to 1 drafts and verifies the whole tree, as the static policy does."""
+    drafter, dparams = _drafters(target)["eagle3"]
+    tokens, lens, cache_len = pack_prompts(CFG, _prompts(2), 8, PRUNED.num_nodes + 1)
+    timid = AutoPolicy(k_max=PRUNED.depth, alpha0=0.01, step_us=1000.0, first_us=0.0, verify_us=10.0)  # limit 1 per row
+    assert not policy_prunes(timid) and int(timid.round_limit(timid.init(2, None), PRUNED.depth).max()) == 1
+
+    def drafted(policy):
+        state = start_spec(target, CFG, drafter, dparams, policy, None, PRUNED.depth, 8, cache_len, Sampling(), 1,
+                           jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(0))
+        after = jax.jit(lambda s: tree_round(target, CFG, drafter, dparams, policy, PRUNED, 8, Sampling(), 1, s))(state)
+        return np.asarray(after.drafted)
+
+    np.testing.assert_array_equal(drafted(timid), drafted(make_policy("static", k_max=PRUNED.depth)))
 
 
 @pytest.mark.parametrize("policy", [make_policy("confidence", threshold=1.01), make_policy("confidence", threshold=0.2)])

@@ -19,17 +19,24 @@ Per round and per row (docs/methods.md §2.3), all inside `jit`:
   6. The accepted path's K/V move to contiguous slots (`model.commit`), and the head re-reads the
      path with the target's true features.
 
-A dynamic policy can cut the tree per row: its round limit caps the depth, and its stop rule,
-applied to the best frontier node's distribution after each level, stops deeper levels (a rule
-checked before drafting, AdaEDL, also drops the level it stopped at). A drafted EOS ends its branch:
-nodes below it are not verified. A cut saves work, with static shapes throughout:
-  * levels: under any policy but static, each level runs inside a `lax.cond` and is skipped once
-    every row's depth cap is above it (no head forward for a level nobody keeps);
+A dynamic policy can cut the tree per row (`Policy.cuts_trees`): its round limit caps the depth,
+and its stop rule, applied to the best frontier node's distribution after each level, stops deeper
+levels (a rule checked before drafting, AdaEDL, also drops the level it stopped at). A drafted EOS
+ends its branch: nodes below it are not verified. A cut saves work, with static shapes throughout:
   * reranking keeps only nodes within their row's depth cap (a deeper candidate ranks below every
     kept one), so the kept nodes fill the front of the node order;
   * verification: the target reads the smallest of a few compiled block sizes
     (`TreeConfig.verify_sizes` below num_nodes, then num_nodes) that holds every row's last valid
-    node, picked per round by `lax.switch`.
+    node, picked per round by `lax.switch`;
+  * levels (`TreeConfig.skip_levels`, off by default): each level runs inside a `lax.cond` and is
+    skipped once every row's depth cap is above it.
+Every data-dependent branch costs: on GPUs XLA reads its predicate back to the host and waits for
+it. On an H200 at batch 1 with SmolLM2-135M, the same 59-node trees took 270-290 µs more per round
+(of ~1.55 ms) with the five level conds and the verify switch than without them, about 45 µs a
+branch, while a level costs 74 µs and is rarely skipped by every row. So levels are skipped only
+where a level costs several branches (big heads, large batches) and the user turns it on. A policy
+whose cuts cannot pay (static; `auto`, whose plan already sized the tree for this batch and card)
+compiles none of this: its rounds are the static tree's program.
 """
 
 from __future__ import annotations
@@ -64,6 +71,9 @@ class TreeConfig:
     # smaller verify blocks (draft nodes) compiled for rounds a dynamic policy cut; those below num_nodes are used
     verify_sizes: tuple[int, ...] = (15, 31)
     ngram: int = 0  # hybrid drafters (drafters.hybrid): nodes of the n-gram branch beside the head's tree
+    # cutting policies: run each level under a lax.cond, skipped once no row keeps it (module doc: a
+    # branch costs ~45 µs on an H200, so this pays only where a level costs well more than that)
+    skip_levels: bool = False
 
     def __post_init__(self):
         cands = self.top_k + (self.depth - 1) * self.top_k**2
@@ -178,7 +188,7 @@ def draft_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: 
             return h, c_score, c_tok, entries, cache, pstate, depth_cap
 
         ops = (f_tok, f_feat, cache, pending, f_anc, pstate, depth_cap)
-        if prunes:  # no row keeps this level: skip its head forward (its candidates are masked below)
+        if prunes and tc.skip_levels:  # no row keeps this level: skip its head forward (its candidates are masked below)
             shapes = jax.eval_shape(run_level, ops)[:4]
             skip = lambda ops, shapes=shapes: (*jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),  # noqa: E731
                                                *ops[2:3], *ops[5:])
@@ -228,9 +238,9 @@ def draft_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: 
 
 
 def policy_prunes(policy) -> bool:
-    """Whether a policy can cut trees (every policy but static): its trees get skippable levels
-    and smaller verify blocks."""
-    return policy.name != "static"
+    """Whether a policy's trees get the cutting machinery (`Policy.cuts_trees`): smaller verify
+    blocks picked per round, and skippable levels where `TreeConfig.skip_levels` asks."""
+    return policy.cuts_trees
 
 
 def verify_size_index(valid: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
@@ -313,7 +323,9 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
     D = tc.depth
     key, k_verify = jax.random.split(state.key)
     pstate, limit = policy.start_round(state.pstate, D, round_features(state, tparams))
-    limit = jnp.clip(limit, 1, D)
+    # a policy that does not cut trees keeps them whole: masking nodes the round drafts and
+    # verifies anyway would only lose tokens
+    limit = jnp.clip(limit, 1, D) if policy_prunes(policy) else jnp.full_like(limit, D)
     hybrid = isinstance(drafter, HybridDrafter)
     head_drafter, head_state = (drafter.eagle, state.dstate.eagle) if hybrid else (drafter, state.dstate)
     tree, pstate, head_state = draft_tree(head_drafter, dparams, tparams, tcfg, head_state, state.last, tc, policy, pstate, limit)

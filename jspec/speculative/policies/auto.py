@@ -28,8 +28,13 @@ Two decisions use it:
   0.99x at K = 1 at batch 16 under a freshly measured table (eighth run), which takes a - 0.21
   z(16); at batch 8, K = 2 ran at 1.23x. The seventh run's EAGLE rows imply 0.03-0.08.
   `plan(..., row_spread=)` overrides it.
-* Device side, per round and per row (`round_limit`): with the verify cost of the static block,
-  the draft length (or tree depth) k in [1, K] that maximises tau(k) / c(k) under the row's own
+  Near-ties go to the smaller budget: among budgets within `PLAN_TOLERANCE` (3%) of the best
+  gain, the plan takes the one with the fewest draft tokens (then the shallowest). The optimum is
+  flat (on the H200 at batch 1, 15- and 59-node trees give the same tokens per ms within 2%), and
+  two measurements of the same card's table differ by up to 8% in single entries, so an argmax
+  alone flipped between 5/31 and 6/59 trees, and K = 2 and 3 chains, from one table to the next.
+* Device side, per round and per row, chains only (`round_limit`): with the verify cost of the static block,
+  the draft length k in [1, K] that maximises tau(k) / c(k) under the row's own
   acceptance estimate: the geometric fit successes / trials over discounted per-row sums (a round
   that accepts n of its drafts adds n successes and n + 1 trials, or n trials when every draft was
   accepted). A mean of each round's own ratio n / (n + 1) would be biased low: at a true
@@ -60,6 +65,7 @@ from flax import struct
 from .base import Policy, clip_limit, count_rounds
 
 TREE_SIZES = (15, 23, 31, 47, 59)  # EAGLE's total_tokens candidates, minus the root
+PLAN_TOLERANCE = 0.03  # budgets this close to the best gain count as ties; the smallest wins (module doc)
 # [I] fit to the shipped EAGLE-3 head v4 on an H200 (bf16, MT-Bench 80, batch 1, one process): the 59-node
 # depth-6 tree accepted 4.03 tokens per call where the K = 6 chain took 2.66 (a = 0.625 -> a_tree = 0.805).
 # The earlier 0.176 came from a weaker head (2.6 against 1.8) and planned 15-node trees that accepted
@@ -213,7 +219,7 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     ar = cm.ar_step()
     step = 0.0 if parallel else cm.draft_step()
     first = (0.0 if parallel else cm.draft_first()) + cm.overhead(tree)  # fixed per-round cost
-    best = AutoPlan("ar", 0, 0, 1.0, None)
+    candidates = []  # (gain, draft tokens, depth or K, plan)
     a_ngram = 0.0
     if hybrid:
         prior = costs.get("acceptance", {}).get("ngram", ACCEPTANCE_PRIOR["ngram"])
@@ -227,18 +233,20 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
                 for m in (range(0, depth + 1, 2) if hybrid else (0,)):
                     tau = hybrid_tokens(float(tree_acceptance(a, n, depth)), depth, a_ngram, m)
                     gain = tau * ar / (first + depth * level + cm.verify(n + m + 1, tree=True))
-                    if gain > best.gain + 1e-9:
-                        best = AutoPlan("tree", depth, n, gain, None, ngram=m)
-        unit = level
-        verify_at = cm.verify(best.num_nodes + best.ngram + 1, tree=True) if best.mode == "tree" else 0.0
+                    candidates.append((gain, n + m, depth, AutoPlan("tree", depth, n, gain, None, ngram=m)))
     else:
         for k in range(1, k_cap + 1):
             gain = float(expected_tokens(a, k)) * ar / (first + k * step + cm.verify(k + 1))
-            if gain > best.gain + 1e-9:
-                best = AutoPlan("chain", k, 0, gain, None)
-        unit, verify_at = step, cm.verify(best.k_max + 1) if best.mode == "chain" else 0.0
-    if best.mode == "ar" or best.gain < min_gain:
-        return AutoPlan("ar", 0, 0, best.gain, None)
+            candidates.append((gain, k, k, AutoPlan("chain", k, 0, gain, None)))
+    top = max((c[0] for c in candidates), default=1.0)
+    if top < max(min_gain, 1.0):
+        return AutoPlan("ar", 0, 0, top, None)
+    near = [c for c in candidates if c[0] >= max(top * (1 - PLAN_TOLERANCE), min_gain)]
+    best = min(near, key=lambda c: (c[1], c[2]))[3]
+    if best.mode == "tree":
+        unit, verify_at = cm.tree_level(), cm.verify(best.num_nodes + best.ngram + 1, tree=True)
+    else:
+        unit, verify_at = step, cm.verify(best.k_max + 1)
     # rows start from the mean acceptance; each row's own estimate takes over from there
     policy = AutoPolicy(k_max=best.k_max, alpha0=float(a_mean), step_us=float(unit), first_us=float(first),
                         verify_us=float(verify_at))
@@ -276,6 +284,9 @@ class AutoPolicy(Policy):
     at batch 1."""
 
     name = "auto"
+    # On trees the plan already sized the tree for this batch and card; per-row cuts of it were
+    # measured to cost more (the branches, engines.tree) than they saved, so its trees stay whole.
+    cuts_trees = False
 
     alpha0: float = 0.6
     discount: float = 0.95

@@ -164,6 +164,10 @@ class Policy:
     needs_draft_logits = False
     needs_in_round_state = False
     stops_before_drafting = False  # see stop_skips_token
+    # trees (engines.tree): whether this policy's cuts get the machinery that turns them into saved
+    # work (per-round verify block sizes, optionally skipped levels). Each piece is a data-dependent
+    # branch with a cost of its own; a policy whose cuts cannot pay says False.
+    cuts_trees = True
 
     k_max: int | None = None
 

@@ -21,6 +21,7 @@ class StaticPolicy(Policy):
     """Fixed draft length ``k`` every round (``k=None``: the engine's ``k_max``); never stops early."""
 
     name = "static"
+    cuts_trees = False  # a full tree every round
 
     k: int | None = None
 
