@@ -181,6 +181,7 @@ def untuned_card(monkeypatch, tmp_path):
     monkeypatch.setenv("JSPEC_MATMUL", "auto")
     monkeypatch.setattr(MV, "card_name", lambda: "untuned")
     monkeypatch.setattr(MV, "smem_limit", lambda: H200_SMEM)
+    monkeypatch.setattr(MV, "_sm_count", lambda: 132)  # the H200's (and the H100's)
     MV._tuning_table.cache_clear()
     yield
     MV._tuning_table.cache_clear()
@@ -292,3 +293,19 @@ def test_fitted_blocks_compute_the_portable_product(monkeypatch, act):
     got = MV.matvec(parts, w_down, blocks=blocks, activation=act, interpret=True)
     assert fitted == [(16, 32, 1, 4, 1)]
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_shipped_tuning_fits_its_cards_unchanged():
+    """Every entry of the shipped table (H100 / H200: 227 KiB) is a plain product within the limit,
+    so the default path (JSPEC_FUSE_PRODUCTS=0) runs the measured blocks as they were."""
+    import json
+    table = json.loads(MV.TUNING_FILE.read_text())
+    assert table
+    for card, entries in table.items():
+        for key, entry in entries.items():
+            shape, dtype = key.split(":")
+            rows, K, N = shape.rstrip("t").split("x")
+            blocks = MV.Blocks(*entry["blocks"])
+            itemsize = jnp.dtype(dtype).itemsize
+            assert MV.smem_bytes(int(rows), blocks, itemsize) <= H200_SMEM, (card, key)
+            assert MV.fit_blocks(int(rows), blocks, itemsize, limit=H200_SMEM) == blocks
