@@ -217,7 +217,7 @@ SPLITS_PER_TILE = 4  # the first stage's splits per BN: those whose grid is near
 
 
 def _fits(m, b: MV.Blocks) -> bool:
-    return MV.smem_bytes(m, b) <= MV.SMEM_BUDGET and b[0] * b[1] <= 256 * 256  # larger W tiles spill registers
+    return MV.smem_bytes(m, b) <= MV.smem_limit() and b[0] * b[1] <= 256 * 256  # larger W tiles spill registers
 
 
 def wide_search(m, K, N, tr, time_blocks, sms=None, log=print):

@@ -74,7 +74,7 @@ def test_block_choice(monkeypatch, tmp_path):
 def test_default_blocks_fill_the_card_within_shared_memory():
     for rows, K, N, t in [(1, 4096, 4096, False), (64, 4096, 128256, True), (16, 14336, 4096, False)]:
         b = MV.default_blocks(rows, K, N, transposed=t, sms=132)
-        assert MV.smem_bytes(rows, b) <= MV.SMEM_BUDGET
+        assert MV.smem_bytes(rows, b) <= MV.smem_limit()
         assert -(-N // b[0]) * b[2] >= 132 or K // (2 * b[2]) < 2 * b[1]
 
 
@@ -139,7 +139,7 @@ def test_wide_block_search_stays_small_and_in_budget():
             for m in (1, 64):
                 results = B.wide_search(m, K, N, tr, fake, sms=132, log=lambda *a, **k: None)
                 assert 10 <= len(results) <= 64, (name, m, len(results))
-                assert all(MV.smem_bytes(m, b) <= MV.SMEM_BUDGET for b in results)
+                assert all(MV.smem_bytes(m, b) <= MV.smem_limit() for b in results)
                 assert {b[3] for b in results} == {2, 4, 8} and len({b[4] for b in results}) >= 3
                 t, best, n = B.search_blocks(m, K, N, tr, fake, wide=True, log=lambda *a, **k: None)
                 assert t == min(results.values()) and n == len(results)
@@ -167,3 +167,145 @@ def test_one_row_on_the_cuda_cores_matches_dot(layout):
         for x in (gu, parts):
             np.testing.assert_allclose(MV.matvec(x, w, blocks=fma, activation="silu", interpret=True, **kw), ref,
                                        rtol=2e-5, atol=2e-5)
+
+
+H200_SMEM = 232448  # what Triton reported available on the H200 (227 KiB, sm_90)
+
+
+@pytest.fixture
+def untuned_card(monkeypatch, tmp_path):
+    """A card with no tuning entries (the H200 had none at these row counts): the rule's blocks."""
+    table = tmp_path / "empty.json"
+    table.write_text("{}")
+    monkeypatch.setenv("JSPEC_MATVEC_TUNING", str(table))
+    monkeypatch.setenv("JSPEC_MATMUL", "auto")
+    monkeypatch.setattr(MV, "card_name", lambda: "untuned")
+    monkeypatch.setattr(MV, "smem_limit", lambda: H200_SMEM)
+    monkeypatch.setattr(MV, "_sm_count", lambda: 132)  # the H200's (and the H100's)
+    MV._tuning_table.cache_clear()
+    yield
+    MV._tuning_table.cache_clear()
+
+
+@pytest.mark.parametrize("name,D,F,rows,asked", [
+    ("llama-3.2-1b decode, batch 16", 2048, 8192, 16, 491520),
+    ("smollm2-135m prefill of a batch-1 run (64 prompt tokens)", 576, 1536, 64, 458752),
+    ("smollm2-135m decode, batch 1", 576, 1536, 1, None)])
+def test_fused_down_projection_fits_shared_memory(untuned_card, name, D, F, rows, asked):
+    """The folded down projection reading the gate | up product's split-K partials, with the blocks
+    the model picks on an untuned card (stacked weights read in place): the estimate bounds what
+    Triton asked for on the H200 where it refused the kernel, and the fitted blocks (fewer stages
+    first) are within the card's 232,448 bytes. The plain products' blocks were within it already
+    and stay as they were."""
+    gate_up = MV.pick_blocks(rows, D, 2 * F, transposed=False, in_place=True)
+    down = MV.pick_blocks(rows, F, D, transposed=False, in_place=True)
+    _, parts = MV.k_partition(D, min(gate_up[1], 1 << (D - 1).bit_length()), gate_up[2])
+    parts = parts if parts > 1 else 0
+    for blocks in (gate_up, down):
+        assert MV.smem_bytes(rows, blocks) <= H200_SMEM
+        assert MV.fit_blocks(rows, blocks) == blocks
+    need = MV.smem_bytes(rows, down, x_parts=parts, folded=True)
+    fitted = MV.fit_blocks(rows, down, x_parts=parts, folded=True)
+    assert MV.smem_bytes(rows, fitted, x_parts=parts, folded=True) <= H200_SMEM
+    if asked is None:  # one row, gate | up unsplit: it fitted, and keeps its blocks
+        assert parts == 0 and need <= H200_SMEM and fitted == down
+    else:
+        assert need >= asked > H200_SMEM, (name, down, parts, need)
+        assert fitted[:4] == down[:4] and fitted[4] < down[4]  # fewer stages, BK kept
+
+
+def test_fit_blocks_clamps_stages_then_block_k():
+    b = MV.Blocks(64, 256, 4, 4, 4)
+    plain = MV.smem_bytes(16, b)
+    assert MV.fit_blocks(16, b, limit=plain) == b
+    assert MV.fit_blocks(16, b, limit=plain - 1)[:5] == (64, 256, 4, 4, 3)
+    one_stage = MV.smem_bytes(16, MV.Blocks(64, 256, 4, 4, 1), x_parts=8, folded=True)
+    assert MV.fit_blocks(16, b, limit=one_stage, x_parts=8, folded=True) == (64, 256, 4, 4, 1)
+    assert MV.fit_blocks(16, b, limit=one_stage - 1, x_parts=8, folded=True) == (64, 128, 4, 4, 1)
+    fma = MV.Blocks(64, 256, 4, 4, 4, fma=1)
+    assert MV.fit_blocks(1, fma, limit=MV.smem_bytes(1, fma) - 1).fma
+    with pytest.raises(ValueError, match="shared memory"):
+        MV.fit_blocks(64, b, limit=1024, x_parts=8, folded=True)
+    # more partials, a folded activation and float32 partials each ask for more than the plain product
+    assert plain < MV.smem_bytes(16, b, folded=True) < MV.smem_bytes(16, b, x_parts=2, folded=True)
+    assert MV.smem_bytes(16, b, x_parts=2) < MV.smem_bytes(16, b, x_parts=4)
+
+
+def test_tuned_blocks_are_fitted_and_tuning_proposes_none_over_the_limit(monkeypatch, tmp_path):
+    """A table entry measured at fewer rows (or on a card with more shared memory) is fitted like
+    the rule's blocks; bench_shapes --parts tune only proposes blocks within the limit."""
+    table = tmp_path / "t.json"
+    key = MV.tuning_key(64, 4096, 4096, False, jnp.bfloat16)
+    table.write_text('{"cpu": {"%s": {"blocks": [128, 256, 2, 4, 4], "xla_faster": false}}}' % key)
+    monkeypatch.setenv("JSPEC_MATVEC_TUNING", str(table))
+    monkeypatch.setenv("JSPEC_MATMUL", "auto")
+    monkeypatch.setattr(MV, "card_name", lambda: "cpu")
+    monkeypatch.setattr(MV, "smem_limit", lambda: 99 * 1024)
+    MV._tuning_table.cache_clear()
+    try:
+        got = MV.pick_blocks(64, 4096, 4096, transposed=False)
+        assert got[:4] == (128, 256, 2, 4) and got[4] < 4 and MV.smem_bytes(64, got) <= 99 * 1024
+        for rows, K, N, t in [(1, 4096, 4096, False), (64, 4096, 128256, True), (64, 576, 576, False)]:
+            assert MV.smem_bytes(rows, MV.default_blocks(rows, K, N, transposed=t, sms=132)) <= 99 * 1024
+            cands = MV.candidate_blocks(rows, K, N, transposed=t, sms=132)
+            assert all(MV.smem_bytes(rows, b) <= 99 * 1024 for b in cands)
+        assert MV.candidate_blocks(1, 4096, 4096, transposed=False, sms=132)
+    finally:
+        MV._tuning_table.cache_clear()
+
+
+def test_shared_memory_limit_from_the_device(monkeypatch):
+    class Gpu:
+        platform = "gpu"
+
+        def __init__(self, cc):
+            if cc:
+                self.compute_capability = cc
+
+    for devices, limit in [([Gpu("9.0")], 227 * 1024), ([Gpu("8.9")], 99 * 1024), ([Gpu("8.0")], 163 * 1024),
+                           ([Gpu(None)], 48 * 1024), ([Gpu("7.5")], 48 * 1024), (jax.devices("cpu"), 227 * 1024)]:
+        monkeypatch.setattr(jax, "devices", lambda *a, d=devices: d)
+        MV.smem_limit.cache_clear()
+        assert MV.smem_limit() == limit
+    MV.smem_limit.cache_clear()
+
+
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_fitted_blocks_compute_the_portable_product(monkeypatch, act):
+    """Blocks over a (made-up small) limit run fitted, in interpret mode: fewer stages, then a
+    smaller BK (more K tiles, split differently); the result is still the portable one."""
+    rows, D, F = 3, 40, 96
+    m, w_gu, w_down = _rand(11, (rows, D)), 0.2 * _rand(12, (D, 2 * F)), 0.2 * _rand(13, (F, D))
+    gu = m @ w_gu
+    x = MV.activation(act)(gu[:, :F]) * gu[:, F:] if act else gu[:, :F]
+    ref = x @ w_down
+    parts = MV.matvec(m, w_gu, blocks=MV.Blocks(32, 16, 2, 4, 3), keep_partials=True, interpret=True)
+    assert isinstance(parts, MV.Partials)
+    if not act:
+        parts = MV.Partials(parts.parts[..., :F], parts.dtype)
+    blocks = MV.Blocks(16, 64, 1, 4, 4)
+    variant = dict(x_parts=2, folded=bool(act), itemsize=4)
+    limit = MV.smem_bytes(rows, MV.Blocks(16, 32, 1, 4, 1), **variant)  # 1 stage and BK 32 fit, BK 64 does not
+    fitted = []
+    fit = MV.fit_blocks
+    monkeypatch.setattr(MV, "smem_limit", lambda: limit)
+    monkeypatch.setattr(MV, "fit_blocks", lambda *a, **k: fitted.append(fit(*a, **k)) or fitted[-1])
+    got = MV.matvec(parts, w_down, blocks=blocks, activation=act, interpret=True)
+    assert fitted == [(16, 32, 1, 4, 1)]
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_shipped_tuning_fits_its_cards_unchanged():
+    """Every entry of the shipped table (H100 / H200: 227 KiB) is a plain product within the limit,
+    so the default path (JSPEC_FUSE_PRODUCTS=0) runs the measured blocks as they were."""
+    import json
+    table = json.loads(MV.TUNING_FILE.read_text())
+    assert table
+    for card, entries in table.items():
+        for key, entry in entries.items():
+            shape, dtype = key.split(":")
+            rows, K, N = shape.rstrip("t").split("x")
+            blocks = MV.Blocks(*entry["blocks"])
+            itemsize = jnp.dtype(dtype).itemsize
+            assert MV.smem_bytes(int(rows), blocks, itemsize) <= H200_SMEM, (card, key)
+            assert MV.fit_blocks(int(rows), blocks, itemsize, limit=H200_SMEM) == blocks

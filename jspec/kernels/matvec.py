@@ -31,7 +31,9 @@ activation is never written and no elementwise kernel runs between the two.
 
 The block shape (BN, BK, S, warps, stages) is picked per (card, rows, K, N, layout) from
 `matvec_tuning.json` (measured by scripts/bench_shapes.py --tune), else by a rule that gives every
-SM several programs. The portable path (CPU, TPU, meshes) is `x @ W`; tests run this kernel in
+SM several programs; then fitted to the card's shared memory for the variant that runs (`fit_blocks`:
+partials and a folded activation load more per K tile than the plain product the blocks were
+chosen for). The portable path (CPU, TPU, meshes) is `x @ W`; tests run this kernel in
 Pallas interpret mode against it.
 """
 
@@ -165,6 +167,13 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, M, BM, K, N, BK, BN, KS, transpos
         plgpu.store(out, acc.astype(o_ref.dtype), mask=mask)
 
 
+def k_partition(K: int, bk: int, split: int) -> tuple[int, int]:
+    """(K per split, splits) of a product of depth K: each split owns a whole number of BK tiles, the
+    last may run past K (masked), so fewer splits than asked remain where K runs out."""
+    ks = -(-K // (split * bk)) * bk
+    return ks, -(-K // ks)
+
+
 def _pallas_matvec(x, w, *, layer, transposed, blocks: Blocks, out_dtype, act, x_dtype, interpret):
     """x [M, Kx] (or float32 partials [S_in, M, Kx]) @ W: [M, N] in out_dtype when the blocks keep
     K whole (one program per column block sums everything: the result is stored rounded, no
@@ -180,12 +189,13 @@ def _pallas_matvec(x, w, *, layer, transposed, blocks: Blocks, out_dtype, act, x
                          f"{' read transposed' if transposed else ''}")
     if M > MAX_ROWS:
         raise ValueError(f"matvec: {M} rows, at most {MAX_ROWS}")
+    bk = min(blocks[1], 1 << (K - 1).bit_length())
+    # the blocks were chosen for a plain product of W's dtype: this variant may need more shared memory
+    blocks = fit_blocks(M, Blocks(blocks[0], bk, *blocks[2:]), jnp.dtype(w.dtype).itemsize, x_parts=x_parts,
+                        folded=bool(act), x_itemsize=jnp.dtype(x.dtype).itemsize)
     bn, bk, split, warps, stages = blocks[:5]
     fma = len(blocks) > 5 and bool(blocks[5]) and M == 1  # (a one-row product only)
-    bk = min(bk, 1 << (K - 1).bit_length())
-    # each split owns a whole number of BK tiles; the last may run past K (masked)
-    ks = -(-K // (split * bk)) * bk
-    split = -(-K // ks)
+    ks, split = k_partition(K, bk, split)
     summed = split == 1
     kernel = functools.partial(_kernel, M=M, BM=_pad_rows(M), K=K, N=N, BK=bk, BN=bn, KS=ks, transposed=transposed,
                                stacked=stacked, mask_n=N % bn != 0, mask_k=(split * ks) != K, x_parts=x_parts,
@@ -290,7 +300,9 @@ def default_blocks(M: int, K: int, N: int, *, transposed: bool, sms: int | None 
     A [K, N] product below MIN_ELEMENTS is launch-bound: BK 128 and K split (up to 8 ways, each
     split at least one tile) until the grid has about two programs per SM. That is what tuning
     chose on the H100 for SmolLM2's one-row products (576 x 576 and 576 x 960: split 4; 1536 x 576:
-    split 8), where the kernel took 2.2-3.2 µs against XLA's 4.3-8.5 µs."""
+    split 8), where the kernel took 2.2-3.2 µs against XLA's 4.3-8.5 µs.
+
+    Either way the blocks fit the card's shared memory (`fit_blocks`)."""
     sms = sms or _sm_count()
     if K * N < MIN_ELEMENTS and not transposed:
         bk = min(128, 1 << (K - 1).bit_length())
@@ -298,26 +310,103 @@ def default_blocks(M: int, K: int, N: int, *, transposed: bool, sms: int | None 
         split = 1
         while split < 8 and K // (2 * split) >= bk and programs * 2 * split <= 2 * sms:
             split *= 2
-        return Blocks(64, bk, split, 4, 4)
+        return fit_blocks(M, Blocks(64, bk, split, 4, 4))
     bn = 64 if not transposed else 32
     bk = 256 if not transposed else 512
     bk = min(bk, 1 << (K - 1).bit_length())
-    while bk > 64 and smem_bytes(M, Blocks(bn, bk, 1, 4, 4)) > SMEM_BUDGET:
+    while bk > 64 and smem_bytes(M, Blocks(bn, bk, 1, 4, 4)) > smem_limit():
         bk //= 2
     programs = -(-N // bn)
     split = 1
     while programs * split < 4 * sms and (K // (2 * split)) >= 2 * bk:
         split *= 2
-    return Blocks(bn, bk, split, 4, 4)
+    return fit_blocks(M, Blocks(bn, bk, split, 4, 4))
 
 
-SMEM_BUDGET = 200 * 1024  # of the H100's 227 KiB a block may use
+# Shared memory a thread block may opt into, by compute capability (the CUDA programming guide's
+# table; jax's device reports the capability but not the size). Triton refuses a kernel above it
+# ("Shared memory size limit exceeded"), so block choices are clamped to it.
+_SMEM_BY_CAPABILITY = {
+    (9, 0): 227 * 1024,  # H100 / H200
+    (10, 0): 227 * 1024,  # B200
+    (8, 0): 163 * 1024,  # A100
+    (8, 6): 99 * 1024, (8, 9): 99 * 1024,  # A10, A40 / L4, L40
+    (12, 0): 99 * 1024,  # RTX 50 series
+}
+_SMEM_UNKNOWN_GPU = 48 * 1024  # what every CUDA card gives a block without opting in (and below a ROCm
+#                                card's 64 KiB): slower blocks on a card not listed, never refused ones
+_SMEM_OFF_GPU = 227 * 1024  # no shared memory to fit off a GPU (interpret mode): choose as for the H100,
+#                             the card _SMS_FALLBACK also stands for, so CPU runs see an H100's blocks
 
 
-def smem_bytes(M: int, blocks: Blocks, itemsize: int = 2) -> int:
-    """Shared memory of the pipelined x and W tiles (what num_stages multiplies)."""
+@functools.lru_cache(maxsize=None)
+def smem_limit() -> int:
+    """Bytes of shared memory one program of this kernel may use on this process's first device."""
+    try:
+        device = jax.devices()[0]
+    except Exception:  # noqa: BLE001 - no device at all: choose as off a GPU
+        return _SMEM_OFF_GPU
+    if device.platform != "gpu":
+        return _SMEM_OFF_GPU
+    try:
+        major, minor = (int(v) for v in str(device.compute_capability).split(".")[:2])
+    except Exception:  # noqa: BLE001 - a GPU that does not say what it is: the smallest size any card has
+        return _SMEM_UNKNOWN_GPU
+    return _SMEM_BY_CAPABILITY.get((major, minor), _SMEM_UNKNOWN_GPU)
+
+
+def smem_bytes(M: int, blocks: Blocks, itemsize: int = 2, *, x_parts: int = 0, folded: bool = False,
+               x_itemsize: int | None = None) -> int:
+    """An upper bound on the shared memory Triton gives one program of these blocks.
+
+    The variants: plain (x [M, K] in W's dtype, `itemsize`), fused (x is `x_parts` float32 split-K
+    partials, summed per tile) and folded (`folded`: x is gate | up, two tiles per step, each maybe
+    partials); `x_itemsize` for a plain x of another dtype.
+
+    Triton's software pipeline keeps copies of every tile the K loop loads: num_stages - 1 of a tile
+    that only feeds arithmetic, and one more of a tile the (asynchronous, on sm_90) tensor-core
+    product reads straight from shared memory. So: `stages` copies of the W tile and of a plain x
+    tile; max(stages - 1, 1) copies of fused or folded x tiles, plus the computed [BM, BK] operand
+    staged for the product. This bounds the two products that Triton refused on an H200 (llama 1B's
+    folded down projection of four partials at 16 rows: 491,520 bytes asked; SmolLM2's of two
+    partials at 64 rows: 458,752). The epilogue's layout change of the [BM, BN] float32 result
+    reuses the loop's buffers, so it counts only where it is larger."""
     bn, bk, _, _, stages = blocks[:5]
-    return stages * itemsize * bk * (_pad_rows(M) + bn)
+    fma = len(blocks) > 5 and bool(blocks[5]) and M == 1
+    bm = 1 if fma else _pad_rows(M)  # fma: the row is a [BK] vector
+    x_item = 4 if x_parts else (x_itemsize or itemsize)
+    x_tile = bm * bk * x_item * max(x_parts, 1) * (2 if folded else 1)
+    computed = bool(x_parts) or folded or x_item != itemsize or fma
+    if computed:
+        x_bytes = max(stages - 1, 1) * x_tile + (0 if fma else bm * bk * itemsize)
+    else:
+        x_bytes = stages * x_tile
+    loop = x_bytes + stages * bk * bn * itemsize
+    return max(loop, bm * bn * 4)
+
+
+MIN_BLOCK_K = 16  # the tensor cores' K step for 16-bit inputs: no smaller tile
+
+
+def fit_blocks(M: int, blocks: Blocks, itemsize: int = 2, *, limit: int | None = None, **variant) -> Blocks:
+    """`blocks` within `limit` bytes of shared memory (default: this card's, `smem_limit`) for the
+    variant (`smem_bytes`' keywords): fewer stages first (down to 1; the cheaper loss, K stays in as
+    many tiles), then BK halved (down to MIN_BLOCK_K). Blocks that fit come back unchanged."""
+    limit = smem_limit() if limit is None else limit
+    bn, bk, split, warps, stages = blocks[:5]
+    fma = len(blocks) > 5 and bool(blocks[5])
+    fits = lambda st, k: smem_bytes(M, Blocks(bn, k, split, warps, st, fma), itemsize, **variant) <= limit  # noqa: E731
+    if fits(stages, bk):
+        return blocks
+    while stages > 1 and not fits(stages, bk):
+        stages -= 1
+    while bk > MIN_BLOCK_K and not fits(stages, bk):
+        bk //= 2
+    if not fits(stages, bk):
+        raise ValueError(f"matvec: blocks {tuple(blocks)} at {M} rows need "
+                         f"{smem_bytes(M, Blocks(bn, bk, split, warps, stages, fma), itemsize, **variant)} bytes of "
+                         f"shared memory even at 1 stage and BK {bk}; the card has {limit}")
+    return Blocks(bn, bk, split, warps, stages, fma)
 
 
 @functools.lru_cache(maxsize=None)
@@ -380,8 +469,8 @@ def pick_blocks(M: int, K: int, N: int, *, transposed: bool, dtype=jnp.bfloat16,
     hit = _tuning_table(card_name()).get(tuning_key(M, K, N, transposed, dtype))
     if choice == "auto" and not in_place and (hit.get("xla_faster") if hit else K * N < MIN_ELEMENTS and M > 1):
         return None
-    if hit:
-        return Blocks(*hit["blocks"])
+    if hit:  # (measured on this card, but maybe at fewer rows, or before its shared memory was checked)
+        return fit_blocks(M, Blocks(*hit["blocks"]), jnp.dtype(dtype).itemsize)
     return default_blocks(M, K, N, transposed=transposed)
 
 
@@ -398,7 +487,8 @@ def fold_activation(M: int, F: int, D: int, *, dtype=jnp.bfloat16) -> bool:
 
 
 def candidate_blocks(M: int, K: int, N: int, *, transposed: bool, sms: int | None = None) -> list[Blocks]:
-    """A small search space for tuning (bench_shapes --parts tune): BN x BK x split, 4 stages;
+    """A small search space for tuning (bench_shapes --parts tune): BN x BK x split, 4 stages (3
+    where 4 do not fit the card's shared memory, `smem_limit`; left out where 3 do not either);
     splits that give the grid between one and eight programs per SM (and no split)."""
     sms = sms or _sm_count()
     out = []
@@ -413,8 +503,8 @@ def candidate_blocks(M: int, K: int, N: int, *, transposed: bool, sms: int | Non
                 if split > 1 and (K // split < bk or programs * split > 8 * sms or programs * split // 2 >= 2 * sms):
                     continue
                 b = Blocks(bn, bk, split, 4, 4)
-                if smem_bytes(M, b) > SMEM_BUDGET:
+                if smem_bytes(M, b) > smem_limit():
                     b = Blocks(bn, bk, split, 4, 3)
-                if smem_bytes(M, b) <= SMEM_BUDGET:
+                if smem_bytes(M, b) <= smem_limit():
                     out.append(b)
     return out
