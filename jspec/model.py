@@ -454,8 +454,13 @@ def forward(
         if cfg.has_sliding:
             bias_l = jnp.where(visible & in_window, 0.0, NEG_INF).astype(dtype)[:, None]
 
-    def layer(h, xs):
-        p, kc_l, vc_l, is_sliding = xs
+    def layer(carry, xs):
+        # The stacked cache rides in the carry and each layer writes only its new slots (a scatter
+        # XLA does in place): scanning over per-layer cache slices instead would emit a whole new
+        # cache per forward (a zero-filled output plus every layer's slice rewritten), several
+        # times the attention's own cache reads on a long context.
+        h, k_all, v_all = carry
+        p, li, is_sliding = xs
         h_in = h
         qkv = project_qkv(h, p)
         q = qkv[..., : cfg.q_size].reshape(B, T, cfg.num_heads, hd)
@@ -473,10 +478,10 @@ def forward(
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         # One scatter per layer for the whole batch: rows write at their own cursors.
-        kc_l = kc_l.at[b_idx, slots].set(k.astype(kc_l.dtype), mode="drop")
-        vc_l = vc_l.at[b_idx, slots].set(v.astype(vc_l.dtype), mode="drop")
-        kc = kc_l.astype(dtype)  # [B, S, Hkv, hd]
-        vc = vc_l.astype(dtype)
+        k_all = k_all.at[li, b_idx, slots].set(k.astype(k_all.dtype), mode="drop")
+        v_all = v_all.at[li, b_idx, slots].set(v.astype(v_all.dtype), mode="drop")
+        kc = k_all[li].astype(dtype)  # [B, S, Hkv, hd]
+        vc = v_all[li].astype(dtype)
         if impl == "cudnn":
             bias = jnp.where(is_sliding, bias_l, bias_g) if cfg.has_sliding else bias_g
             o = jax.nn.dot_product_attention(q, kc, vc, bias=bias, scale=cfg.attn_scale, implementation="cudnn")
@@ -490,19 +495,11 @@ def forward(
             s = jnp.where(mask[:, None, None], s, NEG_INF)
             w = jax.nn.softmax(s, axis=-1).astype(dtype)
             o = jnp.einsum("bhgts,bshd->bthgd", w, vc).reshape(B, T, cfg.q_size)
-        return attn_out_and_mlp(h, o, p), (kc_l, vc_l, h_in if capture else None)
+        return (attn_out_and_mlp(h, o, p), k_all, v_all), (h_in if capture else None)
 
-    if (lo, hi) == (0, cfg.num_layers):
-        k_in, v_in = cache.k, cache.v
-    else:
-        k_in, v_in = cache.k[lo:hi], cache.v[lo:hi]
-    x, (k_new, v_new, h_ins) = jax.lax.scan(layer, x, (layer_params, k_in, v_in, sliding),
+    layer_ids = jnp.arange(lo, hi, dtype=jnp.int32)
+    (x, k_all, v_all), h_ins = jax.lax.scan(layer, (x, cache.k, cache.v), (layer_params, layer_ids, sliding),
                                             unroll=1 if unroll is None else unroll)
-    if (lo, hi) == (0, cfg.num_layers):
-        k_all, v_all = k_new, v_new
-    else:
-        k_all = jax.lax.dynamic_update_slice_in_dim(cache.k, k_new, lo, axis=0)
-        v_all = jax.lax.dynamic_update_slice_in_dim(cache.v, v_new, lo, axis=0)
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) if final_norm else x
     captured = tuple(h_ins[i - lo] for i in capture) if capture else ()
     return ForwardOut(hidden, captured, cache.replace(k=k_all, v=v_all))

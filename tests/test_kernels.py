@@ -196,3 +196,27 @@ def test_split_products_feed_the_next_kernel_unsummed(monkeypatch):
     params = M.init_params(cfg, jax.random.PRNGKey(9), scale=0.2)
     toks = jax.random.randint(jax.random.PRNGKey(1), (B, 1), 0, cfg.vocab_size)
     _assert_same(_forward(params, cfg, toks, cache, "xla"), _forward(params, cfg, toks, cache, "pallas"))
+
+
+def test_portable_forward_updates_the_cache_in_place():
+    """The portable path carries the stacked cache through the layer scan and scatters only the
+    new slots: a compiled decode loop holds no cache-sized copy (scanning over per-layer slices
+    emitted a whole new cache each forward: 2.4x slower on CPU at 4k slots)."""
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=8, eos_token_ids=(3,), max_position_embeddings=512)
+    params = M.init_params(cfg, jax.random.PRNGKey(0), scale=0.1)
+    B, S = 2, 256
+    cache = M.init_cache(cfg, B, S, jnp.float32).replace(lengths=jnp.array([5, 9], jnp.int32))
+    tok = jnp.ones((B, 1), jnp.int32)
+
+    def steps(c):
+        def body(i, c):
+            return M.advance(M.forward(params, cfg, tok, c, kernels="xla").cache, jnp.ones((B,), jnp.int32))
+        return jax.lax.fori_loop(0, 2, body, c)
+
+    hlo = jax.jit(steps, donate_argnums=0).lower(cache).compile().as_text()
+    shape = "f32[%d,%d,%d,%d,%d]" % (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
+    assert shape in hlo and f"{shape}{{4,3,2,1,0}} copy(" not in hlo
+    out = jax.jit(steps)(cache)  # and the two steps wrote their slots, and only those
+    written = np.asarray(jnp.any(out.k != 0, axis=(0, 3, 4)))
+    assert written.sum() == 2 * B and written[0, 5:7].all() and written[1, 9:11].all()
