@@ -28,13 +28,14 @@ ends its branch: nodes below it are not verified. A cut saves work, with static 
   * verification: the target reads the smallest of a few compiled block sizes
     (`TreeConfig.verify_sizes` below num_nodes, then num_nodes) that holds every row's last valid
     node, picked per round by `lax.switch`;
-  * levels (`TreeConfig.skip_levels`, off by default): each level runs inside a `lax.cond` and is
-    skipped once every row's depth cap is above it.
+  * levels (`TreeConfig.skip_levels`; by default on TPU and CPU, off on GPUs): each level runs
+    inside a `lax.cond` and is skipped once every row's depth cap is above it.
 Every data-dependent branch costs: on GPUs XLA reads its predicate back to the host and waits for
 it. On an H200 at batch 1 with SmolLM2-135M, the same 59-node trees took 270-290 µs more per round
 (of ~1.55 ms) with the five level conds and the verify switch than without them, about 45 µs a
-branch, while a level costs 74 µs and is rarely skipped by every row. So levels are skipped only
-where a level costs several branches (big heads, large batches) and the user turns it on. A policy
+branch, while a level costs 74 µs and is rarely skipped by every row. So on GPUs levels are
+skipped only where the user turns it on (a level costing several branches: big heads, large
+batches); on TPUs, whose control flow runs on the device without a host round trip, by default. A policy
 whose cuts cannot pay (static; `auto`, whose plan already sized the tree for this batch and card)
 compiles none of this: its rounds are the static tree's program.
 """
@@ -71,9 +72,15 @@ class TreeConfig:
     # smaller verify blocks (draft nodes) compiled for rounds a dynamic policy cut; those below num_nodes are used
     verify_sizes: tuple[int, ...] = (15, 31)
     ngram: int = 0  # hybrid drafters (drafters.hybrid): nodes of the n-gram branch beside the head's tree
-    # cutting policies: run each level under a lax.cond, skipped once no row keeps it (module doc: a
-    # branch costs ~45 µs on an H200, so this pays only where a level costs well more than that)
-    skip_levels: bool = False
+    # cutting policies: run each level under a lax.cond, skipped once no row keeps it. None: where
+    # branches are decided on the device (TPU, CPU) but not on GPUs, where XLA reads each predicate
+    # back to the host (module doc: ~45 µs a branch on an H200, against 74 µs a level)
+    skip_levels: bool | None = None
+
+    @property
+    def skips_levels(self) -> bool:
+        """`skip_levels` resolved for the backend the program is traced for."""
+        return jax.default_backend() != "gpu" if self.skip_levels is None else self.skip_levels
 
     def __post_init__(self):
         cands = self.top_k + (self.depth - 1) * self.top_k**2
@@ -188,7 +195,7 @@ def draft_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: 
             return h, c_score, c_tok, entries, cache, pstate, depth_cap
 
         ops = (f_tok, f_feat, cache, pending, f_anc, pstate, depth_cap)
-        if prunes and tc.skip_levels:  # no row keeps this level: skip its head forward (its candidates are masked below)
+        if prunes and tc.skips_levels:  # no row keeps this level: skip its head forward (its candidates are masked below)
             shapes = jax.eval_shape(run_level, ops)[:4]
             skip = lambda ops, shapes=shapes: (*jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),  # noqa: E731
                                                *ops[2:3], *ops[5:])
