@@ -139,12 +139,47 @@ def is_eos(cfg: ModelConfig, tok: jax.Array) -> jax.Array:
     return jnp.isin(tok, jnp.asarray(cfg.eos_token_ids, jnp.int32))
 
 
-def prefill(params, cfg: ModelConfig, tokens, lens, cache: M.KVCache, *, capture=(), unroll=None):
+# The prompt forward's attention scores ([B, heads, chunk, cache slots], float32) are kept under
+# this many bytes by running the prompt in chunks [I]: one pass over a prompt that fills a 4k cache
+# would hold 137 GB of scores for an 8B target at batch 64.
+PREFILL_SCORE_BYTES = 2 << 30
+MIN_PREFILL_CHUNK = 16
+
+
+def prefill_chunk(cfg: ModelConfig, batch: int, prompt_len: int, cache_len: int, score_bytes: int = PREFILL_SCORE_BYTES) -> int:
+    """Tokens per prefill forward: the whole prompt when its scores fit `score_bytes`, else the
+    largest power of two (>= MIN_PREFILL_CHUNK) that fits and divides the padded prompt length."""
+    per_token = batch * cfg.num_heads * cache_len * 4
+    if prompt_len * per_token <= score_bytes:
+        return prompt_len
+    chunk = MIN_PREFILL_CHUNK
+    while chunk * 2 * per_token <= score_bytes and prompt_len % (chunk * 2) == 0:
+        chunk *= 2
+    return chunk if prompt_len % chunk == 0 else prompt_len
+
+
+def prefill(params, cfg: ModelConfig, tokens, lens, cache: M.KVCache, *, capture=(), unroll=None, chunk=None):
     """Run padded prompts; return the last real position's logits, the cache and the forward output.
 
     unroll None keeps the layer scan here even for prompts short enough for the fused path: a
-    prompt runs once per generation, and unrolling it only lengthens the compile."""
-    out = M.forward(params, cfg, tokens, cache, capture=capture, unroll=1 if unroll is None else unroll)
+    prompt runs once per generation, and unrolling it only lengthens the compile. A long prompt
+    runs in `chunk`-token forwards under one scan (default `prefill_chunk`), each attending to the
+    cache the earlier ones wrote: the same outputs with bounded attention scores."""
+    B, P = tokens.shape
+    chunk = prefill_chunk(cfg, B, P, cache.k.shape[2]) if chunk is None else chunk
+    if P % chunk:
+        raise ValueError(f"prefill chunk {chunk} does not divide the padded prompt length {P}")
+    run = functools.partial(M.forward, params, cfg, capture=capture, unroll=1 if unroll is None else unroll)
+    if chunk == P:
+        out = run(tokens, cache)
+    else:
+        def one_chunk(c, toks):
+            o = run(toks, c)
+            return M.advance(o.cache, jnp.full((B,), chunk, jnp.int32)), (o.hidden, o.captured)
+
+        cache, (hidden, captured) = jax.lax.scan(one_chunk, cache, tokens.reshape(B, P // chunk, chunk).swapaxes(0, 1))
+        joined = lambda x: x.swapaxes(0, 1).reshape(B, P, *x.shape[3:])  # noqa: E731  [n, B, chunk, ...] -> [B, P, ...]
+        out = M.ForwardOut(joined(hidden), tuple(joined(c) for c in captured), cache)
     cache = out.cache.replace(lengths=lens.astype(jnp.int32))
     last_h = jnp.take_along_axis(out.hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
     return M.lm_head(params, cfg, last_h), cache, out

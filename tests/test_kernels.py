@@ -220,3 +220,31 @@ def test_portable_forward_updates_the_cache_in_place():
     out = jax.jit(steps)(cache)  # and the two steps wrote their slots, and only those
     written = np.asarray(jnp.any(out.k != 0, axis=(0, 3, 4)))
     assert written.sum() == 2 * B and written[0, 5:7].all() and written[1, 9:11].all()
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_chunked_prefill_equals_one_pass(sliding):
+    """A prompt run in chunks (each attending to the cache the earlier ones wrote) gives the one-pass
+    prefill's logits, cache and captured features; the default chunk bounds the scores' bytes."""
+    from jspec.decode import prefill, prefill_chunk
+
+    cfg = TINY.replace(sliding_window=8, sliding_layers=(True, False)) if sliding else TINY
+    params = M.init_params(cfg, jax.random.PRNGKey(0), scale=0.3)
+    B, P, S = 2, 64, 96
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (B, P), 0, cfg.vocab_size)
+    lens = jnp.array([64, 37], jnp.int32)
+    cache = M.init_cache(cfg, B, S, jnp.float32)
+    one = prefill(params, cfg, tokens, lens, cache, capture=(0, 1), chunk=P)
+    chunked = prefill(params, cfg, tokens, lens, cache, capture=(0, 1), chunk=16)
+    # float32 sums over other key ranges and product shapes: equal up to reassociation
+    np.testing.assert_allclose(chunked[0], one[0], rtol=1e-4, atol=2e-4)
+    assert (np.argmax(chunked[0], -1) == np.argmax(one[0], -1)).all()
+    assert (np.asarray(chunked[1].lengths) == np.asarray(lens)).all()
+    for a, b in zip((chunked[1].k, chunked[1].v, *chunked[2].captured, chunked[2].hidden),
+                    (one[1].k, one[1].v, *one[2].captured, one[2].hidden)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-4)
+    per_token = B * cfg.num_heads * S * 4
+    assert prefill_chunk(cfg, B, P, S) == P and prefill_chunk(cfg, B, P, S, score_bytes=20 * per_token) == 16
+    assert prefill_chunk(cfg, 64, 4096, 4352, score_bytes=2 << 30) * 64 * cfg.num_heads * 4352 * 4 <= 2 << 30
+    with pytest.raises(ValueError, match="does not divide"):
+        prefill(params, cfg, tokens, lens, cache, chunk=24)
