@@ -619,9 +619,10 @@ def published_part(shape, cfg, params, rows_out: Rows, workdir: Path):
 
 
 def memory_part(shape, cfg, params, rows_out: Rows, batch=64, context=4096):
-    """One generation at `batch` rows filling a `context`-slot cache: peak device memory."""
+    """One generation at `batch` rows filling a `context`-slot cache (a prompt of context - NEW
+    tokens, run by the chunked prefill, then NEW tokens): peak device memory."""
     wbytes = weight_bytes(params)
-    prompt = PROMPT  # a full-length prompt would need chunked prefill (the einsum path holds [T, S] scores)
+    prompt = context - NEW
     toks = jax.random.randint(jax.random.PRNGKey(3), (batch, prompt), 0, cfg.vocab_size).astype(jnp.int32)
     lens = jnp.full((batch,), prompt, jnp.int32)
     gen = jax.jit(D.generate_ar_jit.__wrapped__, static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll"))
