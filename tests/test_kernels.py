@@ -248,3 +248,30 @@ def test_chunked_prefill_equals_one_pass(sliding):
     assert prefill_chunk(cfg, 64, 4096, 4352, score_bytes=2 << 30) * 64 * cfg.num_heads * 4352 * 4 <= 2 << 30
     with pytest.raises(ValueError, match="does not divide"):
         prefill(params, cfg, tokens, lens, cache, chunk=24)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_split_attention_matches_one_program(tree, monkeypatch):
+    """Splitting each row's committed keys over several programs (partial softmax results combined
+    outside) gives one program's output and cache writes: rows with long, short and no context
+    (some splits see no key), a causal block and a tree block."""
+    from jspec.kernels import decode_attention as DA
+
+    B, T, Hq, Hkv, hd, S = 3, 6, 4, 2, 32, 5 * DA.BLOCK_K
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    qkv = jax.random.normal(keys[0], (B, T, Hq + 2 * Hkv, hd), jnp.float32)
+    k_cache = jax.random.normal(keys[1], (2, B, S, Hkv, hd), jnp.float32)
+    v_cache = jax.random.normal(keys[2], (2, B, S, Hkv, hd), jnp.float32)
+    lengths = jnp.array([S - T, 70, 0], jnp.int32)
+    ang = jax.random.uniform(keys[3], (B, T, hd // 2))
+    anc = jnp.asarray(np.broadcast_to(_ancestors(T)[0], (B, T, T))) if tree else None
+    run = lambda splits: DA.fused_block_attention(qkv, jnp.cos(ang), jnp.sin(ang), k_cache, v_cache, 1, lengths, anc,  # noqa: E731
+                                                  num_heads=Hq, num_kv_heads=Hkv, scale=0.2, interpret=True, splits=splits)
+    one = run(1)
+    for splits in (2, 3, 8):
+        for a, b in zip(run(splits), one):
+            np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+    monkeypatch.setenv("JSPEC_SPLIT_ATTENTION", "1")
+    assert DA.attention_splits(1, 9, 4096) > 1 and DA.attention_splits(1, 9, 1024) == 1 and DA.attention_splits(64, 32, 8192) == 1
+    monkeypatch.setenv("JSPEC_SPLIT_ATTENTION", "0")
+    assert DA.attention_splits(1, 9, 4096) == 1

@@ -17,8 +17,11 @@ one launch per layer:
     aliased input -> output). The committed slots it reads and the new slots it writes never
     overlap, so programs need no ordering among themselves.
 
-Grid: (batch, query head). Each program handles one query head for all T tokens; the G query heads
-of a KV group re-read the same keys (from L2). The first head of each group writes the cache.
+Grid: (batch, query head, split). Each program handles one query head for all T tokens; the G query
+heads of a KV group re-read the same keys (from L2). The first head of each group writes the cache.
+With splits > 1 (`attention_splits`, opt-in: long caches at small batch), each program takes one
+slice of the row's committed keys (the last also the new tokens) and leaves an unnormalised partial
+result; `combine_splits` merges them.
 Rows are padded to at least 16 (the tensor-core tile), so T = 1 decode wastes 15 rows of a
 [16, 64] tile, which costs nothing next to the launch.
 
@@ -30,6 +33,7 @@ pallas_call is not partitioned by GSPMD).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -46,11 +50,13 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in, o_ref, k_out, v_out, *,
-            T, BT, G, Hq, Hkv, hd, scale, causal, drop_past_end, qkv_parts):
+def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in, o_ref, k_out, v_out, *stats_refs,
+            T, BT, G, Hq, Hkv, hd, scale, causal, drop_past_end, qkv_parts, splits):
     del k_in, v_in  # aliased with k_out / v_out: read and write through the outputs
     b = pl.program_id(0)
     qh = pl.program_id(1)
+    sp = pl.program_id(2)  # which slice of the committed keys (splits > 1: partial results, combined outside)
+    last_split = sp == splits - 1
     kvh = qh // G
     layer = layer_ref[0]
     S = k_out.shape[2]
@@ -97,11 +103,16 @@ def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in,
     # committed slots [0, n): online softmax over blocks of BLOCK_K keys
     kk = jnp.arange(BLOCK_K)
 
+    # split sp takes key blocks [sp * per, (sp + 1) * per) of the row's committed ones
+    n_blocks = pl.cdiv(n, BLOCK_K)
+    per = pl.cdiv(n_blocks, splits)
+    first = sp * per
+
     def body(j, carry):
         acc, m, l = carry
-        idx = j * BLOCK_K + kk
+        idx = (first + j) * BLOCK_K + kk
         ok = idx < n
-        kb = pl.ds(j * BLOCK_K, BLOCK_K)
+        kb = pl.ds((first + j) * BLOCK_K, BLOCK_K)
         c1 = load(k_out.at[layer, b, kb, kvh, lo], ok[:, None]).astype(dt)
         c2 = load(k_out.at[layer, b, kb, kvh, hi], ok[:, None]).astype(dt)
         cv = load(v_out.at[layer, b, kb, kvh, :], ok[:, None]).astype(dt)
@@ -116,7 +127,7 @@ def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in,
     acc = jnp.zeros((BT, hd), jnp.float32)
     m = jnp.full((BT,), NEG_INF, jnp.float32)
     l = jnp.zeros((BT,), jnp.float32)
-    acc, m, l = lax.fori_loop(0, pl.cdiv(n, BLOCK_K), body, (acc, m, l))
+    acc, m, l = lax.fori_loop(0, jnp.clip(n_blocks - first, 0, per), body, (acc, m, l))
 
     # the T new tokens (pending slots n .. n+T-1), under their mask
     if causal:
@@ -129,17 +140,25 @@ def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in,
     else:
         # the new tokens are attended from registers; their cache write is only a side effect
         vis = vis & t_ok[None, :]
+    vis = vis & last_split  # the new tokens belong to the last split's partial result
     sc = jnp.where(vis, scores(q1, q2, k1, k2), NEG_INF)
     m_new = jnp.maximum(m, jnp.max(sc, axis=1))
     corr = jnp.exp(m - m_new)
-    p = jnp.exp(sc - m_new[:, None])
+    # zero where hidden: a split that saw no key at all has m_new = NEG_INF, where exp(sc - m_new) is 1
+    p = jnp.where(vis, jnp.exp(sc - m_new[:, None]), 0.0)
     l = l * corr + jnp.sum(p, axis=1)
     acc = acc * corr[:, None] + dot(p.astype(dt), vn)
-    out = acc / l[:, None]
-    plgpu.store(o_ref.at[b, rows, qh, :], out.astype(o_ref.dtype), mask=t_ok[:, None])
+    if splits == 1:
+        out = acc / l[:, None]
+        plgpu.store(o_ref.at[b, rows, qh, :], out.astype(o_ref.dtype), mask=t_ok[:, None])
+    else:  # unnormalised: (acc, max, sum) per split, combined by `combine_splits`
+        m_ref, l_ref = stats_refs
+        plgpu.store(o_ref.at[b, sp, rows, qh, :], acc, mask=t_ok[:, None])
+        plgpu.store(m_ref.at[b, sp, rows, qh], m_new, mask=t_ok)
+        plgpu.store(l_ref.at[b, sp, rows, qh], l, mask=t_ok)
 
     # write the new tokens' k, v once per KV group (slots past the cache end are dropped)
-    @pl.when(qh % G == 0)
+    @pl.when((qh % G == 0) & (sp == 0))
     def _():
         w_ok = (t_ok & (n + t < S))[:, None]
         slots = pl.ds(n, BT)
@@ -149,8 +168,43 @@ def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in,
         plgpu.store(v_out.at[layer, b, slots, kvh, :], vn.astype(v_out.dtype), mask=w_ok)
 
 
+def split_attention() -> bool:
+    """$JSPEC_SPLIT_ATTENTION (read when a program is traced): "1" splits each row's committed keys
+    over several programs per (row, head) where the cache is long (`attention_splits`); "0"
+    (default) keeps one program per (row, head). Opt-in until a GPU run has compiled and timed it
+    (it is tested against the portable path in interpret mode only)."""
+    value = os.environ.get("JSPEC_SPLIT_ATTENTION", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"JSPEC_SPLIT_ATTENTION={value!r}: expected 0 or 1")
+    return value == "1"
+
+
+SPLIT_MIN_SLOTS = 4096  # [I] caches shorter than this keep one program per (row, head)
+SPLIT_TARGET_PROGRAMS = 264  # [I] about two programs per SM of an H100 / H200 (132 SMs)
+MAX_SPLITS = 16
+
+
+def attention_splits(batch: int, num_heads: int, slots: int) -> int:
+    """Programs per (row, query head) over the committed keys. One program walks a row's whole
+    context: at batch 1 a 9-head model keeps 9 SMs busy, so a 4k-token context costs ~64
+    sequential key blocks per layer. Long caches at small batch split the keys so that about
+    SPLIT_TARGET_PROGRAMS programs run, each over at least 4 key blocks; the partial results are
+    combined in one small fusion (`combine_splits`)."""
+    if not split_attention() or slots < SPLIT_MIN_SLOTS or batch * num_heads >= SPLIT_TARGET_PROGRAMS:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-SPLIT_TARGET_PROGRAMS // (batch * num_heads)), slots // (4 * BLOCK_K)))
+
+
+def combine_splits(acc, m, l, dtype):
+    """Per-split (acc [B, P, T, Hq, hd], running max m and sum l [B, P, T, Hq]) -> the softmax
+    average over all of them [B, T, Hq, hd]. A split that saw no key has l = 0 and weighs 0."""
+    top = jnp.max(m, axis=1, keepdims=True)
+    w = jnp.exp(m - top)
+    return (jnp.sum(acc * w[..., None], axis=1) / jnp.sum(l * w, axis=1)[..., None]).astype(dtype)
+
+
 def fused_block_attention(qkv, cos, sin, k_cache, v_cache, layer, lengths, new_mask, *, num_heads, num_kv_heads,
-                          scale, interpret=False, num_warps=4, drop_past_end=True, qkv_dtype=None):
+                          scale, interpret=False, num_warps=4, drop_past_end=True, qkv_dtype=None, splits=None):
     """Attention of T new tokens over a stacked cache, writing their K/V; one kernel.
 
     qkv [B, T, Hq + 2*Hkv, hd] (before rope), or the QKV projection's float32 split-K partials
@@ -162,6 +216,7 @@ def fused_block_attention(qkv, cos, sin, k_cache, v_cache, layer, lengths, new_m
     Writes to slots past the cache end are dropped; `drop_past_end` says whether those tokens are
     also hidden from the block (model.forward: the einsum path reads keys back from the cache) or
     still attended (draft heads, whose einsum path attends to the new tokens' own K/V).
+    splits: programs per (row, head) over the committed keys (None: `attention_splits`).
     """
     B, T, H3, hd = qkv.shape[-4:]
     assert H3 == num_heads + 2 * num_kv_heads and T <= MAX_BLOCK, (qkv.shape, num_heads, num_kv_heads)
@@ -170,21 +225,26 @@ def fused_block_attention(qkv, cos, sin, k_cache, v_cache, layer, lengths, new_m
     BT = max(16, _next_pow2(T))
     causal = new_mask is None
     mask = jnp.zeros((1, 1, 1), jnp.int32) if causal else new_mask.astype(jnp.int32)
+    splits = attention_splits(B, num_heads, k_cache.shape[2]) if splits is None else splits
     kernel = functools.partial(_kernel, T=T, BT=BT, G=num_heads // num_kv_heads, Hq=num_heads, Hkv=num_kv_heads,
                                hd=hd, scale=float(scale), causal=causal, drop_past_end=drop_past_end,
-                               qkv_parts=qkv_parts)
+                               qkv_parts=qkv_parts, splits=splits)
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    out, k_cache, v_cache = pl.pallas_call(
+    if splits == 1:
+        outs = (jax.ShapeDtypeStruct((B, T, num_heads, hd), dtype),)
+    else:
+        outs = (jax.ShapeDtypeStruct((B, splits, T, num_heads, hd), jnp.float32),)
+    caches = (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+    stats = (jax.ShapeDtypeStruct((B, splits, T, num_heads), jnp.float32),) * 2 if splits > 1 else ()
+    out, k_cache, v_cache, *split_stats = pl.pallas_call(
         kernel,
-        grid=(B, num_heads),
-        out_shape=(
-            jax.ShapeDtypeStruct((B, T, num_heads, hd), dtype),
-            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
-        ),
+        grid=(B, num_heads, splits),
+        out_shape=(*outs, *caches, *stats),
         input_output_aliases={6: 1, 7: 2},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="jspec_block_attention",
     )(layer, lengths.astype(jnp.int32), qkv, cos, sin, mask, k_cache, v_cache)
+    if splits > 1:
+        out = combine_splits(out, *split_stats, dtype)
     return out, k_cache, v_cache
