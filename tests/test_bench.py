@@ -2,16 +2,19 @@
 
 import argparse
 import json
+import threading
 import types
 
 import numpy as np
 import pytest
 
 from jspec.bench import harness
+from jspec.bench.cli import parse_timing_barrier
 from jspec.bench.harness import RunContext, batches_of, benchmark_group
 from jspec.bench.methods import JspecMethod, cut_at_eos, rows_from_generation
 from jspec.bench.protocol import MethodSpec, RowResult, parse_method_spec, parse_method_specs
 from jspec.bench.report import GENERATED_MARKER, ROW_FIELDS, read_all_rows, write_benchmarks_md, write_rows
+from jspec.errors import UsageError
 
 
 class FakeClock:
@@ -130,6 +133,33 @@ def test_methods_take_turns_pass_by_pass(clock):
     assert log == ["ar", "ar", "spec:ngram:static", "spec:ngram:static"] * 3  # until spec has 4.5 s
     assert [r["timed_passes"] for r in rows] == [3, 3]
     assert rows[1]["speedup_vs_ar"] == pytest.approx(2.0)
+
+
+def test_timing_barrier_holds_the_timed_passes_until_every_process_compiled(clock, tmp_path):
+    """Each group's timed passes start once `parties` processes have compiled that group; a
+    missing process holds them only until the timeout; a bad --timing-barrier is a usage error."""
+    log = []
+
+    class Logged(FakeMethod):
+        def prepare(self, example_prompts):
+            log.append("compiled")
+            return super().prepare(example_prompts)
+
+        def run(self, prompts):
+            log.append("timed")
+            return super().run(prompts)
+
+    barrier = harness.TimingBarrier(str(tmp_path / "b"), parties=2, timeout_s=30.0, poll_s=0.01)
+    other = threading.Timer(0.3, lambda: (tmp_path / "b" / "000-other").touch())
+    other.start()
+    benchmark_group(ctx(), [Logged(clock, MethodSpec("ar"), ar_table())], PROMPTS, task="t", barrier=barrier)
+    assert log[0] == "compiled" and set(log[1:]) == {"timed"} and barrier.group == 1
+    alone = harness.TimingBarrier(str(tmp_path / "c"), parties=2, timeout_s=0.05, poll_s=0.01)
+    assert alone.wait() is False  # nobody else came: time anyway
+    assert parse_timing_barrier(None) is None and parse_timing_barrier(f"{tmp_path}:2").parties == 2
+    for bad in ("2", f"{tmp_path}:0", f"{tmp_path}:x"):
+        with pytest.raises(UsageError, match="DIR:N"):
+            parse_timing_barrier(bad)
 
 
 def test_group_must_share_batch_and_dtype(clock):

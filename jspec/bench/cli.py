@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from jspec import presets
-from jspec.bench.harness import RunContext, batches_of, benchmark_group
+from jspec.bench.harness import RunContext, TimingBarrier, batches_of, benchmark_group
 from jspec.bench.methods import HFGenerateMethod, JspecMethod, canonical_dtype, load_hf_model
 from jspec.bench.prompts import encode_questions
 from jspec.bench.protocol import ENGINE_KEYS, METHOD_GRAMMAR, PARALLEL_METHODS, MethodSpec, parse_method_specs
@@ -75,6 +75,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="--commit-rows: the markdown file whose tables (below its marker line) are rebuilt "
                              "from every committed row")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--timing-barrier", default=None, metavar="DIR:N",
+                        help="N bench processes on one host (one per GPU) start each group's timed passes together, "
+                             "after all have compiled: compiling in one process slows another's timing")
     parser.add_argument("--round-cost", default="", help="comma list of batch sizes at which to add a round-cost profile "
                         "(draft_step_us, verify_us, round_us, ...) to the spec rows (jspec.bench.round_cost)")
     parser.add_argument("--mesh", default=None,
@@ -330,6 +333,16 @@ def _total_batches(prompts: dict[str, list], specs, batches, dtypes, factory) ->
     )
 
 
+def parse_timing_barrier(value: str | None) -> TimingBarrier | None:
+    """--timing-barrier DIR:N -> the barrier (None when not given)."""
+    if value is None:
+        return None
+    directory, _, parties = value.rpartition(":")
+    if not directory or not parties.isdigit() or int(parties) < 1:
+        raise UsageError(f"--timing-barrier {value!r}: expected DIR:N with N >= 1 processes")
+    return TimingBarrier(directory, int(parties))
+
+
 def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
@@ -340,6 +353,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         parse_mesh(args.mesh)  # a bad --mesh fails here, before the model loads
     except ValueError as e:
         raise UsageError(str(e)) from None
+    barrier = parse_timing_barrier(args.timing_barrier)
     cfg, params, tokenizer = resolve_model(args.model)
     chat = False if args.no_chat_template else None
     prompts = {task: encode_questions(tokenizer, qs, chat=chat) for task, qs in questions.items()}
@@ -362,7 +376,8 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                     if skipped:
                         progress.write(f"skipping {', '.join(skipped)} at batch {batch}: transformers runs it at batch 1 only")
                     methods = [factory.build(s, dtype, batch) for s in specs if factory.supports(s, batch)]
-                    group = benchmark_group(ctx, methods, task_prompts, task=task, progress=progress, min_timed_s=args.min_timed_s)
+                    group = benchmark_group(ctx, methods, task_prompts, task=task, progress=progress, min_timed_s=args.min_timed_s,
+                                            barrier=barrier)
                     for row in group:
                         if row["method"] in ("ar", "spec"):
                             row["unroll"] = getattr(args, "unroll", "auto")

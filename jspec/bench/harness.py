@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
+import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import jax
@@ -96,8 +99,41 @@ def _timed_pass(method: Method, groups) -> list[tuple[float, list[RowResult]]]:
     return out
 
 
+class TimingBarrier:
+    """Processes benchmarking side by side on one host start each group's timed passes together.
+
+    Compiling is CPU-heavy (XLA uses every core). On an H200 host, the same AR program measured
+    1,008 tok/s in a process timing while another compiled and 1,139 in one timing alone (the
+    speculative rows, with a host round trip per round instead of per token, moved under 1%).
+    Each process marks `<dir>/<group>-<pid>` once its group is
+    compiled and waits until `parties` marks of that group exist (at most `timeout_s`; then it
+    times anyway and says so)."""
+
+    def __init__(self, directory: str, parties: int, timeout_s: float = 900.0, poll_s: float = 0.2):
+        if parties < 1:
+            raise ValueError(f"timing barrier: parties must be >= 1, got {parties}")
+        self.directory, self.parties, self.timeout_s, self.poll_s = Path(directory), parties, timeout_s, poll_s
+        self.group = 0
+
+    def wait(self) -> bool:
+        """Mark this process ready for its next group and wait for the others; False on timeout."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tag = f"{self.group:03d}-"
+        (self.directory / f"{tag}{os.getpid()}").touch()
+        self.group += 1
+        deadline = time.monotonic() + self.timeout_s
+        while len(list(self.directory.glob(tag + "*"))) < self.parties:
+            if time.monotonic() > deadline:
+                print(f"timing barrier: {self.parties} processes expected at {self.directory}, timing without them",
+                      file=sys.stderr)
+                return False
+            time.sleep(self.poll_s)
+        return True
+
+
 def run_methods(methods: Sequence[Method], prompts: Sequence[Sequence[int]], progress=None, *,
-                min_timed_s: float = 0.0, max_passes: int = MAX_TIMED_PASSES) -> list[MethodRun]:
+                min_timed_s: float = 0.0, max_passes: int = MAX_TIMED_PASSES,
+                barrier: TimingBarrier | None = None) -> list[MethodRun]:
     """Prepare every method (untimed), then time whole passes over the prompts, the methods
     taking turns pass by pass.
 
@@ -112,6 +148,8 @@ def run_methods(methods: Sequence[Method], prompts: Sequence[Sequence[int]], pro
         if progress is not None:
             progress.set_description(f"{m.name} b{m.batch} {m.dtype} (compile)")
         compile_s.append(_prepare(m, g))
+    if barrier is not None:
+        barrier.wait()
     passes: list[list[list[tuple[float, list[RowResult]]]]] = [[] for _ in methods]
     peak: list[int | None] = [None] * len(methods)
     while True:
@@ -207,6 +245,7 @@ def benchmark_group(
     task: str,
     progress=None,
     min_timed_s: float = 0.0,
+    barrier: TimingBarrier | None = None,
 ) -> list[dict[str, Any]]:
     """Rows for methods sharing one batch size and dtype. The AR method (if any) runs first so the
     others can be compared against it; plain HF generate is the second reference. min_timed_s:
@@ -215,7 +254,7 @@ def benchmark_group(
     if len(shapes) > 1:
         raise ValueError(f"one group must share batch and dtype, got {sorted(shapes)}")
     ordered = sorted(methods, key=lambda m: (m.method != "ar", not _is_plain_hf(m)))
-    runs = run_methods(ordered, prompts, progress, min_timed_s=min_timed_s)
+    runs = run_methods(ordered, prompts, progress, min_timed_s=min_timed_s, barrier=barrier)
     ar_run = next((r for r in runs if r.method.method == "ar"), None)
     hf_run = next((r for r in runs if _is_plain_hf(r.method)), None)
     return [make_row(ctx, r, task=task, ar_run=ar_run, hf_run=hf_run) for r in runs]
