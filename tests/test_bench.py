@@ -347,3 +347,24 @@ def test_hf_peer_batches_and_prompt_lookup_accounting(tmp_path):
     assert (pld.name, pld.method, pld.drafter) == ("hf_pld", "hf", "prompt_lookup")
     with pytest.raises(ValueError, match="batch 1"):
         HFGenerateMethod(model, batch=2, prompt_lookup_num_tokens=4, **common)
+
+
+def test_bench_groups_plans_waves_with_one_barrier_each(tmp_path):
+    """scripts/bench_groups.py: one process per GPU a wave, each wave's processes sharing a barrier
+    sized to the wave; malformed groups are one-line errors."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_groups.py")
+    spec = importlib.util.spec_from_file_location("bench_groups", path)
+    bg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bg)
+    groups = [bg.parse_group(f"g{i}=--model m --methods ar --batch 1") for i in range(3)]
+    planned = bg.waves(groups, 2, tmp_path)
+    assert [[(gpu, name) for gpu, name, _ in w] for w in planned] == [[(0, "g0"), (1, "g1")], [(0, "g2")]]
+    first, last = planned[0][0][2], planned[1][0][2]
+    assert first[first.index("--timing-barrier") + 1].endswith(":2") and last[last.index("--timing-barrier") + 1].endswith(":1")
+    assert first[first.index("--out") + 1] == str(tmp_path / "g0")
+    for bad in ("noname", "a b=--model m", "x=", "x=--model m --out elsewhere"):
+        with pytest.raises(SystemExit, match="bench_groups: error"):
+            bg.parse_group(bad)
