@@ -82,3 +82,26 @@ def test_known_length_draft_loop_equals_the_early_exit_loop(target, policy_name)
                      speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, policy=p, k_max=K), sampling=Sampling(temperature=0.8), seed=3) for p in (policy, early_exit)]
     for field in ("tokens", "lengths", "drafted", "accepted", "draft_lengths"):
         np.testing.assert_array_equal(getattr(runs[0], field), getattr(runs[1], field), err_msg=field)
+
+
+def test_static_chains_draft_without_a_branch(target):
+    """A static K is known when tracing: its rounds draft in a plain loop, with no conditional (on a
+    GPU a branch reads its predicate back to the host); a limit decided on the device (`auto`)
+    keeps one branch on the round's step count."""
+    import jax.numpy as jnp
+
+    from jspec.decode import pack_prompts
+    from jspec.sampling import Sampling
+    from jspec.speculative.engines.chain import speculative_generate_jit
+
+    drafter, dparams = _drafters(target)["eagle3"]
+    tokens, lens, cache_len = pack_prompts(CFG, _prompts(2), 8, K + 1)
+
+    def hlo(policy):
+        return speculative_generate_jit.lower(target, dparams, None, jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(0),
+                                              tcfg=CFG, drafter=drafter, policy=policy, k_max=K, max_new=8, cache_len=cache_len,
+                                              sampling=Sampling(), verify="lossless", unroll=None).as_text()
+
+    assert make_policy("static", k_max=K).fixed_steps(K) == K and make_policy("static", k=2, k_max=K).fixed_steps(K) == 2
+    assert "stablehlo.case" not in hlo(make_policy("static", k_max=K))
+    assert "stablehlo.case" in hlo(make_policy("auto", k_max=K))

@@ -82,7 +82,11 @@ def draft_autoregressive(drafter, dparams, tparams, tcfg, state, pstate, policy,
         return i + 1, carry, tokens, valid, qbuf, active, tok, pstate
 
     init = (jnp.int32(1), carry, tokens, valid, qbuf, active, tok, pstate)
-    if policy.stops_in_round:
+    fixed = policy.fixed_steps(k_max)
+    if fixed is not None and not policy.stops_in_round:
+        # the length is known when tracing (static K): no branch at all (a GPU branch is a device-to-host read)
+        _, carry, tokens, valid, qbuf, _, _, pstate = jax.lax.fori_loop(1, fixed, lambda _, c: body(c), init)
+    elif policy.stops_in_round:
         _, carry, tokens, valid, qbuf, _, _, pstate = jax.lax.while_loop(cond, body, init)
     else:
         # No rule ends a draft inside the round: it takes max(limit) steps, known before the first.

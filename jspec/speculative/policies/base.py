@@ -204,6 +204,12 @@ class Policy:
         cls = type(self)
         return cls.stop is not Policy.stop or cls.stop_from_stats is not Policy.stop_from_stats or cls.observe is not Policy.observe
 
+    def fixed_steps(self, k_max: int) -> int | None:
+        """The draft length of every round and row when the policy fixes it before tracing (static);
+        None when it is decided on the device. A fixed length drafts in a loop the compiler knows,
+        with no branch on the round's step count."""
+        return None
+
     def stop_skips_token(self, state: Any) -> jax.Array:
         """[B] bool: True where a stop at this step drops the step's token (a rule checked before
         drafting it, AdaEDL); False where the token that triggered the stop is kept."""

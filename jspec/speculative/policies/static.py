@@ -27,8 +27,10 @@ class StaticPolicy(Policy):
 
     def round_limit(self, state, k_max, features=None):
         self._check_k_max(k_max)
-        k = k_max if self.k is None else self.k
-        return clip_limit(jnp.full(state.rounds.shape, k, jnp.int32), k_max)
+        return jnp.full(state.rounds.shape, self.fixed_steps(k_max), jnp.int32)
+
+    def fixed_steps(self, k_max):
+        return max(1, min(k_max if self.k is None else self.k, k_max))
 
 
 @dataclasses.dataclass(frozen=True)
