@@ -232,3 +232,20 @@ def test_cost_tables_of_another_version_are_measured_anew(tmp_path, monkeypatch)
     assert RC.load_card_costs(cached) == {"version": RC.COST_TABLE_VERSION, "verify_us": {"1": {"1": 1.0}}}
     RC.ensure_costs(None, None, None, None, batch=1, preset="tiny", models_dir=str(tmp_path), tree=False)
     assert measured == [1]  # current version, batch present: read from the cache
+
+
+def test_load_costs_skips_tables_of_another_version(tmp_path, monkeypatch):
+    """A committed or cached table measured under another COST_TABLE_VERSION is never planned on:
+    the next place is read, and without one the reference table."""
+    from jspec.speculative.policies import auto as A
+
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(A, "card_name", lambda: "TEST_CARD")
+    (tmp_path / "m" / "p").mkdir(parents=True)
+    committed = tmp_path / "m" / "p" / "round_cost_TEST_CARD.json"
+    committed.write_text(json.dumps({"card": "old", "verify_us": {"8": {"1": 5.0}}}))  # no version: an old jspec's
+    assert A.load_costs("p", models_dir=str(tmp_path / "m")) is A.REFERENCE_COSTS
+    cached = A.cost_table_path("p", str(tmp_path / "m"), committed=False)
+    cached.parent.mkdir(parents=True)
+    cached.write_text(json.dumps({"version": A.COST_TABLE_VERSION, "card": "new", "verify_us": {"1": {"1": 9.0}}}))
+    assert A.load_costs("p", models_dir=str(tmp_path / "m"))["card"] == "new"

@@ -46,12 +46,8 @@ from jspec.speculative.engines import ssd as SSD
 from jspec.speculative.engines.chain import draft_autoregressive, spec_round, start_spec
 from jspec.speculative.engines.tree import TreeConfig, draft_tree, tree_round
 from jspec.speculative.policies import resolve_policy
-from jspec.speculative.policies.auto import REFERENCE_COSTS, card_name, cost_table_path, cost_table_paths, row_value
-
-# Bumped whenever a change to jspec moves round costs enough to change plans. 2: per-layer weight
-# buffers in the generation loops (AR 25% faster at batch 16), chain drafts under limit-only
-# policies as loops of known length, tree children by the ranked top-k.
-COST_TABLE_VERSION = 2
+from jspec.speculative.policies.auto import (COST_TABLE_VERSION, REFERENCE_COSTS, card_name, cost_table_path,
+                                             cost_table_paths, row_value)
 
 VERIFY_TS = (1, 2, 4, 8, 16, 32, 64)
 

@@ -65,6 +65,11 @@ from flax import struct
 from .base import Policy, clip_limit, count_rounds
 
 TREE_SIZES = (15, 23, 31, 47, 59)  # EAGLE's total_tokens candidates, minus the root
+# Bumped whenever a change to jspec moves round costs enough to change plans; a table of another
+# version is measured anew (bench.round_cost) and never planned on. 2: per-layer weight buffers in
+# the generation loops (AR 25% faster at batch 16), chain drafts under limit-only policies as loops
+# of known length, tree children by the ranked top-k.
+COST_TABLE_VERSION = 2
 PLAN_TOLERANCE = 0.03  # budgets this close to the best gain count as ties; the smallest wins (module doc)
 # [I] fit to the shipped EAGLE-3 head v4 on an H200 (bf16, MT-Bench 80, batch 1, one process): the 59-node
 # depth-6 tree accepted 4.03 tokens per call where the K = 6 chain took 2.66 (a = 0.625 -> a_tree = 0.805).
@@ -340,12 +345,15 @@ def cost_table_paths(preset: str | None = None, models_dir: str = "models") -> l
 
 
 def load_costs(preset: str | None = None, models_dir: str = "models") -> dict:
-    """This card's cached cost table, or REFERENCE_COSTS when none has been measured."""
+    """This card's cached cost table of the current COST_TABLE_VERSION, or REFERENCE_COSTS when
+    none has been measured (a table of an older jspec would plan on rounds that no longer cost that)."""
     for path in cost_table_paths(preset, models_dir):
         try:
-            return json.loads(path.read_text())
+            costs = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
+        if costs.get("version") == COST_TABLE_VERSION:
+            return costs
     return REFERENCE_COSTS
 
 
