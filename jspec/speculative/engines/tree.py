@@ -31,7 +31,7 @@ ends its branch: nodes below it are not verified. A cut saves work, with static 
   * levels (`TreeConfig.skip_levels`; by default on TPU and CPU, off on GPUs): each level runs
     inside a `lax.cond` and is skipped once every row's depth cap is above it.
 Every data-dependent branch costs: on GPUs XLA reads its predicate back to the host and waits for
-it. On an H200 at batch 1 with SmolLM2-135M, the same 59-node trees took 270-290 µs more per round
+it. On an H200 at batch 1 with SmolLM2-135M, the same 59-node trees took 270-294 µs more per round
 (of ~1.55 ms) with the five level conds and the verify switch than without them, about 45 µs a
 branch, while a level costs 74 µs and is rarely skipped by every row. So on GPUs levels are
 skipped only where the user turns it on (a level costing several branches: big heads, large
