@@ -17,7 +17,7 @@ one launch per layer:
     aliased input -> output). The committed slots it reads and the new slots it writes never
     overlap, so programs need no ordering among themselves.
 
-Grid: (batch, query head, split). Each program handles one query head for all T tokens; the G query
+Grid: (batch, query head[, split]). Each program handles one query head for all T tokens; the G query
 heads of a KV group re-read the same keys (from L2). The first head of each group writes the cache.
 With splits > 1 (`attention_splits`, opt-in: long caches at small batch), each program takes one
 slice of the row's committed keys (the last also the new tokens) and leaves an unnormalised partial
@@ -55,8 +55,9 @@ def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in,
     del k_in, v_in  # aliased with k_out / v_out: read and write through the outputs
     b = pl.program_id(0)
     qh = pl.program_id(1)
-    sp = pl.program_id(2)  # which slice of the committed keys (splits > 1: partial results, combined outside)
-    last_split = sp == splits - 1
+    # splits > 1: which slice of the committed keys (partial results, combined outside); with one
+    # split the program is the same as without this option
+    sp = pl.program_id(2) if splits > 1 else None
     kvh = qh // G
     layer = layer_ref[0]
     S = k_out.shape[2]
@@ -103,16 +104,12 @@ def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in,
     # committed slots [0, n): online softmax over blocks of BLOCK_K keys
     kk = jnp.arange(BLOCK_K)
 
-    # split sp takes key blocks [sp * per, (sp + 1) * per) of the row's committed ones
-    n_blocks = pl.cdiv(n, BLOCK_K)
-    per = pl.cdiv(n_blocks, splits)
-    first = sp * per
-
     def body(j, carry):
         acc, m, l = carry
-        idx = (first + j) * BLOCK_K + kk
+        block = first + j if splits > 1 else j
+        idx = block * BLOCK_K + kk
         ok = idx < n
-        kb = pl.ds((first + j) * BLOCK_K, BLOCK_K)
+        kb = pl.ds(block * BLOCK_K, BLOCK_K)
         c1 = load(k_out.at[layer, b, kb, kvh, lo], ok[:, None]).astype(dt)
         c2 = load(k_out.at[layer, b, kb, kvh, hi], ok[:, None]).astype(dt)
         cv = load(v_out.at[layer, b, kb, kvh, :], ok[:, None]).astype(dt)
@@ -127,7 +124,14 @@ def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in,
     acc = jnp.zeros((BT, hd), jnp.float32)
     m = jnp.full((BT,), NEG_INF, jnp.float32)
     l = jnp.zeros((BT,), jnp.float32)
-    acc, m, l = lax.fori_loop(0, jnp.clip(n_blocks - first, 0, per), body, (acc, m, l))
+    # split sp takes key blocks [sp * per, (sp + 1) * per) of the row's committed ones (`body` reads `first`)
+    n_blocks = pl.cdiv(n, BLOCK_K)
+    if splits > 1:
+        per = pl.cdiv(n_blocks, splits)
+        first, n_steps = sp * per, jnp.clip(n_blocks - sp * per, 0, per)
+    else:
+        first, n_steps = None, n_blocks
+    acc, m, l = lax.fori_loop(0, n_steps, body, (acc, m, l))
 
     # the T new tokens (pending slots n .. n+T-1), under their mask
     if causal:
@@ -140,12 +144,14 @@ def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in,
     else:
         # the new tokens are attended from registers; their cache write is only a side effect
         vis = vis & t_ok[None, :]
-    vis = vis & last_split  # the new tokens belong to the last split's partial result
+    if splits > 1:
+        vis = vis & (sp == splits - 1)  # the new tokens belong to the last split's partial result
     sc = jnp.where(vis, scores(q1, q2, k1, k2), NEG_INF)
     m_new = jnp.maximum(m, jnp.max(sc, axis=1))
     corr = jnp.exp(m - m_new)
-    # zero where hidden: a split that saw no key at all has m_new = NEG_INF, where exp(sc - m_new) is 1
-    p = jnp.where(vis, jnp.exp(sc - m_new[:, None]), 0.0)
+    p = jnp.exp(sc - m_new[:, None])
+    if splits > 1:  # a split that saw no key at all has m_new = NEG_INF, where exp(sc - m_new) is 1
+        p = jnp.where(vis, p, 0.0)
     l = l * corr + jnp.sum(p, axis=1)
     acc = acc * corr[:, None] + dot(p.astype(dt), vn)
     if splits == 1:
@@ -158,7 +164,7 @@ def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in,
         plgpu.store(l_ref.at[b, sp, rows, qh], l, mask=t_ok)
 
     # write the new tokens' k, v once per KV group (slots past the cache end are dropped)
-    @pl.when((qh % G == 0) & (sp == 0))
+    @pl.when((qh % G == 0) & (sp == 0) if splits > 1 else qh % G == 0)
     def _():
         w_ok = (t_ok & (n + t < S))[:, None]
         slots = pl.ds(n, BT)
@@ -238,7 +244,7 @@ def fused_block_attention(qkv, cos, sin, k_cache, v_cache, layer, lengths, new_m
     stats = (jax.ShapeDtypeStruct((B, splits, T, num_heads), jnp.float32),) * 2 if splits > 1 else ()
     out, k_cache, v_cache, *split_stats = pl.pallas_call(
         kernel,
-        grid=(B, num_heads, splits),
+        grid=(B, num_heads, splits) if splits > 1 else (B, num_heads),
         out_shape=(*outs, *caches, *stats),
         input_output_aliases={6: 1, 7: 2},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
