@@ -373,9 +373,8 @@ def cmd_generate(a) -> int:
         drafter, dparams = build_drafter(spec.drafter, cfg, params, model_name=a.model, k_max=spec.k_max)
         spec = spec.replace(drafter=drafter, drafter_params=dparams)
         if spec.policy == "auto":  # planned on the preset's committed cost table for this card, as `jspec bench` plans
-            tree = TreeConfig() if spec.tree is True or spec.tree == "auto" else spec.tree
             costs = load_costs(a.model if a.model in list_presets() else None, models_dir=str(models_dir()))
-            spec = spec.replace(policy=plan_for(drafter, costs, batch=len(prompts), k_cap=spec.k_max, tree=tree))
+            spec = spec.replace(policy=plan_for(drafter, costs, batch=len(prompts), k_cap=spec.k_max, tree=spec.tree))
     if not a.no_stream:  # each prompt streamed in turn
         for i, prompt in enumerate(prompts):
             if len(prompts) > 1:

@@ -13,7 +13,7 @@ from jspec.generate import SpeculativeConfig, generate
 from jspec.sampling import Sampling
 from jspec.decode import pack_prompts
 from jspec.speculative.engines.chain import start_spec
-from jspec.speculative.engines.tree import TreeConfig, build_tree, policy_prunes, tree_round
+from jspec.speculative.engines.tree import TreeConfig, build_tree, tree_round
 from jspec.speculative.policies import make_policy
 from jspec.speculative.policies.auto import AutoPolicy
 from jspec.speculative.verify.tree import Tree, ancestor_mask, path_of, verify_tree_greedy, verify_tree_sampling
@@ -155,7 +155,7 @@ def test_a_pruned_tree_stops_drafting_and_verifies_fewer_nodes(target, skip_leve
     assert (np.asarray(tree.valid[:, 1 : PRUNED.top_k + 1])).all()  # the valid nodes come first
     tree, index = run(make_policy("static", k_max=PRUNED.depth))
     assert int(index) == len(sizes) - 1 and np.asarray(tree.valid).sum() > 2 * PRUNED.top_k
-    assert not policy_prunes(make_policy("static", k_max=PRUNED.depth)) and policy_prunes(make_policy("confidence"))
+    assert not make_policy("static", k_max=PRUNED.depth).cuts_trees and make_policy("confidence").cuts_trees
 
 
 def test_auto_keeps_its_planned_tree_whole(target):
@@ -164,7 +164,7 @@ def test_auto_keeps_its_planned_tree_whole(target):
     drafter, dparams = _drafters(target)["eagle3"]
     tokens, lens, cache_len = pack_prompts(CFG, _prompts(2), 8, PRUNED.num_nodes + 1)
     timid = AutoPolicy(k_max=PRUNED.depth, alpha0=0.01, step_us=1000.0, first_us=0.0, verify_us=10.0)  # limit 1 per row
-    assert not policy_prunes(timid) and int(timid.round_limit(timid.init(2, None), PRUNED.depth).max()) == 1
+    assert not timid.cuts_trees and int(timid.round_limit(timid.init(2, None), PRUNED.depth).max()) == 1
 
     def drafted(policy):
         state = start_spec(target, CFG, drafter, dparams, policy, None, PRUNED.depth, 8, cache_len, Sampling(), 1,

@@ -163,7 +163,7 @@ def draft_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: 
     # all levels run the same attention path; the last (largest) runs the D - 2 earlier frontiers
     # and its own as one fused block
     fused = H.fused_head_attention(hcfg, (D - 1) * k, drafter.kernels)
-    prunes = policy_prunes(policy)
+    prunes = policy.cuts_trees  # smaller verify blocks per round, and skippable levels where skip_levels asks
     # Policies see draft-vocab logits (entropies and top probabilities are the same as over the
     # target vocab); one that reads the drafted token's id (LDLP-DDD) gets target-vocab logits.
     index = H.target_index(hcfg, dparams) if policy.needs_in_round_state else None
@@ -242,12 +242,6 @@ def draft_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: 
     ancestors = _ancestors(parent, D)
     valid = (depth <= depth_cap[:, None]) & ~below_eos(tcfg, tree_tok, ancestors)
     return Tree(tree_tok, parent, depth, ancestors, valid), pstate, dstate.replace(cache=cache)
-
-
-def policy_prunes(policy) -> bool:
-    """Whether a policy's trees get the cutting machinery (`Policy.cuts_trees`): smaller verify
-    blocks picked per round, and skippable levels where `TreeConfig.skip_levels` asks."""
-    return policy.cuts_trees
 
 
 def verify_size_index(valid: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
@@ -332,7 +326,7 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
     pstate, limit = policy.start_round(state.pstate, D, round_features(state, tparams))
     # a policy that does not cut trees keeps them whole: masking nodes the round drafts and
     # verifies anyway would only lose tokens
-    limit = jnp.clip(limit, 1, D) if policy_prunes(policy) else jnp.full_like(limit, D)
+    limit = jnp.clip(limit, 1, D) if policy.cuts_trees else jnp.full_like(limit, D)
     hybrid = isinstance(drafter, HybridDrafter)
     head_drafter, head_state = (drafter.eagle, state.dstate.eagle) if hybrid else (drafter, state.dstate)
     tree, pstate, head_state = draft_tree(head_drafter, dparams, tparams, tcfg, head_state, state.last, tc, policy, pstate, limit)
@@ -343,7 +337,7 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
         children += 1  # the root's n-gram child beside its top_k head children
     best, n, nxt, path, path_out, feature = verify_pruned(
         tparams, tcfg, drafter.capture_layers, unroll, sampling, D, children, tree, state.cache, k_verify,
-        tc.block_sizes(policy_prunes(policy)))
+        tc.block_sizes(policy.cuts_trees))
     path_tok = jnp.take_along_axis(tree.tokens, path, 1)
 
     active = ~state.done

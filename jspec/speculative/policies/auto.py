@@ -359,9 +359,9 @@ def load_costs(preset: str | None = None, models_dir: str = "models") -> dict:
 
 def plan_for(drafter, costs: dict, *, batch: int, k_cap: int, tree) -> AutoPlan:
     """`plan` for a drafter object: its own measured acceptance (an EAGLE head's config) as the
-    prior, a hybrid planned as its head's tree plus the n-gram branch. `tree`: None (chains) or
-    the tree config whose top_k and depth bound the search. The one place `generate` and
-    `jspec bench` turn a drafter into a plan."""
+    prior, a hybrid planned as its head's tree plus the n-gram branch. `tree`: None (chains), or
+    the tree setting (a TreeConfig, whose top_k and depth bound the search; True or "auto": EAGLE-2's
+    defaults). The one place `generate`, `jspec generate` and `jspec bench` turn a drafter into a plan."""
     hybrid = drafter.name == "hybrid"
     return plan(costs, batch=batch, drafter_name="eagle" if hybrid else drafter.name, parallel=drafter.parallel,
                 k_cap=k_cap, tree=tree is not None, alpha=getattr(drafter, "acceptance", None),
