@@ -99,6 +99,9 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--consultant-smoothing", type=float, default=None, metavar="BETA",
                    help="--verify consultant: compare the running mean r = BETA*r + (1-BETA)*NLL instead (0 = off; 0.2 in the paper)")
     p.add_argument("--no-stream", action="store_true", help="run all prompts as one batch; print when it finishes")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N",
+                   help="at most N rows in flight: a finished row takes the next prompt (continuous batching, "
+                        "one device); implies --no-stream")
     p.add_argument("--mesh", default=None,
                    help="run on several devices: data=N (rows split, each device loops on its own), "
                         "model=N (tensor-parallel target) or both; with --engine: role=2 or data=N,role=2 (device pairs); "
@@ -128,6 +131,13 @@ def check_generate_args(a) -> None:
     if a.stop is not None and not all(a.stop):
         raise UsageError("--stop needs a non-empty string")
     a.speculative, a.policy_params = None, None
+    if getattr(a, "batch_size", None) is not None:
+        if a.batch_size < 1:
+            raise UsageError(f"--batch-size must be >= 1, got {a.batch_size}")
+        if a.mesh or getattr(a, "engine", None):
+            raise UsageError("--batch-size (continuous batching) runs on one device with AR, chains or trees: "
+                             "drop --mesh / --engine")
+        a.no_stream = True
     if getattr(a, "engine", None):
         _check_engine_args(a)
         return
@@ -374,7 +384,8 @@ def cmd_generate(a) -> int:
         spec = spec.replace(drafter=drafter, drafter_params=dparams)
         if spec.policy == "auto":  # planned on the preset's committed cost table for this card, as `jspec bench` plans
             costs = load_costs(a.model if a.model in list_presets() else None, models_dir=str(models_dir()))
-            spec = spec.replace(policy=plan_for(drafter, costs, batch=len(prompts), k_cap=spec.k_max, tree=spec.tree))
+            rows = min(a.batch_size or len(prompts), len(prompts))  # rows in flight
+            spec = spec.replace(policy=plan_for(drafter, costs, batch=rows, k_cap=spec.k_max, tree=spec.tree))
     if not a.no_stream:  # each prompt streamed in turn
         for i, prompt in enumerate(prompts):
             if len(prompts) > 1:
@@ -392,6 +403,8 @@ def cmd_generate(a) -> int:
               f"gamma {res.gamma}: steps {res.target_calls.tolist()}, drafted {res.drafted.tolist()}, accepted "
               f"{res.accepted.tolist()}, rollback rate {res.rollback_rate:.3f}", file=sys.stderr)
         return 0
+    if getattr(a, "batch_size", None) is not None:
+        kw["batch_size"] = a.batch_size
     with CompileClock() as clock:
         res = generate(params, cfg, prompts, **kw)
     _print_rows(a, cfg, tok, res, len(prompts))

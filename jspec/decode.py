@@ -23,6 +23,7 @@ from flax import struct
 
 from . import model as M
 from .config import ModelConfig
+from .refill import run_queue
 from .sampling import Sampling, sample
 
 PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -236,20 +237,26 @@ def start_decode(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling
     return DecodeState(cache=cache, out=out, n_out=n_out, last=first, done=done, steps=jnp.ones_like(zeros), key=key)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll"))
-def generate_ar_jit(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling, unroll=None):
-    """Whole AR generation under one jit: prefill + a while_loop of decode steps."""
-    state = start_decode(params, cfg, tokens, lens, key, max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll)
-    loop = M.loop_params(params, cfg, unroll=unroll)  # per-layer weight buffers for the loop body
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll", "rows", "refill"))
+def generate_ar_jit(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling, unroll=None, rows=None, refill=None):
+    """Whole AR generation under one jit: prefill + a while_loop of decode steps. ``rows``: that
+    many rows in flight over the prompts (continuous batching, jspec.refill), ``refill`` started
+    at a time; None: every prompt in one batch. Returns (out, n_out, steps) per prompt."""
+    def start(t, l, k):
+        return start_decode(params, cfg, t, l, k, max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll)
 
-    def cond(s):
-        return ~jnp.all(s.done)
+    loop = M.loop_params(params, cfg, unroll=unroll)  # per-layer weight buffers for the loop body
 
     def body(s):
         return decode_step(loop, cfg, sampling, max_new, s, unroll=unroll)
 
-    state = jax.lax.while_loop(cond, body, state)
-    return state.out, state.n_out, state.steps
+    def outputs(s):
+        return s.out, s.n_out, s.steps
+
+    if rows is None or rows >= tokens.shape[0]:
+        state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, start(tokens, lens, key))
+        return outputs(state)
+    return run_queue(start, body, outputs, tokens, lens, key, rows=rows, refill=refill)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll"))

@@ -41,6 +41,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from . import model as M
 from .config import ModelConfig
+from .errors import UsageError
+from .refill import default_refill
 from .decode import GenerationResult, decode_chunk_jit, generate_ar_jit, pack_prompts, start_decode_jit, stream_row0
 from .sampling import GREEDY, Sampling
 from .sharding import (axis_size, parse_mesh, placed_tensor_parallel, replicate, shard_params, tensor_parallel_config,
@@ -78,6 +80,8 @@ def generate(
     cache_len: int | None = None,
     unroll: int | bool | None = None,
     mesh: Mesh | str | None = None,
+    batch_size: int | None = None,
+    refill: int | None = None,
     **legacy,
 ) -> GenerationResult:
     """Generate up to max_new_tokens per prompt (token-id lists), batched.
@@ -97,16 +101,40 @@ def generate(
     serving loop would; None starts fresh. Speculative results carry their final `policy_state`.
     `mesh` spreads the call over devices (see the module docstring); a batch that does not divide
     the data axis is padded with repeated rows whose results are dropped.
+    `batch_size`: rows in flight (None: every prompt in one batch). With fewer rows than prompts,
+    a finished row takes the next prompt inside the same jitted loop (continuous batching,
+    jspec.refill), `refill` rows at a time (default a quarter of the rows); results stay in prompt
+    order. One device, AR / chain / tree generation (not with a mesh or a parallel engine).
     The SpeculativeConfig fields as keywords (drafter=, policy=, k_max=, ...) still work, with a
     DeprecationWarning; they build the same config.
     """
     speculative = _speculative_from_keywords(speculative, legacy)
     # Every program below runs whole on each device (tensor parallelism too: it runs under a
     # shard_map), so the GPU kernels may run on a host with several GPUs (model.default_kernels).
+    rows = queue_rows(len(prompts), batch_size, refill, mesh, speculative)
     with M.per_device_program():
         return _generate(params, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                          spec=speculative, policy_state=policy_state, seed=seed, cache_len=cache_len,
-                         unroll=unroll, mesh=mesh)
+                         unroll=unroll, mesh=mesh, rows=rows)
+
+
+def queue_rows(n_prompts: int, batch_size, refill, mesh, spec) -> tuple[int, int] | None:
+    """(rows in flight, rows per refill) for continuous batching, or None for one batch of every prompt."""
+    for name, value in (("batch_size", batch_size), ("refill", refill)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UsageError(f"{name} must be a positive integer, got {value!r}")
+    if batch_size is None:
+        if refill is not None:
+            raise UsageError("refill applies to continuous batching: give batch_size too")
+        return None
+    if refill is not None and refill > batch_size:
+        raise UsageError(f"refill {refill} is more than the batch_size {batch_size} rows in flight")
+    if batch_size >= n_prompts:
+        return None
+    if mesh is not None or (spec is not None and spec.engine is not None):
+        raise UsageError(f"batch_size {batch_size} < {n_prompts} prompts (continuous batching) runs on one device with "
+                         "AR, chain or tree generation: drop mesh / engine, or pass at most batch_size prompts")
+    return batch_size, refill or default_refill(batch_size)
 
 
 def _speculative_from_keywords(speculative: SpeculativeConfig | None, legacy: dict) -> SpeculativeConfig | None:
@@ -129,7 +157,7 @@ def _speculative_from_keywords(speculative: SpeculativeConfig | None, legacy: di
 
 
 def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_state, seed, cache_len, unroll,
-              mesh) -> GenerationResult:
+              mesh, rows=None) -> GenerationResult:
     sampling = sampling or GREEDY
     if spec is None:
         drafter = drafter_params = policy = policy_params = tree = None
@@ -153,15 +181,16 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
     if tree is not None:
         tree = tree_for(drafter, tree)  # a hybrid drafter's n-gram branch
     if drafter is not None and (policy == "auto" or isinstance(policy, AutoPlan)):  # batch-aware budget
-        drafter, policy, k_max, tree = auto_budget(policy, drafter, len(prompts), k_max, tree)
+        drafter, policy, k_max, tree = auto_budget(policy, drafter, rows[0] if rows else len(prompts), k_max, tree)
         if getattr(drafter, "block", False) and drafter.k_max != k_max:  # a block drafter drafts the planned k
             drafter = dataclasses.replace(drafter, k_max=k_max)
         autotune = False
     extra = (tree.cache_slots if tree is not None else k_max + 1) if drafter is not None else 0
     tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new_tokens, extra, cache_len)
     if autotune and drafter is not None:
-        tree = tree_for(drafter, autotuned_tree(params, cfg, len(prompts), cache_len, tree.top_k, tree.depth))
+        tree = tree_for(drafter, autotuned_tree(params, cfg, rows[0] if rows else len(prompts), cache_len, tree.top_k, tree.depth))
     key = jax.random.PRNGKey(seed)
+    queue = dict(rows=rows[0], refill=rows[1]) if rows else {}
     if axis_size(mesh, "model") > 1:
         return _generate_tensor_parallel(
             mesh, params, cfg, tokens, lens, key, drafter=drafter, drafter_params=drafter_params, policy=policy,
@@ -183,7 +212,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
     if drafter is None:
         out, n_out, steps = generate_ar_jit(
             params, cfg, jnp.asarray(tokens), jnp.asarray(lens), key,
-            max_new=max_new_tokens, cache_len=cache_len, sampling=sampling, unroll=unroll,
+            max_new=max_new_tokens, cache_len=cache_len, sampling=sampling, unroll=unroll, **queue,
         )
         out, n_out, steps = jax.device_get((out, n_out, steps))
         zeros = np.zeros_like(n_out)
@@ -192,13 +221,13 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
         return tree_generate(
             params, cfg, tokens, lens, key, drafter=drafter, drafter_params=drafter_params, policy=policy,
             policy_params=policy_params, tree=tree, max_new=max_new_tokens, cache_len=cache_len,
-            sampling=sampling, unroll=unroll, policy_state=policy_state,
+            sampling=sampling, unroll=unroll, policy_state=policy_state, **queue,
         )
     return speculative_generate(
         params, cfg, tokens, lens, key,
         drafter=drafter, drafter_params=drafter_params, policy=policy, policy_params=policy_params,
         k_max=k_max, max_new=max_new_tokens, cache_len=cache_len, sampling=sampling, verify=verify, unroll=unroll,
-        policy_state=policy_state,
+        policy_state=policy_state, **queue,
     )
 
 

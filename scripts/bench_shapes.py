@@ -639,22 +639,25 @@ def memory_part(shape, cfg, params, rows_out: Rows, batch=64, context=4096):
                  note=f"prompt {prompt} + {NEW} new tokens per row in a {context}-slot cache; time includes the prefill")
 
 
-def peer_part(shape, peer: str, batches, rows_out: Rows, out_dir: Path):
+def peer_part(shape, cfg, peer: str, batches, rows_out: Rows, out_dir: Path):
+    """The compiled PyTorch peer at this shape and these batches, as `torch_compile` rows (a subprocess
+    on the same GPU; main() keeps JAX from preallocating the GPU's memory when this part runs)."""
     name = PEER_SHAPES.get(shape)
     if not name:
         return
     env = {**os.environ, "OUT": str(out_dir)}
     cmd = [sys.executable, peer, "--shape", name, "--modes", "compile", "--batches", ",".join(map(str, batches)),
            "--new", str(NEW), "--prompt", str(PROMPT)]
-    t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     print(proc.stdout[-3000:], proc.stderr[-2000:], flush=True)
     js = out_dir / f"torch_fast_peer_{name}.json"
     if not js.exists():
         rows_out.add(shape=shape, card=card(), method="torch_compile", error=(proc.stderr or proc.stdout)[-300:])
         return
-    data = json.loads(js.read_text())
-    rows_out.add(shape=shape, card=card(), method="torch_compile_raw", raw=data, seconds=round(time.perf_counter() - t0, 1))
+    wbytes = weight_bytes(jax.eval_shape(lambda k: M.init_params(cfg, k, jnp.bfloat16), jax.random.PRNGKey(0)))
+    for r in json.loads(js.read_text()):
+        rows_out.add(**base_row(shape, cfg, wbytes, "torch_compile", r["batch"], 1, r["ms_per_step"] / 1000, r["batch"],
+                                note="PyTorch peer (static KV cache, torch.compile reduce-overhead), same GPU, same run"))
 
 
 def write_tuning(tuning: dict, path: Path = MV.TUNING_FILE):
@@ -691,6 +694,8 @@ def main(argv=None):
         if s not in SHAPES:
             ap.error(f"unknown shape {s!r}: expected one of {', '.join(SHAPES)}")
     parts = set(args.parts.split(","))
+    if "peer" in parts:  # the peer runs beside this process on the same GPU: JAX takes memory as it needs it
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     unknown = set(args.variants.split(",")) - {"auto", "fused", "xla", "cublas"}
     if unknown:
         ap.error(f"--variants: unknown {', '.join(sorted(unknown))}; expected some of auto, fused, xla, cublas")
@@ -753,7 +758,7 @@ def main(argv=None):
                         rows.add(shape=shape, card=card(), method=part, error=repr(e)[:300])
             del params
         if "peer" in parts and args.peer:
-            peer_part(shape, args.peer, [b for b in batches if b <= 16], rows, out_dir)
+            peer_part(shape, cfg, args.peer, [b for b in batches if b <= 16], rows, out_dir)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from jspec.bench.cli import parse_timing_barrier
 from jspec.bench.harness import RunContext, batches_of, benchmark_group
 from jspec.bench.methods import JspecMethod, cut_at_eos, rows_from_generation
 from jspec.bench.protocol import MethodSpec, RowResult, parse_method_spec, parse_method_specs
-from jspec.bench.report import GENERATED_MARKER, ROW_FIELDS, read_all_rows, write_benchmarks_md, write_rows
+from jspec.bench.report import GENERATED_MARKER, ROW_FIELDS, group_tables, read_all_rows, write_benchmarks_md, write_rows
 from jspec.errors import UsageError
 
 
@@ -98,6 +98,20 @@ def test_batches_pad_the_last_group_and_drop_the_fillers(clock):
     assert method.calls == [[0, 1], [2, 2]]
     assert row["tokens_per_s"] == pytest.approx(((4 + 2) / 2.0 + 3 / 1.0) / 2)  # per-batch, then mean
     assert row["n_prompts"] == 3 and row["mean_new_tokens"] == 3.0
+
+
+def test_a_queue_method_serves_every_prompt_in_one_call(clock):
+    prompts = [[0], [1], [2]]
+    table = {0: (RowResult([1, 2, 3, 4], 4), 2.0), 1: (RowResult([1, 2], 2), 0.0), 2: (RowResult([1, 2, 3], 3), 1.0)}
+    method = FakeMethod(clock, MethodSpec("ar"), table, batch=2)
+    method.queue = True
+    (row,) = benchmark_group(ctx(), [method], prompts, task="t")
+    assert method.calls == [[0, 1, 2]]  # one call, two rows in flight inside it
+    assert row["queue"] is True and row["batch"] == 2 and row["tokens_per_s"] == pytest.approx(9 / 2.0)
+    # a queue row and a consecutive-batches row of the same method are two measurements in the tables
+    (plain,) = benchmark_group(ctx(), [FakeMethod(clock, MethodSpec("ar"), table, batch=2)], prompts, task="t")
+    lines = [ln for ln in group_tables([row, plain]).splitlines() if ln.startswith("| t |")]
+    assert [ln.split(" | ")[2] for ln in lines] == ["2", "2 (queue)"]
 
 
 def test_short_passes_repeat_and_each_batch_keeps_its_median_time(clock):
@@ -318,6 +332,31 @@ def test_cli_end_to_end_with_jspec_ar(tmp_path, monkeypatch, capsys):
     table = (tmp_path / "B.md").read_text()
     assert "jspec bench --model tiny" in table and "--batch 1,2" in table and "--unroll 2" in table
     assert "--commit-rows b" in table
+
+
+def test_cli_queue_runs_ar_and_spec_with_rows_in_flight(tmp_path, monkeypatch):
+    import jax
+
+    from jspec.bench import cli
+    from jspec.config import ModelConfig
+    from jspec.model import init_params
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128, eos_token_ids=(3,))
+    params = init_params(cfg, jax.random.PRNGKey(0), scale=0.35)
+    monkeypatch.setattr(cli, "resolve_model", lambda name: (cfg, params, CharTokenizer()))
+    monkeypatch.chdir(tmp_path)
+    args = ["--model", "tiny", "--tasks", "mt_bench", "--n-prompts", "5", "--max-new-tokens", "6", "--batch", "2",
+            "--methods", "ar,spec:ngram:static", "--queue", "--no-plots", "--min-timed-s", "0"]
+    rows = cli.run_bench(cli.add_bench_args(argparse.ArgumentParser()).parse_args(args))
+    assert [(r["method"], r["queue"], r["batch"], r["n_prompts"]) for r in rows] == [("ar", True, 2, 5), ("spec", True, 2, 5)]
+    assert rows[1]["greedy_identical_to_ar"] == 1.0 and "--queue" in rows[0]["reproduce"]
+    with pytest.raises(UsageError, match="--refill 3: expected 1 to the smallest --batch"):
+        cli.run_bench(cli.add_bench_args(argparse.ArgumentParser()).parse_args(args + ["--refill", "3"]))
+    with pytest.raises(UsageError, match="--refill applies to --queue"):
+        cli.run_bench(cli.add_bench_args(argparse.ArgumentParser()).parse_args(args[:-5] + ["ar", "--refill", "1"]))
+    with pytest.raises(UsageError, match="--queue .* not hf"):
+        cli.run_bench(cli.add_bench_args(argparse.ArgumentParser()).parse_args(args[:-5] + ["ar,hf", "--queue"]))
 
 
 def test_hf_peer_batches_and_prompt_lookup_accounting(tmp_path):

@@ -219,6 +219,11 @@ def test_dlm_generate_is_greedy_identical_to_ar(tiny_model, tiny_dlm, capsys):
                      "--no-stream", "hello", "world!"]) == 0
     sp = capsys.readouterr()
     assert sp.out == ar.out and "drafter dlm policy adl" in sp.err, sp.err
+    # one row in flight over the two prompts (continuous batching): the same text, in prompt order
+    assert cli.main(["generate", "--model", "tiny", "--max-new-tokens", "8", "--batch-size", "1", "hello", "world!"]) == 0
+    assert capsys.readouterr().out == ar.out
+    rc, err = run(capsys, "generate", "--model", "tiny", "--batch-size", "0", "hi")
+    assert rc == 2 and err.count("\n") == 1 and "--batch-size must be >= 1, got 0" in err, err
 
 
 @pytest.mark.slow

@@ -50,6 +50,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--n-prompts", type=int, default=None, help="first N questions of each task (default all)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch", default="1", help="comma list of batch sizes, e.g. 1,16")
+    parser.add_argument("--queue", action="store_true",
+                        help="continuous batching: --batch rows in flight over all of a task's prompts, a finished row "
+                             "taking the next prompt (generate(batch_size=...)), instead of consecutive batches whose "
+                             "rows wait for the batch's slowest; jspec's AR, chain and tree methods on one device")
+    parser.add_argument("--refill", type=int, default=None,
+                        help="--queue: rows started together when rows finish (default a quarter of --batch)")
     parser.add_argument("--min-timed-s", type=float, default=5.0,
                         help="repeat a method's timed pass over the prompts until this many seconds are timed "
                              "(at most 5 passes; each batch keeps its median time): a pass at batch 32 takes about "
@@ -153,6 +159,13 @@ def check_bench_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
         raise UsageError(f"--dtype: {e}") from None
     if args.commit_rows and args.out:
         raise UsageError("--out (a results folder of yours) and --commit-rows (the project's rows) exclude each other")
+    if getattr(args, "queue", False) and args.mesh:
+        raise UsageError(f"--queue runs on one device: drop --mesh {args.mesh}")
+    refill = getattr(args, "refill", None)
+    if refill is not None and not getattr(args, "queue", False):
+        raise UsageError("--refill applies to --queue (continuous batching)")
+    if refill is not None and not 1 <= refill <= min(batches):
+        raise UsageError(f"--refill {refill}: expected 1 to the smallest --batch ({min(batches)})")
     return batches, dtypes
 
 
@@ -203,6 +216,8 @@ def reproduce_command(args: argparse.Namespace, dtypes: list[str]) -> str:
     parts += ["--max-new-tokens", str(args.max_new_tokens), "--batch", args.batch, "--dtype", ",".join(dtypes),
               "--methods", args.methods]
     parts += ["--commit-rows", args.commit_rows] if args.commit_rows else []
+    parts += ["--queue"] if getattr(args, "queue", False) else []
+    parts += ["--refill", str(args.refill)] if getattr(args, "refill", None) is not None else []
     if args.k_max is not None:
         parts += ["--k-max", str(args.k_max)]
     if args.min_timed_s != 5.0:
@@ -302,7 +317,8 @@ class MethodFactory:
             if constants is not None:
                 extra["policy"], label = constants
         method = JspecMethod(self.jax_params(dtype), self.cfg, spec, dtype=dtype, batch=batch,
-                             max_new_tokens=a.max_new_tokens, generate_kwargs=extra)
+                             max_new_tokens=a.max_new_tokens, generate_kwargs=extra, queue=getattr(a, "queue", False),
+                             refill=getattr(a, "refill", None))
         if spec.method == "spec" and spec.policy in CALIBRATED_POLICIES:
             method.policy_constants = label if constants is not None else spec.option_dict.get("constants", "paper")
         return method
@@ -348,6 +364,10 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     batches, dtypes = check_bench_args(args)
     specs = parse_method_specs(args.methods)  # every method checked before the model loads
+    if getattr(args, "queue", False):
+        other = [s.name for s in specs if s.method not in ("ar", "spec")]
+        if other:
+            raise UsageError(f"--queue (continuous batching) runs jspec's ar and spec methods, not {', '.join(other)}")
     questions = load_questions(args)
     try:
         parse_mesh(args.mesh)  # a bad --mesh fails here, before the model loads

@@ -142,7 +142,9 @@ def run_methods(methods: Sequence[Method], prompts: Sequence[Sequence[int]], pro
     each method has `min_timed_s` seconds timed (at most `max_passes` passes), interleaved so a
     slow stretch of the machine falls on every method alike, and each batch keeps its median
     time. The outputs are the first pass's (every pass computes the same ones)."""
-    groups = [batches_of(prompts, m.batch) for m in methods]
+    # a queue method (continuous batching) serves every prompt in one call, `batch` rows in flight
+    groups = [[([list(p) for p in prompts], len(prompts))] if getattr(m, "queue", False) else batches_of(prompts, m.batch)
+              for m in methods]
     compile_s = []
     for m, g in zip(methods, groups):
         if progress is not None:
@@ -207,6 +209,8 @@ def make_row(
         "tree": bool(m.tree),
         "dtype": m.dtype,
         "batch": m.batch,
+        "queue": bool(getattr(m, "queue", False)),  # batch = rows in flight over every prompt (continuous batching)
+        "refill": getattr(m, "refill", None) if getattr(m, "queue", False) else None,  # rows started together (None: batch // 4)
         "devices": getattr(m, "devices", 1),  # HF peers run on one device
         "mesh": getattr(m, "mesh", ""),  # "data=2,model=1"; "" = one device, no mesh
         "task": task,

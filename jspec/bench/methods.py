@@ -72,6 +72,8 @@ class JspecMethod:
         max_new_tokens: int,
         generate_kwargs: dict[str, Any] | None = None,
         generate_fn: Callable[..., Any] | None = None,
+        queue: bool = False,
+        refill: int | None = None,
     ):
         if spec.method not in ("ar", "spec") + PARALLEL_METHODS:
             raise ValueError(f"JspecMethod runs 'ar', 'spec' or {', '.join(PARALLEL_METHODS)}, not {spec.method!r}")
@@ -79,6 +81,8 @@ class JspecMethod:
         self.name, self.method = spec.name, spec.method
         self.drafter, self.policy, self.tree = spec.drafter, spec.policy, spec.tree
         self.dtype, self.batch, self.max_new_tokens = dtype, batch, max_new_tokens
+        # queue: `batch` rows in flight over every prompt of a run (continuous batching), one call
+        self.queue, self.refill = queue, refill
         self._generate_fn = generate_fn
         self._kwargs = self._generate_kwargs(generate_kwargs or {})
         if spec.method in PARALLEL_METHODS:
@@ -129,11 +133,16 @@ class JspecMethod:
         fields = {k: v for k, v in self._kwargs.items() if k in SPECULATIVE_FIELDS and v is not None}
         if fields:
             kwargs["speculative"] = SpeculativeConfig(**fields)
+        if self.queue:
+            kwargs["batch_size"], kwargs["refill"] = self.batch, self.refill
         return kwargs
 
     def _warmup_batches(self, example_prompts: Sequence[Sequence[int]]) -> list[list[list[int]]]:
         """One batch per prompt-length bucket among the examples: generate compiles once per bucket,
-        so warming each keeps every compile out of the timed region."""
+        so warming each keeps every compile out of the timed region. Under `queue` the timed call
+        is the whole prompt list, so that is the warm-up."""
+        if self.queue:
+            return [[list(p) for p in example_prompts]]
         by_bucket: dict[int, list[list[int]]] = {}
         for i in range(0, len(example_prompts), self.batch):
             group = [list(p) for p in example_prompts[i : i + self.batch]]

@@ -53,7 +53,8 @@ class Method(Protocol):
         prompts the timed calls will see, in order, padded to a multiple of ``batch``."""
 
     def run(self, prompts: Sequence[Sequence[int]]) -> list[RowResult]:
-        """Generate for exactly ``batch`` prompts; must return only once results are on the host."""
+        """Generate for exactly ``batch`` prompts (every prompt of the run, ``batch`` rows in flight,
+        for a method whose ``queue`` attribute is true); must return only once results are on the host."""
 
 
 class MethodSpecError(UsageError):

@@ -97,7 +97,8 @@ def table_line(row: dict[str, Any]) -> str:
     if unroll != "auto" and (unroll != 1 or on_gpu):
         mesh += f" (unroll {unroll})"
     cells = [
-        row["task"], f"`{method_label(row)}`{mesh}", str(row["batch"]), row["dtype"], str(row["n_prompts"]),
+        row["task"], f"`{method_label(row)}`{mesh}", str(row["batch"]) + _queue_label(row),
+        row["dtype"], str(row["n_prompts"]),
         str(row["max_new_tokens"]), _fmt(row["tokens_per_s"], ".1f"), _fmt(row["speedup_vs_ar"], ".2f", "×"),
         _fmt(row["mean_accepted_tokens"], ".2f"), _fmt(row["acceptance_rate"], ".2f"),
         _fmt(row["draft_tokens_per_round"], ".2f"), _fmt(row["greedy_identical_to_ar"], ".2f"),
@@ -106,13 +107,20 @@ def table_line(row: dict[str, Any]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def _queue_label(row: dict[str, Any]) -> str:
+    if not row.get("queue"):
+        return ""
+    return f" (queue, refill {row['refill']})" if row.get("refill") else " (queue)"
+
+
 def _latest_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per measured configuration: the newest wins when files repeat a measurement."""
     latest: dict[tuple, dict[str, Any]] = {}
     for row in rows:
         key = tuple(row.get(k) for k in ("target", "card", "jax_version", "task", "method", "drafter",
                                          "policy", "tree", "dtype", "batch", "max_new_tokens", "kernels"))
-        key += (row.get("mesh") or "", method_label(row), row.get("unroll") or 1)  # rows before the field: 1
+        key += (row.get("mesh") or "", method_label(row), row.get("unroll") or 1,  # rows before the field: 1
+                bool(row.get("queue")), row.get("refill"))  # continuous batching: another measurement than batches
         if key not in latest or row["timestamp"] >= latest[key]["timestamp"]:
             latest[key] = row
     return list(latest.values())
@@ -155,7 +163,8 @@ def group_tables(rows: Iterable[dict[str, Any]]) -> str:
         groups[(row["target"], row["card"], row["jax_version"])].append(row)
     sections = []
     for (target, card, jax_version), group in sorted(groups.items()):
-        group.sort(key=lambda r: (r["task"], r["dtype"], r["batch"], r["method"] != "ar", method_label(r)))
+        group.sort(key=lambda r: (r["task"], r["dtype"], r["batch"], bool(r.get("queue")), r["method"] != "ar",
+                                  method_label(r)))
         commands = sorted({current_command(r["reproduce"]) for r in group if r.get("reproduce")})
         lines = [f"## {target} — {card}, JAX {jax_version}", "", TABLE_HEADER, *map(table_line, group), ""]
         lines += round_cost_lines(group)

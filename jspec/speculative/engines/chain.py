@@ -28,7 +28,7 @@ from ...decode import GenerationResult, emit, is_eos, prefill, stream_row0
 from ...sampling import Sampling, probs, sample
 from ..drafters.base import DrafterError, drafter_loop_params
 from ..policies import resolve_policy
-from ..state import SpecState, record_call, result_from_device, round_features, take_row
+from ..state import SpecState, record_call, result_from_device, round_features, run_rounds, take_row
 from ..verify.chain import verify_greedy, verify_sampling
 from ..verify.consultant import ConsultantRule, resolve_verify, verify_consultant
 
@@ -197,17 +197,21 @@ def start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, ma
 _STATIC = ("tcfg", "drafter", "policy", "k_max", "max_new", "cache_len", "sampling", "verify", "unroll")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("with_policy_state",))
-def speculative_generate_jit(tparams, dparams, policy_params, tokens, lens, key, policy_state=None, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll, with_policy_state=False):
+@functools.partial(jax.jit, static_argnames=_STATIC + ("with_policy_state", "rows", "refill"))
+def speculative_generate_jit(tparams, dparams, policy_params, tokens, lens, key, policy_state=None, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll, with_policy_state=False, rows=None, refill=None):
     """The whole generation in one jit. Returns the result arrays (`result_from_device`), plus the
-    final policy state when ``with_policy_state`` (to pass back as ``policy_state``)."""
-    state = start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, max_new, cache_len, sampling, unroll, tokens, lens, key,
-                       policy_state=policy_state, verify=verify)
+    final policy state when ``with_policy_state`` (to pass back as ``policy_state``). ``rows``:
+    that many rows in flight over the prompts (continuous batching, jspec.refill), ``refill`` rows
+    started at a time; None: every prompt in one batch."""
+    def start(t, l, k, policy_state=None):
+        return start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, max_new, cache_len, sampling, unroll,
+                          t, l, k, policy_state=policy_state, verify=verify)
+
     loop = M.loop_params(tparams, tcfg, unroll=unroll)  # per-layer weight buffers for the rounds
     body = functools.partial(spec_round, loop, tcfg, drafter, drafter_loop_params(drafter, dparams), policy, k_max, max_new,
                              sampling, verify, unroll)
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-    outputs = (state.out, state.n_out, state.target_calls, state.drafted, state.accepted, state.trace_drafted, state.trace_tokens)
+    outputs, state = run_rounds(start, body, tokens, lens, key, rows=rows, refill=refill,
+                                start_first=functools.partial(start, policy_state=policy_state))
     return outputs + (state.pstate,) if with_policy_state else outputs
 
 
@@ -229,7 +233,7 @@ def check_compatible(drafter, policy, tcfg: ModelConfig, k_max: int, verify):
         )
 
 
-def speculative_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, k_max, max_new, cache_len, sampling: Sampling, verify, unroll, policy_state=None) -> GenerationResult:
+def speculative_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, k_max, max_new, cache_len, sampling: Sampling, verify, unroll, policy_state=None, rows=None, refill=None) -> GenerationResult:
     """Chain speculative generation; the result carries the final policy state (`policy_state`)."""
     policy = resolve_policy(policy, k_max)
     verify = resolve_verify(verify)
@@ -237,7 +241,7 @@ def speculative_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_p
     return result_from_device(speculative_generate_jit(
         tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key, policy_state,
         tcfg=tcfg, drafter=drafter, policy=policy, k_max=k_max, max_new=max_new, cache_len=cache_len,
-        sampling=sampling, verify=verify, unroll=unroll, with_policy_state=True,
+        sampling=sampling, verify=verify, unroll=unroll, with_policy_state=True, rows=rows, refill=refill,
     ))
 
 

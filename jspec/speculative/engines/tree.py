@@ -57,7 +57,7 @@ from ...kernels.top_k import top_k
 from ..drafters.eagle import EagleDrafter
 from ..drafters.hybrid import HybridDrafter
 from ..policies import resolve_policy
-from ..state import SpecState, record_call, result_from_device, round_features, take_row
+from ..state import SpecState, record_call, result_from_device, round_features, run_rounds, take_row
 from ..verify.tree import Tree, path_of, verify_tree_greedy, verify_tree_sampling
 from .chain import check_compatible, start_spec
 
@@ -365,18 +365,21 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
 _STATIC = ("tcfg", "drafter", "policy", "tree", "max_new", "cache_len", "sampling", "unroll")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("with_policy_state",))
-def tree_generate_jit(tparams, dparams, policy_params, tokens, lens, key, policy_state=None, *, tcfg, drafter, policy, tree, max_new, cache_len, sampling, unroll, with_policy_state=False):
-    state = start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, tree.depth, max_new, cache_len, sampling, unroll, tokens, lens, key,
-                       policy_state=policy_state)
+@functools.partial(jax.jit, static_argnames=_STATIC + ("with_policy_state", "rows", "refill"))
+def tree_generate_jit(tparams, dparams, policy_params, tokens, lens, key, policy_state=None, *, tcfg, drafter, policy, tree, max_new, cache_len, sampling, unroll, with_policy_state=False, rows=None, refill=None):
+    """As chain.speculative_generate_jit, with a tree per round."""
+    def start(t, l, k, policy_state=None):
+        return start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, tree.depth, max_new, cache_len, sampling, unroll,
+                          t, l, k, policy_state=policy_state)
+
     loop = M.loop_params(tparams, tcfg, unroll=unroll)  # per-layer weight buffers for the rounds
     body = functools.partial(tree_round, loop, tcfg, drafter, dparams, policy, tree, max_new, sampling, unroll)
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-    outputs = (state.out, state.n_out, state.target_calls, state.drafted, state.accepted, state.trace_drafted, state.trace_tokens)
+    outputs, state = run_rounds(start, body, tokens, lens, key, rows=rows, refill=refill,
+                                start_first=functools.partial(start, policy_state=policy_state))
     return outputs + (state.pstate,) if with_policy_state else outputs
 
 
-def tree_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, tree: TreeConfig, max_new, cache_len, sampling, unroll, policy_state=None) -> GenerationResult:
+def tree_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, tree: TreeConfig, max_new, cache_len, sampling, unroll, policy_state=None, rows=None, refill=None) -> GenerationResult:
     if not isinstance(drafter, (EagleDrafter, HybridDrafter)):
         raise ValueError(f"tree drafting needs an EAGLE head drafter (or eagle3+ngram), got {getattr(drafter, 'name', drafter)!r}")
     policy = resolve_policy(policy, tree.depth)
@@ -384,7 +387,7 @@ def tree_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, 
     return result_from_device(tree_generate_jit(
         tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key, policy_state,
         tcfg=tcfg, drafter=drafter, policy=policy, tree=tree, max_new=max_new, cache_len=cache_len,
-        sampling=sampling, unroll=unroll, with_policy_state=True,
+        sampling=sampling, unroll=unroll, with_policy_state=True, rows=rows, refill=refill,
     ))
 
 

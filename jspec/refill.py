@@ -1,0 +1,126 @@
+"""Continuous batching inside one jit: a fixed number of rows in flight over a queue of prompts.
+
+With a static batch, every row of a batch waits for the batch's slowest row: rows that hit EOS
+early ride along doing nothing, and under speculation the row with the lowest acceptance sets
+the number of rounds for all of them. On MT-Bench at batch 16 that idles a fifth of AR's steps
+and over a third of a chain's rounds. Here a finished row takes the next prompt instead:
+
+    state = start(first `rows` prompts)
+    while prompts are pending or a row is running:
+        run steps until `refill` rows are done (or, with no prompt left, until all are)
+        harvest the done rows' results into the [N, ...] result buffers
+        start the next `refill` prompts (one batched prefill) and scatter them into done rows
+
+Generic over the engines: `start(tokens, lens, key) -> state` and `step(state) -> state` are the
+engine's own functions (AR, chain, tree), `harvest(state)` picks the per-row results. The state
+only needs a `done` field; every leaf that has a batch axis is a row's own (its axis is found by
+tracing `start` at one and at two rows), the others (a policy's shared statistics, the random
+key) stay with the running state when rows are refilled. A refill costs one prefill of `refill`
+rows at the queue's padded prompt length and a scatter of those rows' cache slots.
+
+Outputs per prompt do not depend on which row served it or when: each row's computation reads
+only its own cache (exact arithmetic; low-precision kernels may round differently at another
+batch composition, as they do between batch sizes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def default_refill(rows: int) -> int:
+    """Rows started per refill: a quarter of the rows in flight (a refill's prefill is batched, so
+    waiting for a few finished rows costs less than refilling each one alone)."""
+    return max(1, rows // 4)
+
+
+def batch_axes(start: Callable, tokens, lens, key) -> Any:
+    """Per state leaf: the axis that indexes rows, or None for a leaf shared by all rows."""
+    one = jax.eval_shape(start, tokens[:1], lens[:1], key)
+    two = jax.eval_shape(start, jnp.concatenate([tokens[:1]] * 2), jnp.concatenate([lens[:1]] * 2), key)
+
+    def axis(a, b):
+        diff = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+        if not diff:
+            return None
+        if len(diff) > 1 or a.shape[diff[0]] != 1 or b.shape[diff[0]] != 2:
+            raise ValueError(f"a state leaf of shape {a.shape} at one row and {b.shape} at two has no single row axis")
+        return diff[0]
+
+    return jax.tree.map(axis, one, two)
+
+
+def _scatter_rows(axes, state, new, rows):
+    """state with `rows` [R] of every per-row leaf replaced by `new`'s R rows."""
+    def put(ax, x, y):
+        if ax is None:
+            return x
+        return x.at[(slice(None),) * ax + (rows,)].set(y.astype(x.dtype))
+
+    return jax.tree.map(put, axes, state, new, is_leaf=lambda a: a is None)
+
+
+def run_queue(start: Callable, step: Callable, harvest: Callable, tokens, lens, key, *, rows: int, refill: int,
+              start_first: Callable | None = None):
+    """Serve every prompt of tokens [N, P] / lens [N] with `rows` rows in flight.
+
+    `start_first` (default `start`) starts the first `rows` prompts, e.g. with a policy state carried
+    over from an earlier call. Returns (results, state): `harvest`'s pytree with a leading axis of N
+    (prompt order) and the final state (for what is shared across rows, e.g. a policy's learned
+    statistics). Must run under jit."""
+    n = tokens.shape[0]
+    refill = max(1, min(refill, rows))
+    axes = batch_axes(start, tokens, lens, key)
+
+    def prompts(first, count):
+        idx = first + jnp.arange(count)
+        take = jnp.clip(idx, 0, n - 1)
+        return tokens[take], lens[take], idx < n, idx
+
+    t0, l0, ok0, idx0 = prompts(0, rows)
+    state = (start_first or start)(t0, l0, key)
+    state = state.replace(done=state.done | ~ok0)
+    row_prompt = jnp.where(ok0, idx0, -1)
+    sample_out = harvest(state)
+    results = jax.tree.map(lambda x: jnp.zeros((n,) + x.shape[1:], x.dtype), sample_out)
+
+    def collect(state, row_prompt, results):
+        """Write finished rows' results at their prompts' places; those rows become free (-1)."""
+        finished = state.done & (row_prompt >= 0)
+        dst = jnp.where(finished, row_prompt, n)  # n: out of range, dropped
+        results = jax.tree.map(lambda r, x: r.at[dst].set(x, mode="drop"), results, harvest(state))
+        return jnp.where(finished, -1, row_prompt), results
+
+    def run_rows(c):
+        state, row_prompt, nxt, results, k = c
+
+        def cond(s):
+            waiting = (jnp.sum(s.done) < refill) | (nxt >= n)
+            return ~jnp.all(s.done) & waiting
+
+        state = jax.lax.while_loop(cond, step, state)
+        row_prompt, results = collect(state, row_prompt, results)
+
+        def start_more(args):
+            state, row_prompt = args
+            free = jnp.argsort(~state.done, stable=True)[:refill]  # done rows first
+            t, l, ok, idx = prompts(nxt, refill)
+            new = start(t, l, jax.random.fold_in(key, k))
+            state = _scatter_rows(axes, state, new, free)
+            state = state.replace(done=state.done.at[free].set(state.done[free] | ~ok))
+            return state, row_prompt.at[free].set(jnp.where(ok, idx, -1))
+
+        state, row_prompt = jax.lax.cond(nxt < n, start_more, lambda a: a, (state, row_prompt))
+        return state, row_prompt, jnp.minimum(nxt + refill, n), results, k + 1
+
+    def pending(c):
+        state, _, nxt, _, _ = c
+        return (nxt < n) | ~jnp.all(state.done)
+
+    init = (state, row_prompt, jnp.int32(min(rows, n)), results, jnp.int32(1))
+    state, row_prompt, _, results, _ = jax.lax.while_loop(pending, run_rows, init)
+    _, results = collect(state, row_prompt, results)  # rows done before any step ran (nothing else is left)
+    return results, state
