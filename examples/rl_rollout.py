@@ -8,7 +8,9 @@ with the target's log-probs, all in ONE jitted program of your own.
 your own `jax.jit`: the rollout, the log-probs of the sampled tokens under the target (what a
 policy-gradient loss needs), and any reward you compute on device run as one XLA program.
 With lossless verification the completions are distributed exactly as the target's own T = 1
-samples; the drafter only changes how many target calls it takes.
+samples; the drafter only changes how many target calls it takes. `--rows N` keeps N rows in flight
+over more prompts (continuous batching inside the same program: a finished row takes the next
+prompt), for rollout batches larger than what fits at once.
 """
 
 from __future__ import annotations
@@ -50,16 +52,17 @@ def completion_logprobs(params, cfg, prompts, prompt_lens, completions, n_new, s
     return jnp.where(valid, lp, 0.0)
 
 
-def make_rollout_step(cfg, drafter, *, k_max: int, max_new: int, cache_len: int, policy="static"):
+def make_rollout_step(cfg, drafter, *, k_max: int, max_new: int, cache_len: int, policy="static", rows=None):
     """Your own jitted step: (params, drafter params, prompts, lens, key) -> completions, lengths,
-    per-token target log-probs, acceptance rate. Static choices are closed over."""
+    per-token target log-probs, acceptance rate. Static choices are closed over; `rows`: rows in
+    flight (None: every prompt at once)."""
     policy = resolve_policy(policy, k_max)
 
     @jax.jit
     def rollout_step(params, dparams, prompts, prompt_lens, key):
         out, n_new, calls, drafted, accepted, _, _ = speculative_generate_jit(
             params, dparams, None, prompts, prompt_lens, key, tcfg=cfg, drafter=drafter, policy=policy, k_max=k_max,
-            max_new=max_new, cache_len=cache_len, sampling=T1, verify="lossless", unroll=1)
+            max_new=max_new, cache_len=cache_len, sampling=T1, verify="lossless", unroll=1, rows=rows)
         lp = completion_logprobs(params, cfg, prompts, prompt_lens, out, n_new)
         return {"tokens": out, "lengths": n_new, "logprobs": lp, "target_calls": calls,
                 "acceptance": jnp.sum(accepted) / jnp.maximum(jnp.sum(drafted), 1)}
@@ -84,6 +87,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--k-max", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rows", type=int, default=None, help="rows in flight (continuous batching); default all prompts")
     a = ap.parse_args(argv)
 
     if a.tiny:
@@ -97,7 +101,7 @@ def main(argv=None) -> dict:
         prompts = [prompt_ids(tok, q, True) for q in ("Write a haiku about JAX.", "Name three prime numbers.")]
     drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=None if a.tiny else a.model)
     tokens, lens, cache_len = pack_prompts(cfg, prompts, a.max_new_tokens, a.k_max + 1)
-    step = make_rollout_step(cfg, drafter, k_max=a.k_max, max_new=a.max_new_tokens, cache_len=cache_len)
+    step = make_rollout_step(cfg, drafter, k_max=a.k_max, max_new=a.max_new_tokens, cache_len=cache_len, rows=a.rows)
     res = jax.device_get(step(params, dparams, jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(a.seed)))
     for b in range(len(prompts)):
         n = int(res["lengths"][b])

@@ -23,7 +23,7 @@ from .errors import UsageError
 from .generate import SpeculativeConfig, generate, generate_stream
 from .presets import list_presets, models_dir, resolve_config, resolve_model, resolve_tokenizer
 from .sampling import Sampling
-from .sharding import parse_mesh
+from .sharding import axis_size, parse_mesh
 from .speculative.drafters.base import DrafterError
 from .heads.hrad import load_hrad
 from .speculative.engines.chain import speculative_stream
@@ -32,7 +32,7 @@ from .speculative.engines.specbranch import SpecBranchConfig
 from .speculative.engines.tree import TreeConfig
 from .speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, resolve_policy_spec, shipped_head_path
 from .speculative.policies import POLICY_NAMES, make_policy
-from .speculative.policies.auto import load_costs, plan_for
+from .speculative.policies.auto import load_costs, mean_context, plan_for
 from .speculative.policies.ldlp import load_ldlp
 from .speculative.verify.consultant import DEFAULT_EPS, ConsultantRule
 from .tasks import TaskDataError
@@ -134,9 +134,8 @@ def check_generate_args(a) -> None:
     if getattr(a, "batch_size", None) is not None:
         if a.batch_size < 1:
             raise UsageError(f"--batch-size must be >= 1, got {a.batch_size}")
-        if a.mesh or getattr(a, "engine", None):
-            raise UsageError("--batch-size (continuous batching) runs on one device with AR, chains or trees: "
-                             "drop --mesh / --engine")
+        if getattr(a, "engine", None):
+            raise UsageError("--batch-size (continuous batching) runs AR, chains or trees: drop --engine")
         a.no_stream = True
     if getattr(a, "engine", None):
         _check_engine_args(a)
@@ -149,6 +148,8 @@ def check_generate_args(a) -> None:
             a.mesh, a.no_stream = parse_mesh(a.mesh), True
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if getattr(a, "batch_size", None) is not None and axis_size(a.mesh, "model") > 1:
+            raise UsageError("--batch-size (continuous batching) runs on one device or a data mesh, not with model=N")
     speculative = {"--policy": a.policy, "--k-max": a.k_max, "--verify": a.verify, "--ldlp-weights": a.ldlp_weights,
                    "--consultant-eps": a.consultant_eps, "--consultant-smoothing": a.consultant_smoothing,
                    "--tree": a.tree or None, "--tree-nodes": a.tree_nodes}
@@ -385,7 +386,8 @@ def cmd_generate(a) -> int:
         if spec.policy == "auto":  # planned on the preset's committed cost table for this card, as `jspec bench` plans
             costs = load_costs(a.model if a.model in list_presets() else None, models_dir=str(models_dir()))
             rows = min(a.batch_size or len(prompts), len(prompts))  # rows in flight
-            spec = spec.replace(policy=plan_for(drafter, costs, batch=rows, k_cap=spec.k_max, tree=spec.tree))
+            spec = spec.replace(policy=plan_for(drafter, costs, batch=rows, k_cap=spec.k_max, tree=spec.tree,
+                                                context=mean_context([len(p) for p in prompts], a.max_new_tokens)))
     if not a.no_stream:  # each prompt streamed in turn
         for i, prompt in enumerate(prompts):
             if len(prompts) > 1:

@@ -59,7 +59,7 @@ from .speculative.config import SpeculativeConfig
 from .speculative.engines.tree import TreeConfig, autotuned_tree, tree_for, tree_generate, tree_generate_jit
 from .speculative.factory import build_drafter
 from .speculative.policies import resolve_policy
-from .speculative.policies.auto import AutoPlan, auto_budget
+from .speculative.policies.auto import AutoPlan, auto_budget, mean_context
 from .speculative.state import result_from_device
 from .speculative.verify.consultant import resolve_verify
 
@@ -104,7 +104,8 @@ def generate(
     `batch_size`: rows in flight (None: every prompt in one batch). With fewer rows than prompts,
     a finished row takes the next prompt inside the same jitted loop (continuous batching,
     jspec.refill), `refill` rows at a time (default a quarter of the rows); results stay in prompt
-    order. One device, AR / chain / tree generation (not with a mesh or a parallel engine).
+    order. AR / chain / tree generation on one device or a data mesh, where each device keeps
+    batch_size / N rows in flight over its share of the prompts (not with model=N or a parallel engine).
     The SpeculativeConfig fields as keywords (drafter=, policy=, k_max=, ...) still work, with a
     DeprecationWarning; they build the same config.
     """
@@ -131,9 +132,9 @@ def queue_rows(n_prompts: int, batch_size, refill, mesh, spec) -> tuple[int, int
         raise UsageError(f"refill {refill} is more than the batch_size {batch_size} rows in flight")
     if batch_size >= n_prompts:
         return None
-    if mesh is not None or (spec is not None and spec.engine is not None):
-        raise UsageError(f"batch_size {batch_size} < {n_prompts} prompts (continuous batching) runs on one device with "
-                         "AR, chain or tree generation: drop mesh / engine, or pass at most batch_size prompts")
+    if (spec is not None and spec.engine is not None) or axis_size(parse_mesh(mesh), "model") > 1:
+        raise UsageError(f"batch_size {batch_size} < {n_prompts} prompts (continuous batching) runs AR, chain or tree "
+                         "generation on one device or a data mesh: drop engine / model=N, or pass at most batch_size prompts")
     return batch_size, refill or default_refill(batch_size)
 
 
@@ -181,7 +182,8 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
     if tree is not None:
         tree = tree_for(drafter, tree)  # a hybrid drafter's n-gram branch
     if drafter is not None and (policy == "auto" or isinstance(policy, AutoPlan)):  # batch-aware budget
-        drafter, policy, k_max, tree = auto_budget(policy, drafter, rows[0] if rows else len(prompts), k_max, tree)
+        drafter, policy, k_max, tree = auto_budget(policy, drafter, rows[0] if rows else len(prompts), k_max, tree,
+                                                   context=mean_context([len(p) for p in prompts], max_new_tokens))
         if getattr(drafter, "block", False) and drafter.k_max != k_max:  # a block drafter drafts the planned k
             drafter = dataclasses.replace(drafter, k_max=k_max)
         autotune = False
@@ -207,7 +209,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
         return _generate_data_parallel(
             mesh, params, cfg, tokens, lens, key, drafter=drafter, drafter_params=drafter_params, policy=policy,
             policy_params=policy_params, k_max=k_max, verify=verify, tree=tree, max_new=max_new_tokens,
-            cache_len=cache_len, sampling=sampling, unroll=unroll,
+            cache_len=cache_len, sampling=sampling, unroll=unroll, rows=rows,
         )
     if drafter is None:
         out, n_out, steps = generate_ar_jit(
@@ -261,11 +263,14 @@ def _items(static: dict) -> tuple:
 
 
 def _generate_data_parallel(mesh, params, cfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params,
-                            k_max, verify, tree, max_new, cache_len, sampling, unroll) -> GenerationResult:
-    B = tokens.shape[0]
-    rows = np.arange(-(-B // axis_size(mesh, "data")) * axis_size(mesh, "data")) % B  # pad to a multiple
-    tokens, lens = tokens[rows], lens[rows]
+                            k_max, verify, tree, max_new, cache_len, sampling, unroll, rows=None) -> GenerationResult:
+    B, data = tokens.shape[0], axis_size(mesh, "data")
+    padded = np.arange(-(-B // data) * data) % B  # pad to a multiple
+    tokens, lens = tokens[padded], lens[padded]
     common = dict(max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll)
+    if rows:  # continuous batching on each device over its share of the prompts
+        per_device = -(-rows[0] // data)
+        common.update(rows=per_device, refill=min(rows[1], per_device))
     if drafter is None:
         fn = _data_parallel(generate_ar_jit, mesh, ("params",), _items(dict(cfg=cfg, **common)))
         out, n_out, steps = jax.device_get(fn((params,), tokens, lens, key))

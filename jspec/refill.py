@@ -63,16 +63,16 @@ def _scatter_rows(axes, state, new, rows):
     return jax.tree.map(put, axes, state, new, is_leaf=lambda a: a is None)
 
 
-def run_queue(start: Callable, step: Callable, harvest: Callable, tokens, lens, key, *, rows: int, refill: int,
-              start_first: Callable | None = None):
+def run_queue(start: Callable, step: Callable, harvest: Callable, tokens, lens, key, *, rows: int,
+              refill: int | None = None, start_first: Callable | None = None):
     """Serve every prompt of tokens [N, P] / lens [N] with `rows` rows in flight.
 
-    `start_first` (default `start`) starts the first `rows` prompts, e.g. with a policy state carried
+    `refill` rows are started together (None: `default_refill(rows)`). `start_first` (default `start`) starts the first `rows` prompts, e.g. with a policy state carried
     over from an earlier call. Returns (results, state): `harvest`'s pytree with a leading axis of N
     (prompt order) and the final state (for what is shared across rows, e.g. a policy's learned
     statistics). Must run under jit."""
     n = tokens.shape[0]
-    refill = max(1, min(refill, rows))
+    refill = max(1, min(default_refill(rows) if refill is None else refill, rows))
     axes = batch_axes(start, tokens, lens, key)
 
     def prompts(first, count):

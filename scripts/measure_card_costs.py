@@ -10,6 +10,7 @@ a table of the same version already there):
     python3 scripts/measure_card_costs.py --gpus 4    # the batch sizes spread over 4 GPUs of one host, merged
     python3 scripts/measure_card_costs.py --batch 16 --out /tmp/b16.json     # one batch size elsewhere
     python3 scripts/measure_card_costs.py --merge /tmp/b*.json --out models/smollm2-135m-instruct/round_cost_<card>.json
+    python3 scripts/measure_card_costs.py --context 2048 --gpus 4    # add context_us (long-prompt slopes) to the table
 
 The shape is SmolLM2-135M's with an EAGLE-3 head (the shipped preset's drafter).
 """
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec import model as M
-from jspec.bench.round_cost import measure_batch_costs, save_card_costs
+from jspec.bench.round_cost import load_card_costs, measure_batch_costs, measure_context_costs, save_card_costs
 from jspec.speculative.policies.auto import cost_table_path
 from jspec.config import ModelConfig
 from jspec.heads import eagle as H
@@ -63,6 +64,9 @@ def main(argv=None) -> None:
     ap.add_argument("--gpus", type=int, default=1, help="spread the batch sizes over this many GPUs (one process each)")
     ap.add_argument("--preset", default="smollm2-135m-instruct")
     ap.add_argument("--out", default=None, help="default: models/<preset>/round_cost_<this card>.json")
+    ap.add_argument("--context", type=int, default=0,
+                    help="measure only the long-context slopes (context_us) against a cache of this many tokens and "
+                         "add them to the table at --out (e.g. 2048)")
     args = ap.parse_args(argv)
     if args.out is None:
         args.out = str(cost_table_path(args.preset))
@@ -72,6 +76,8 @@ def main(argv=None) -> None:
         return
     if not args.batch or min(args.batch) < 1 or args.reps < 1 or args.gpus < 1:
         sys.exit("measure_card_costs: error: --batch takes positive batch sizes, --reps and --gpus positive counts")
+    if args.context and args.context <= 256:
+        sys.exit(f"measure_card_costs: error: --context {args.context}: expected more than 256 tokens (e.g. 2048)")
     if args.gpus > 1:
         spread(args)
         return
@@ -79,9 +85,14 @@ def main(argv=None) -> None:
     tparams = M.init_params(SMOLLM2, jax.random.PRNGKey(0), dtype)
     hcfg = H.HeadConfig("eagle3", SMOLLM2, draft_vocab_size=args.draft_vocab)
     hparams = H.init_head(hcfg, jax.random.PRNGKey(1), dtype)
-    costs: dict = {}
+    costs: dict = (load_card_costs(Path(args.out)) or {}) if args.context else {}
     for batch in args.batch:  # saved after each batch size: a killed run keeps what it measured
-        measure_batch_costs(costs, tparams, SMOLLM2, EagleDrafter(hcfg), hparams, batch=batch, tree=TreeConfig(), reps=args.reps)
+        if args.context:  # only the context slopes, added to the table already there
+            measure_context_costs(costs, tparams, SMOLLM2, EagleDrafter(hcfg), hparams, batch=batch, context=args.context,
+                                  tree=TreeConfig(), reps=args.reps)
+        else:
+            measure_batch_costs(costs, tparams, SMOLLM2, EagleDrafter(hcfg), hparams, batch=batch, tree=TreeConfig(),
+                                reps=args.reps)
         save_card_costs(costs, Path(args.out))
         print(f"batch {batch} measured -> {args.out}", flush=True)
     print(json.dumps({k: v for k, v in costs.items() if k in ("card", "draft_step_us", "tree_level_us", "spread")}))
@@ -98,7 +109,7 @@ def spread(args) -> None:
                 continue
             out = Path(tmp) / f"gpu{gpu}.json"
             cmd = [sys.executable, __file__, "--batch", *map(str, batches), "--reps", str(args.reps),
-                   "--draft-vocab", str(args.draft_vocab), "--out", str(out)]
+                   "--draft-vocab", str(args.draft_vocab), "--out", str(out), "--context", str(args.context)]
             procs.append((batches, out, subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)})))
         parts = []
         for batches, out, proc in procs:
@@ -107,6 +118,8 @@ def spread(args) -> None:
                 continue
             parts.append(str(out))
         if parts:
+            if args.context and Path(args.out).is_file():  # context slopes join the table already there
+                parts = [args.out] + parts
             save_card_costs(merge(parts), Path(args.out))
             print(f"merged {len(parts)} tables -> {args.out}")
 

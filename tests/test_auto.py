@@ -57,6 +57,38 @@ def test_larger_batches_plan_for_a_slow_row():
     assert ROW_SPREAD["ngram"] > ROW_SPREAD["eagle"] and ngram.gain < as_head.gain
 
 
+def test_long_contexts_make_drafting_cheaper_relative_to_a_step():
+    """A table's context_us slopes (µs per 1k context tokens) join the costs of a call with long
+    prompts: a verify block of up to 16 tokens reads the context once, as a one-token step does, so
+    at long contexts n-gram drafting pays where the short-context table planned plain decoding."""
+    from jspec.speculative.policies.auto import CostModel, mean_context
+
+    table = {"verify_us": {"1": {"1": 1000, "2": 1250, "4": 1400, "8": 1600, "16": 2000}}, "draft_step_us": {"1": 50},
+             "context_us": {"1": {"1": 600, "2": 600, "4": 600, "8": 620, "16": 650, "draft": 20}}, "context_base": 192}
+    short, long = CostModel(table, 1, 192), CostModel(table, 1, 2192)
+    assert short.verify(8) == 1600 and long.verify(8) == pytest.approx(1600 + 2 * 620)
+    assert long.draft_step() == pytest.approx(50 + 2 * 20) and CostModel(table, 1, None).verify(8) == 1600
+    assert CostModel({k: v for k, v in table.items() if k != "context_us"}, 1, 5000).verify(1) == 1000  # no slopes
+    kw = dict(batch=1, drafter_name="ngram", parallel=True, alpha=0.25, row_spread=0.0)
+    assert plan(table, **kw).mode == "ar"
+    assert plan(table, context=8000, **kw).mode == "chain"
+    assert mean_context([100, 300], 256) == 328.0
+
+
+def test_context_slopes_are_measured_and_merged_into_a_table(target):
+    from jspec.bench.round_cost import measure_context_costs
+
+    drafter, dparams = _drafters(target)["eagle3"]
+    costs = {"verify_us": {"1": {"1": 1.0}}}
+    measure_context_costs(costs, target, CFG, drafter, dparams, batch=1, context=320, Ts=(1, 4), n=2, reps=1,
+                          max_new=8, tree=TreeConfig(top_k=2, depth=2, num_nodes=4))
+    row = costs["context_us"]["1"]
+    assert set(row) == {"1", "4", "tree5", "draft", "tree_level"} and all(v >= 0 for v in row.values())
+    assert costs["context_base"] == 192 and costs["verify_us"] == {"1": {"1": 1.0}}
+    with pytest.raises(ValueError, match="more than the base"):
+        measure_context_costs(costs, target, CFG, drafter, dparams, batch=1, context=100)
+
+
 def test_round_limit_follows_acceptance():
     pol = AutoPolicy(k_max=8, alpha0=0.9, step_us=75, first_us=40, verify_us=1000)
     st = pol.init(2, jax.random.PRNGKey(0))

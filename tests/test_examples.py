@@ -20,9 +20,10 @@ def _load(name):
     return mod
 
 
-def test_rl_rollout_samples_and_scores_in_one_program():
+@pytest.mark.parametrize("rows", [None, 2])
+def test_rl_rollout_samples_and_scores_in_one_program(rows):
     ex = _load("rl_rollout")
-    res = ex.main(["--tiny", "--max-new-tokens", "8"])
+    res = ex.main(["--tiny", "--max-new-tokens", "8"] + ([] if rows is None else ["--rows", str(rows)]))
     lengths, lp = res["lengths"], res["logprobs"]
     assert (lengths >= 1).all() and (lp <= 0).all()
     assert (lp[np.arange(lp.shape[1])[None] >= lengths[:, None]] == 0).all()

@@ -76,6 +76,14 @@ def test_data_parallel_speculative_equals_one_device(target, ref):
     _same(tree, ref)
 
 
+def test_data_parallel_continuous_batching_equals_one_device(target, ref):
+    # 6 prompts over data=2: 3 a device, one row in flight each (continuous batching per device)
+    _same(generate(target, CFG, PROMPTS, max_new_tokens=MAX_NEW, mesh="data=2", batch_size=2), ref)
+    chain = generate(target, CFG, PROMPTS, max_new_tokens=MAX_NEW, mesh="data=2", batch_size=2,
+                     speculative=SpeculativeConfig(drafter=NgramDrafter(), policy="heuristic", k_max=4))
+    _same(chain, ref)
+
+
 def test_tensor_parallel_equals_one_device(target, ref):
     mesh = parse_mesh("model=2")
     _same(generate(target, CFG, PROMPTS, max_new_tokens=MAX_NEW, mesh=mesh), ref)

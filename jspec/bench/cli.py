@@ -18,7 +18,7 @@ from jspec.bench.protocol import ENGINE_KEYS, METHOD_GRAMMAR, PARALLEL_METHODS, 
 from jspec.bench.report import bench_dir, group_tables, write_benchmarks_md, write_rows
 from jspec.heads.hrad import load_hrad
 from jspec.model import cast_params
-from jspec.sharding import parse_mesh
+from jspec.sharding import axis_size, parse_mesh
 from jspec.speculative.factory import build_drafter, find_ldlp_weights, resolve_policy_spec
 from jspec.speculative.policies import POLICY_NAMES
 from jspec.speculative.policies.calibration import CALIBRATED_POLICIES
@@ -27,7 +27,7 @@ from jspec.speculative.drafters.eagle import EagleDrafter
 from jspec.speculative.drafters.hybrid import HybridDrafter
 from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.policies.auto import AutoPlan
-from jspec.speculative.policies.auto import plan_for
+from jspec.speculative.policies.auto import mean_context, plan_for
 from jspec.bench.round_cost import VERIFY_TS, attach_profile, ensure_costs, plot_round_cost, profile_method
 from jspec.errors import UsageError
 from jspec.tasks import TASK_NAMES, Question, load_questions_file, load_task
@@ -53,7 +53,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--queue", action="store_true",
                         help="continuous batching: --batch rows in flight over all of a task's prompts, a finished row "
                              "taking the next prompt (generate(batch_size=...)), instead of consecutive batches whose "
-                             "rows wait for the batch's slowest; jspec's AR, chain and tree methods on one device")
+                             "rows wait for the batch's slowest; jspec's AR, chain and tree methods (one device or --mesh data=N)")
     parser.add_argument("--refill", type=int, default=None,
                         help="--queue: rows started together when rows finish (default a quarter of --batch)")
     parser.add_argument("--min-timed-s", type=float, default=5.0,
@@ -159,8 +159,6 @@ def check_bench_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
         raise UsageError(f"--dtype: {e}") from None
     if args.commit_rows and args.out:
         raise UsageError("--out (a results folder of yours) and --commit-rows (the project's rows) exclude each other")
-    if getattr(args, "queue", False) and args.mesh:
-        raise UsageError(f"--queue runs on one device: drop --mesh {args.mesh}")
     refill = getattr(args, "refill", None)
     if refill is not None and not getattr(args, "queue", False):
         raise UsageError("--refill applies to --queue (continuous batching)")
@@ -278,15 +276,17 @@ class MethodFactory:
     def supports(self, spec: MethodSpec, batch: int) -> bool:
         return not (spec.method == "hf" and spec.drafter == "prompt_lookup" and batch != 1)
 
-    def auto_plan(self, spec: MethodSpec, params: Any, drafter: Any, dparams: Any, batch: int):
+    def auto_plan(self, spec: MethodSpec, params: Any, drafter: Any, dparams: Any, batch: int, context: float | None = None):
         hybrid = isinstance(drafter, HybridDrafter)
         head = drafter.eagle if hybrid else drafter  # a hybrid's costs are its head's (the n-gram branch costs verify only)
         costs = ensure_costs(params, self.cfg, head, dparams, batch=batch, preset=preset_name(self.args.model),
                              models_dir=self.args.models_dir, tree=isinstance(head, EagleDrafter))
         # the plan a user's generate(policy="auto") makes: the head's own measured acceptance as the prior
-        return plan_for(drafter, costs, batch=batch, k_cap=self.args.k_max or 8, tree=TreeConfig() if spec.tree else None)
+        return plan_for(drafter, costs, batch=batch, k_cap=self.args.k_max or 8, tree=TreeConfig() if spec.tree else None,
+                        context=context)
 
-    def build(self, spec: MethodSpec, dtype: str, batch: int):
+    def build(self, spec: MethodSpec, dtype: str, batch: int, context: float | None = None):
+        """The method at this batch and dtype; `context`: the task's mean attended context, for `auto` plans."""
         a = self.args
         if spec.method == "hf":
             pad = getattr(self.tokenizer, "pad_token_id", None)
@@ -312,7 +312,7 @@ class MethodFactory:
             if spec.policy == "ldlp":  # the predictor shipped in the EAGLE head's jspec/ folder
                 extra["policy_params"] = load_ldlp(str(find_ldlp_weights(spec.drafter, self.args.model)))[0]
             if spec.policy == "auto":  # the budget from this card's measured round costs (cached per card)
-                extra["policy"] = self.auto_plan(spec, params, extra["drafter"], extra["drafter_params"], batch)
+                extra["policy"] = self.auto_plan(spec, params, extra["drafter"], extra["drafter_params"], batch, context)
             constants = self.calibrated_policy(spec)
             if constants is not None:
                 extra["policy"], label = constants
@@ -370,9 +370,11 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             raise UsageError(f"--queue (continuous batching) runs jspec's ar and spec methods, not {', '.join(other)}")
     questions = load_questions(args)
     try:
-        parse_mesh(args.mesh)  # a bad --mesh fails here, before the model loads
+        mesh = parse_mesh(args.mesh)  # a bad --mesh fails here, before the model loads
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if getattr(args, "queue", False) and axis_size(mesh, "model") > 1:
+        raise UsageError(f"--queue runs on one device or a data mesh, not with --mesh {args.mesh}")
     barrier = parse_timing_barrier(args.timing_barrier)
     cfg, params, tokenizer = resolve_model(args.model)
     chat = False if args.no_chat_template else None
@@ -395,7 +397,8 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                     skipped = [s.name for s in specs if not factory.supports(s, batch)]
                     if skipped:
                         progress.write(f"skipping {', '.join(skipped)} at batch {batch}: transformers runs it at batch 1 only")
-                    methods = [factory.build(s, dtype, batch) for s in specs if factory.supports(s, batch)]
+                    context = mean_context([len(p) for p in task_prompts], args.max_new_tokens)
+                    methods = [factory.build(s, dtype, batch, context) for s in specs if factory.supports(s, batch)]
                     group = benchmark_group(ctx, methods, task_prompts, task=task, progress=progress, min_timed_s=args.min_timed_s,
                                             barrier=barrier)
                     for row in group:

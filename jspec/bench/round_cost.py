@@ -339,6 +339,37 @@ def measure_batch_costs(costs: dict, tparams, tcfg, drafter=None, dparams=None, 
     return costs
 
 
+CONTEXT_BASE = 192  # committed tokens behind the verify timings (verify_us's default); the draft timings' are 128
+
+
+def measure_context_costs(costs: dict, tparams, tcfg, drafter, dparams, *, batch: int, context: int = 2048,
+                          Ts=(1, 4, 8, 16), tree: TreeConfig | None = None, n: int = 20, reps: int = 3,
+                          max_new: int = 256) -> dict:
+    """Add context_us[B] to a cost table: µs per 1,000 more tokens of context, for verify blocks
+    (chain sizes `Ts`, and the tree's block when `tree` is given), a chain draft step ("draft") and
+    a tree level ("tree_level"), each the slope between a short and a `context`-token cache timed in
+    this process (policies.auto.CostModel reads it for calls with long prompts)."""
+    b = str(batch)
+    nodes = (tree.num_nodes + 1,) if tree is not None else ()
+    span = (context - CONTEXT_BASE) / 1000.0
+    cache_len = context + 128
+    short = verify_us(tparams, tcfg, batch, Ts, nodes, cache_len=cache_len, committed=CONTEXT_BASE, n=n, reps=reps)
+    long = verify_us(tparams, tcfg, batch, Ts, nodes, cache_len=cache_len, committed=context, n=n, reps=reps)
+    row = {k: max(long[k] - short[k], 0.0) / span for k in short}
+    if context <= CONTEXT_BASE:
+        raise ValueError(f"context {context}: expected more than the base tables' {CONTEXT_BASE} tokens")
+    if drafter is not None and not drafter.parallel:
+        parts = [("draft", "draft_step_us", dict(k_max=4))] + ([("tree_level", "tree_level_us", dict(tree=tree))] if tree else [])
+        for key, measured, kw in parts:
+            at = lambda prompt_len, kw=kw, measured=measured: profile_method(  # noqa: E731
+                tparams, tcfg, drafter, dparams, batch=batch, prompt_len=prompt_len, max_new=max_new, n=n,
+                verify_ts=None, bookkeeping=False, **kw)[measured]
+            row[key] = max(at(context) - at(128), 0.0) / ((context - 128) / 1000.0)
+    costs.setdefault("context_us", {})[b] = row
+    costs["context_base"] = CONTEXT_BASE
+    return costs
+
+
 # On-the-fly measurements (a card or batch with no committed table): more repeats, and a table
 # whose timings disagree by more than MAX_SPREAD is not trusted: the batch's costs are taken from
 # the nearest trusted table, scaled by the measured AR step (`scaled_from_nearest`).

@@ -156,31 +156,54 @@ def _interp(table: dict, x: float) -> float:
 
 
 class CostModel:
-    """Round costs at one batch size from a card's table (see the module doc)."""
+    """Round costs at one batch size from a card's table (see the module doc).
 
-    def __init__(self, costs: dict, batch: int):
+    `context`: the mean number of tokens a row's attention reads during the call (prompt plus half
+    the new tokens). A table measured at two context lengths carries `context_us[B]`: µs per 1,000
+    more context tokens, for verify blocks ("1", "16", "tree60", ...), a draft step ("draft") and a
+    tree level ("tree_level"), over the base tables' context (`context_base`). At long contexts attention
+    dominates a verify forward, and a block of up to 16 tokens reads the context once, as one token
+    does: drafting pays more than a short-context table says. Without `context_us` (or without a
+    context) the costs are the table's own."""
+
+    def __init__(self, costs: dict, batch: int, context: float | None = None):
         self.costs, self.batch = costs, batch
+        per_k = costs.get("context_us") if context is not None else None
+        self.extra_k = max(float(context) - float(costs.get("context_base", 0)), 0.0) / 1000.0 if per_k else 0.0
 
     def _over_batch(self, per_batch: dict, key=None) -> float:
         vals = {b: (row if key is None else row_value(row, key)) for b, row in per_batch.items()}
         vals = {b: v for b, v in vals.items() if v is not None}
         return _interp(vals, self.batch)
 
+    def _context(self, key: str) -> float:
+        """µs the round's `key` part ("draft", or a verify block) costs over the table at this context."""
+        if not self.extra_k:
+            return 0.0
+        per_batch = self.costs["context_us"]
+        if key in ("draft", "tree_level"):
+            vals = {b: row.get(key, row.get("draft")) for b, row in per_batch.items()}
+            vals = {b: v for b, v in vals.items() if v is not None}
+            return max(_interp(vals, self.batch), 0.0) * self.extra_k if vals else 0.0
+        rows = {b: {k: v for k, v in row.items() if k not in ("draft", "tree_level")} for b, row in per_batch.items()}
+        return max(self._over_batch(rows, key), 0.0) * self.extra_k
+
     def verify(self, T: int, tree: bool = False) -> float:
         key = f"tree{T}" if tree else str(T)
-        return self._over_batch(self.costs["verify_us"], key)
+        return self._over_batch(self.costs["verify_us"], key) + self._context(key)
 
     def ar_step(self) -> float:
         return self.verify(1)
 
     def draft_step(self) -> float:
-        return self._over_batch(self.costs.get("draft_step_us") or {"1": 0.0})
+        return self._over_batch(self.costs.get("draft_step_us") or {"1": 0.0}) + self._context("draft")
 
     def draft_first(self) -> float:
-        return self._over_batch(self.costs.get("draft_first_us") or {"1": 0.0})
+        return self._over_batch(self.costs.get("draft_first_us") or {"1": 0.0}) + self._context("draft")
 
     def tree_level(self) -> float:
-        return self._over_batch(self.costs.get("tree_level_us") or self.costs.get("draft_step_us") or {"1": 0.0})
+        return self._over_batch(self.costs.get("tree_level_us") or self.costs.get("draft_step_us") or {"1": 0.0}) \
+            + self._context("tree_level")
 
     def overhead(self, tree: bool = False) -> float:
         return max(self._over_batch(self.costs.get("tree_overhead_us" if tree else "round_overhead_us") or {"1": 0.0}), 0.0)
@@ -209,14 +232,15 @@ class AutoPlan:
 
 def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: int = 8, tree: bool = False,
          tree_top_k: int = 10, tree_depth: int = 6, alpha: float | None = None, min_gain: float = 1.05,
-         row_spread: float | None = None, hybrid: bool = False) -> AutoPlan:
+         row_spread: float | None = None, hybrid: bool = False, context: float | None = None) -> AutoPlan:
     """The static budget for one generate call (module doc). `parallel` drafters (n-gram) cost
     nothing per draft step. alpha: the drafter's mean per-token acceptance (None: the table's or
     the prior); the plan uses a slow row's (`straggler_acceptance`, with the drafter's
     `ROW_SPREAD` unless row_spread is given). hybrid: a head tree with an n-gram branch beside it
     (drafters.hybrid): the plan also picks the branch's length, 0 to the depth in steps of 2,
-    by `hybrid_tokens` at the n-gram drafter's acceptance."""
-    cm = CostModel(costs, batch)
+    by `hybrid_tokens` at the n-gram drafter's acceptance. context: the call's mean attended
+    context in tokens (`CostModel`), None: the table's own."""
+    cm = CostModel(costs, batch, context)
     a = alpha if alpha is not None else costs.get("acceptance", {}).get(drafter_name, ACCEPTANCE_PRIOR.get(drafter_name, DEFAULT_PRIOR))
     if row_spread is None:
         row_spread = ROW_SPREAD.get(drafter_name, DEFAULT_ROW_SPREAD)
@@ -357,25 +381,34 @@ def load_costs(preset: str | None = None, models_dir: str = "models") -> dict:
     return REFERENCE_COSTS
 
 
-def plan_for(drafter, costs: dict, *, batch: int, k_cap: int, tree) -> AutoPlan:
+def plan_for(drafter, costs: dict, *, batch: int, k_cap: int, tree, context: float | None = None) -> AutoPlan:
     """`plan` for a drafter object: its own measured acceptance (an EAGLE head's config) as the
     prior, a hybrid planned as its head's tree plus the n-gram branch. `tree`: None (chains), or
     the tree setting (a TreeConfig, whose top_k and depth bound the search; True or "auto": EAGLE-2's
-    defaults). The one place `generate`, `jspec generate` and `jspec bench` turn a drafter into a plan."""
+    defaults). `context`: the call's mean attended context (`mean_context`). The one place
+    `generate`, `jspec generate` and `jspec bench` turn a drafter into a plan."""
     hybrid = drafter.name == "hybrid"
     return plan(costs, batch=batch, drafter_name="eagle" if hybrid else drafter.name, parallel=drafter.parallel,
                 k_cap=k_cap, tree=tree is not None, alpha=getattr(drafter, "acceptance", None),
-                tree_top_k=getattr(tree, "top_k", 10), tree_depth=getattr(tree, "depth", 6), hybrid=hybrid)
+                tree_top_k=getattr(tree, "top_k", 10), tree_depth=getattr(tree, "depth", 6), hybrid=hybrid,
+                context=context)
 
 
-def auto_budget(policy, drafter, batch: int, k_max: int, tree, costs: dict | None = None):
+def mean_context(prompt_lens, max_new: int) -> float:
+    """Tokens a row's attention reads on average over a call: its prompt and half its new tokens."""
+    return float(np.mean(np.asarray(prompt_lens, np.float64))) + max_new / 2.0
+
+
+def auto_budget(policy, drafter, batch: int, k_max: int, tree, costs: dict | None = None, context: float | None = None):
     """(drafter, policy, k_max, tree) for a generate call whose policy is "auto" or an AutoPlan:
     the drafter is None when plain decoding is expected to be faster. `tree` is None (chains) or
-    the caller's tree config, whose depth and num_nodes the plan replaces."""
+    the caller's tree config, whose depth and num_nodes the plan replaces; `context` the call's
+    mean attended context (`mean_context`)."""
     if isinstance(policy, AutoPlan):
         p = policy
     else:
-        p = plan_for(drafter, costs if costs is not None else load_costs(), batch=batch, k_cap=k_max, tree=tree)
+        p = plan_for(drafter, costs if costs is not None else load_costs(), batch=batch, k_cap=k_max, tree=tree,
+                     context=context)
     if p.mode == "ar":
         return None, None, k_max, None
     if p.mode == "tree":
