@@ -9,14 +9,15 @@ and over a third of a chain's rounds. Here a finished row takes the next prompt 
     while prompts are pending or a row is running:
         run steps until `refill` rows are done (or, with no prompt left, until all are)
         harvest the done rows' results into the [N, ...] result buffers
-        start the next `refill` prompts (one batched prefill) and scatter them into done rows
+        start the next `refill` prompts (one batched prefill, at the narrowest power-of-two width
+        that holds them) and scatter them into done rows
 
 Generic over the engines: `start(tokens, lens, key) -> state` and `step(state) -> state` are the
 engine's own functions (AR, chain, tree), `harvest(state)` picks the per-row results. The state
 only needs a `done` field; every leaf that has a batch axis is a row's own (its axis is found by
 tracing `start` at one and at two rows), the others (a policy's shared statistics, the random
 key) stay with the running state when rows are refilled. A refill costs one prefill of `refill`
-rows at the queue's padded prompt length and a scatter of those rows' cache slots.
+rows (at their own prompts' width, not the queue's longest) and a scatter of those rows' cache slots.
 
 Outputs per prompt do not depend on which row served it or when: each row's computation reads
 only its own cache (exact arithmetic; low-precision kernels may round differently at another
@@ -29,6 +30,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+
+
+MIN_WIDTH = 32  # the narrowest prompt width a refill's prefill runs at (decode's smallest prompt bucket)
 
 
 def default_refill(rows: int) -> int:
@@ -53,6 +57,33 @@ def batch_axes(start: Callable, tokens, lens, key) -> Any:
     return jax.tree.map(axis, one, two)
 
 
+def prefill_widths(start: Callable, tokens, lens, key) -> tuple[int, ...]:
+    """Prompt widths a refill may prefill at: powers of two from MIN_WIDTH below the queue's padded
+    width P, then P. A refill runs the narrowest that holds its prompts, so one long prompt in the
+    queue does not make every refill pay its width. Only (P,) when the state's shapes depend on the
+    width (nothing of jspec's does)."""
+    width = tokens.shape[1]
+    widths = [w for w in (MIN_WIDTH << i for i in range(32)) if w < width] + [width]
+    if len(widths) > 1:
+        narrow = jax.eval_shape(start, tokens[:1, : widths[0]], lens[:1], key)
+        full = jax.eval_shape(start, tokens[:1], lens[:1], key)
+        same = jax.tree.structure(narrow) == jax.tree.structure(full) and all(
+            a.shape == b.shape and a.dtype == b.dtype for a, b in zip(jax.tree.leaves(narrow), jax.tree.leaves(full)))
+        if not same:
+            return (width,)
+    return tuple(widths)
+
+
+def _start_at_width(start: Callable, widths: tuple[int, ...], tokens, lens, ok, key):
+    """`start` on the narrowest of `widths` that holds these prompts (one branch per width)."""
+    if len(widths) == 1:
+        return start(tokens, lens, key)
+    longest = jnp.max(jnp.where(ok, lens, 1))
+    which = jnp.minimum(jnp.searchsorted(jnp.asarray(widths), longest), len(widths) - 1)
+    branches = [lambda t, l, k, w=w: start(t[:, :w], l, k) for w in widths]
+    return jax.lax.switch(which, branches, tokens, lens, key)
+
+
 def _scatter_rows(axes, state, new, rows):
     """state with `rows` [R] of every per-row leaf replaced by `new`'s R rows."""
     def put(ax, x, y):
@@ -74,6 +105,7 @@ def run_queue(start: Callable, step: Callable, harvest: Callable, tokens, lens, 
     n = tokens.shape[0]
     refill = max(1, min(default_refill(rows) if refill is None else refill, rows))
     axes = batch_axes(start, tokens, lens, key)
+    widths = prefill_widths(start, tokens, lens, key)
 
     def prompts(first, count):
         idx = first + jnp.arange(count)
@@ -108,7 +140,7 @@ def run_queue(start: Callable, step: Callable, harvest: Callable, tokens, lens, 
             state, row_prompt = args
             free = jnp.argsort(~state.done, stable=True)[:refill]  # done rows first
             t, l, ok, idx = prompts(nxt, refill)
-            new = start(t, l, jax.random.fold_in(key, k))
+            new = _start_at_width(start, widths, t, l, ok, jax.random.fold_in(key, k))
             state = _scatter_rows(axes, state, new, free)
             state = state.replace(done=state.done.at[free].set(state.done[free] | ~ok))
             return state, row_prompt.at[free].set(jnp.where(ok, idx, -1))

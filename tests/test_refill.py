@@ -70,6 +70,24 @@ def test_rows_done_at_the_first_token_and_more_rows_than_prompts(target):
                      generate(target, CFG, ps, max_new_tokens=MAX_NEW), 5)
 
 
+def test_refills_prefill_at_their_own_width_with_one_long_prompt_in_the_queue(target):
+    """One 70-token prompt pads the queue to 128 columns; refills of short prompts prefill at 32."""
+    from jspec.decode import pack_prompts, start_decode
+    from jspec.refill import prefill_widths
+    from jspec.sampling import GREEDY
+
+    ps = prompts(6)
+    ps[1] = (ps[1] * 10)[:70]
+    whole = generate(target, CFG, ps, max_new_tokens=MAX_NEW)
+    assert_same_rows(generate(target, CFG, ps, max_new_tokens=MAX_NEW, batch_size=2, refill=1), whole, len(ps))
+    d, dp = spec_tiny._drafters(target)["eagle3"]
+    spec = SpeculativeConfig(drafter=d, drafter_params=dp, policy="static", k_max=spec_tiny.K)
+    assert_same_rows(generate(target, CFG, ps, max_new_tokens=MAX_NEW, speculative=spec, batch_size=2, refill=1), whole, len(ps))
+    tokens, lens, cache_len = pack_prompts(CFG, ps, MAX_NEW)
+    start = lambda t, l, k: start_decode(target, CFG, t, l, k, max_new=MAX_NEW, cache_len=cache_len, sampling=GREEDY)  # noqa: E731
+    assert prefill_widths(start, jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(0)) == (32, 64, 128)
+
+
 def test_batch_axes_and_shared_leaves():
     def start(t, l, k):
         return {"cache": jnp.zeros((2, t.shape[0], 4)), "rows": l, "shared": jnp.zeros(3), "key": k}
