@@ -23,7 +23,7 @@ from .errors import UsageError
 from .generate import SpeculativeConfig, generate, generate_stream
 from .presets import list_presets, models_dir, resolve_config, resolve_model, resolve_tokenizer
 from .sampling import Sampling
-from .sharding import axis_size, parse_mesh
+from .sharding import parse_mesh
 from .speculative.drafters.base import DrafterError
 from .heads.hrad import load_hrad
 from .speculative.engines.chain import speculative_stream
@@ -148,8 +148,6 @@ def check_generate_args(a) -> None:
             a.mesh, a.no_stream = parse_mesh(a.mesh), True
         except ValueError as e:
             raise UsageError(str(e)) from None
-        if getattr(a, "batch_size", None) is not None and axis_size(a.mesh, "model") > 1:
-            raise UsageError("--batch-size (continuous batching) runs on one device or a data mesh, not with model=N")
     speculative = {"--policy": a.policy, "--k-max": a.k_max, "--verify": a.verify, "--ldlp-weights": a.ldlp_weights,
                    "--consultant-eps": a.consultant_eps, "--consultant-smoothing": a.consultant_smoothing,
                    "--tree": a.tree or None, "--tree-nodes": a.tree_nodes}

@@ -104,8 +104,8 @@ def generate(
     `batch_size`: rows in flight (None: every prompt in one batch). With fewer rows than prompts,
     a finished row takes the next prompt inside the same jitted loop (continuous batching,
     jspec.refill), `refill` rows at a time (default a quarter of the rows); results stay in prompt
-    order. AR / chain / tree generation on one device or a data mesh, where each device keeps
-    batch_size / N rows in flight over its share of the prompts (not with model=N or a parallel engine).
+    order. AR / chain / tree generation, on any mesh: each data shard keeps batch_size / N rows in
+    flight over its share of the prompts (not with a parallel engine).
     The SpeculativeConfig fields as keywords (drafter=, policy=, k_max=, ...) still work, with a
     DeprecationWarning; they build the same config.
     """
@@ -132,9 +132,9 @@ def queue_rows(n_prompts: int, batch_size, refill, mesh, spec) -> tuple[int, int
         raise UsageError(f"refill {refill} is more than the batch_size {batch_size} rows in flight")
     if batch_size >= n_prompts:
         return None
-    if (spec is not None and spec.engine is not None) or axis_size(parse_mesh(mesh), "model") > 1:
+    if spec is not None and spec.engine is not None:
         raise UsageError(f"batch_size {batch_size} < {n_prompts} prompts (continuous batching) runs AR, chain or tree "
-                         "generation on one device or a data mesh: drop engine / model=N, or pass at most batch_size prompts")
+                         f"generation, not engine={spec.engine!r}: drop the engine, or pass at most batch_size prompts")
     return batch_size, refill or default_refill(batch_size)
 
 
@@ -197,7 +197,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
         return _generate_tensor_parallel(
             mesh, params, cfg, tokens, lens, key, drafter=drafter, drafter_params=drafter_params, policy=policy,
             policy_params=policy_params, k_max=k_max, verify=verify, tree=tree, max_new=max_new_tokens,
-            cache_len=cache_len, sampling=sampling, unroll=unroll, policy_state=policy_state,
+            cache_len=cache_len, sampling=sampling, unroll=unroll, policy_state=policy_state, queue=rows,
         )
     if mesh is not None:
         params = shard_params(params, mesh)  # data axis: replicated
@@ -296,10 +296,12 @@ def _generate_data_parallel(mesh, params, cfg, tokens, lens, key, *, drafter, dr
 
 
 def _generate_tensor_parallel(mesh, params, cfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params,
-                              k_max, verify, tree, max_new, cache_len, sampling, unroll, policy_state) -> GenerationResult:
+                              k_max, verify, tree, max_new, cache_len, sampling, unroll, policy_state,
+                              queue=None) -> GenerationResult:
     """The generation under shard_map over the mesh (sharding.tensor_parallel_map): the target split
     per head over the model axis; with a data axis too, the rows split over it (each model group
-    runs its own rows' while_loop); everything else replicated."""
+    runs its own rows' while_loop); everything else replicated. `queue` (rows in flight, rows per
+    refill): continuous batching, each data group over its share of the prompts."""
     n, groups = axis_size(mesh, "model"), axis_size(mesh, "data")
     local_cfg = tensor_parallel_config(cfg, n)  # a bad model=N fails here, before any weight moves
     if groups > 1 and policy_state is not None:
@@ -310,6 +312,9 @@ def _generate_tensor_parallel(mesh, params, cfg, tokens, lens, key, *, drafter, 
     params = placed_tensor_parallel(params, cfg, mesh)  # laid out once per weights and mesh
     split = ("tokens", "lens") if groups > 1 else ()
     common = dict(max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll)
+    if queue:
+        per_group = -(-queue[0] // groups)
+        common.update(rows=per_group, refill=min(queue[1], per_group))
     args = dict(tokens=jnp.asarray(tokens[rows]), lens=jnp.asarray(lens[rows]), key=key)
     if drafter is None:
         fn = tensor_parallel_map(generate_ar_jit, mesh, "params", specs, _items(dict(cfg=local_cfg, **common)), split)

@@ -2,8 +2,8 @@
 
 With a static batch, every row of a batch waits for the batch's slowest row: rows that hit EOS
 early ride along doing nothing, and under speculation the row with the lowest acceptance sets
-the number of rounds for all of them. On MT-Bench at batch 16 that idles a fifth of AR's steps
-and over a third of a chain's rounds. Here a finished row takes the next prompt instead:
+the number of rounds for all of them. On MT-Bench at batch 16 that idles about a sixth of AR's
+steps and a third of an EAGLE chain's rounds. Here a finished row takes the next prompt instead:
 
     state = start(first `rows` prompts)
     while prompts are pending or a row is running:

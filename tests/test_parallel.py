@@ -82,6 +82,10 @@ def test_data_parallel_continuous_batching_equals_one_device(target, ref):
     chain = generate(target, CFG, PROMPTS, max_new_tokens=MAX_NEW, mesh="data=2", batch_size=2,
                      speculative=SpeculativeConfig(drafter=NgramDrafter(), policy="heuristic", k_max=4))
     _same(chain, ref)
+    # tensor parallel too: every model shard runs the same queue in lockstep (model=2, and data=2 x model=2)
+    _same(generate(target, CFG, PROMPTS, max_new_tokens=MAX_NEW, mesh="model=2", batch_size=2), ref)
+    _same(generate(target, CFG, PROMPTS, max_new_tokens=MAX_NEW, mesh="data=2,model=2", batch_size=2,
+                   speculative=SpeculativeConfig(drafter=NgramDrafter(), policy="heuristic", k_max=4)), ref)
 
 
 def test_tensor_parallel_equals_one_device(target, ref):

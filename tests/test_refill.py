@@ -126,7 +126,7 @@ def test_run_queue_serves_every_prompt_once():
     (dict(batch_size=0), "batch_size must be a positive integer, got 0"),
     (dict(batch_size=2, refill=3), "refill 3 is more than the batch_size 2"),
     (dict(refill=1), "refill applies to continuous batching"),
-    (dict(batch_size=2, mesh="model=2"), "on one device or a data mesh"),
+    (dict(batch_size=2, speculative=SpeculativeConfig(drafter="ngram", engine="pearl")), "not engine='pearl'"),
 ])
 def test_bad_settings_fail_in_one_line(target, kw, match):
     with pytest.raises(UsageError, match=match):
