@@ -100,8 +100,8 @@ def add_generate_args(p: argparse.ArgumentParser):
                    help="--verify consultant: compare the running mean r = BETA*r + (1-BETA)*NLL instead (0 = off; 0.2 in the paper)")
     p.add_argument("--no-stream", action="store_true", help="run all prompts as one batch; print when it finishes")
     p.add_argument("--batch-size", type=int, default=None, metavar="N",
-                   help="at most N rows in flight: a finished row takes the next prompt (continuous batching, "
-                        "one device); implies --no-stream")
+                   help="at most N rows in flight: a finished row takes the next prompt (continuous batching; "
+                        "with --mesh, N over the data shards); implies --no-stream")
     p.add_argument("--mesh", default=None,
                    help="run on several devices: data=N (rows split, each device loops on its own), "
                         "model=N (tensor-parallel target) or both; with --engine: role=2 or data=N,role=2 (device pairs); "

@@ -253,9 +253,6 @@ def generate_ar_jit(params, cfg, tokens, lens, key, *, max_new, cache_len, sampl
     def outputs(s):
         return s.out, s.n_out, s.steps
 
-    if rows is None or rows >= tokens.shape[0]:
-        state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, start(tokens, lens, key))
-        return outputs(state)
     return run_queue(start, body, outputs, tokens, lens, key, rows=rows, refill=refill)[0]
 
 

@@ -192,7 +192,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
     if autotune and drafter is not None:
         tree = tree_for(drafter, autotuned_tree(params, cfg, rows[0] if rows else len(prompts), cache_len, tree.top_k, tree.depth))
     key = jax.random.PRNGKey(seed)
-    queue = dict(rows=rows[0], refill=rows[1]) if rows else {}
+    queue = _queue_per_shard(rows, 1)
     if axis_size(mesh, "model") > 1:
         return _generate_tensor_parallel(
             mesh, params, cfg, tokens, lens, key, drafter=drafter, drafter_params=drafter_params, policy=policy,
@@ -257,6 +257,15 @@ def _data_parallel(fn, mesh: Mesh, shared_names: tuple[str, ...], static_items: 
     return jax.jit(mapped)
 
 
+def _queue_per_shard(queue: tuple[int, int] | None, shards: int) -> dict:
+    """The engines' rows / refill keywords for one of `shards` data shards, each serving its share of
+    the prompts (continuous batching); none without a queue."""
+    if not queue:
+        return {}
+    rows = -(-queue[0] // shards)
+    return dict(rows=rows, refill=min(queue[1], rows))
+
+
 def _items(static: dict) -> tuple:
     """Static keyword arguments as a hashable cache key."""
     return tuple(sorted(static.items(), key=lambda kv: kv[0]))
@@ -267,10 +276,7 @@ def _generate_data_parallel(mesh, params, cfg, tokens, lens, key, *, drafter, dr
     B, data = tokens.shape[0], axis_size(mesh, "data")
     padded = np.arange(-(-B // data) * data) % B  # pad to a multiple
     tokens, lens = tokens[padded], lens[padded]
-    common = dict(max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll)
-    if rows:  # continuous batching on each device over its share of the prompts
-        per_device = -(-rows[0] // data)
-        common.update(rows=per_device, refill=min(rows[1], per_device))
+    common = dict(max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll, **_queue_per_shard(rows, data))
     if drafter is None:
         fn = _data_parallel(generate_ar_jit, mesh, ("params",), _items(dict(cfg=cfg, **common)))
         out, n_out, steps = jax.device_get(fn((params,), tokens, lens, key))
@@ -311,10 +317,7 @@ def _generate_tensor_parallel(mesh, params, cfg, tokens, lens, key, *, drafter, 
     specs = tensor_parallel_specs(params, cfg, n)
     params = placed_tensor_parallel(params, cfg, mesh)  # laid out once per weights and mesh
     split = ("tokens", "lens") if groups > 1 else ()
-    common = dict(max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll)
-    if queue:
-        per_group = -(-queue[0] // groups)
-        common.update(rows=per_group, refill=min(queue[1], per_group))
+    common = dict(max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll, **_queue_per_shard(queue, groups))
     args = dict(tokens=jnp.asarray(tokens[rows]), lens=jnp.asarray(lens[rows]), key=key)
     if drafter is None:
         fn = tensor_parallel_map(generate_ar_jit, mesh, "params", specs, _items(dict(cfg=local_cfg, **common)), split)

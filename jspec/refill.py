@@ -41,9 +41,10 @@ def default_refill(rows: int) -> int:
     return max(1, rows // 4)
 
 
-def batch_axes(start: Callable, tokens, lens, key) -> Any:
-    """Per state leaf: the axis that indexes rows, or None for a leaf shared by all rows."""
-    one = jax.eval_shape(start, tokens[:1], lens[:1], key)
+def batch_axes(start: Callable, tokens, lens, key, one=None) -> Any:
+    """Per state leaf: the axis that indexes rows, or None for a leaf shared by all rows. `one`:
+    the state's shapes at one row when already traced."""
+    one = jax.eval_shape(start, tokens[:1], lens[:1], key) if one is None else one
     two = jax.eval_shape(start, jnp.concatenate([tokens[:1]] * 2), jnp.concatenate([lens[:1]] * 2), key)
 
     def axis(a, b):
@@ -57,16 +58,17 @@ def batch_axes(start: Callable, tokens, lens, key) -> Any:
     return jax.tree.map(axis, one, two)
 
 
-def prefill_widths(start: Callable, tokens, lens, key) -> tuple[int, ...]:
+def prefill_widths(start: Callable, tokens, lens, key, one=None) -> tuple[int, ...]:
     """Prompt widths a refill may prefill at: powers of two from MIN_WIDTH below the queue's padded
     width P, then P. A refill runs the narrowest that holds its prompts, so one long prompt in the
     queue does not make every refill pay its width. Only (P,) when the state's shapes depend on the
-    width (nothing of jspec's does)."""
+    width (nothing of jspec's does). `one`: the state's shapes at one row of full width, when
+    already traced."""
     width = tokens.shape[1]
     widths = [w for w in (MIN_WIDTH << i for i in range(32)) if w < width] + [width]
     if len(widths) > 1:
         narrow = jax.eval_shape(start, tokens[:1, : widths[0]], lens[:1], key)
-        full = jax.eval_shape(start, tokens[:1], lens[:1], key)
+        full = jax.eval_shape(start, tokens[:1], lens[:1], key) if one is None else one
         same = jax.tree.structure(narrow) == jax.tree.structure(full) and all(
             a.shape == b.shape and a.dtype == b.dtype for a, b in zip(jax.tree.leaves(narrow), jax.tree.leaves(full)))
         if not same:
@@ -94,18 +96,24 @@ def _scatter_rows(axes, state, new, rows):
     return jax.tree.map(put, axes, state, new, is_leaf=lambda a: a is None)
 
 
-def run_queue(start: Callable, step: Callable, harvest: Callable, tokens, lens, key, *, rows: int,
+def run_queue(start: Callable, step: Callable, harvest: Callable, tokens, lens, key, *, rows: int | None = None,
               refill: int | None = None, start_first: Callable | None = None):
-    """Serve every prompt of tokens [N, P] / lens [N] with `rows` rows in flight.
+    """Serve every prompt of tokens [N, P] / lens [N] with `rows` rows in flight; `rows` None (or
+    at least N): every prompt in one batch, stepped until all are done, with no queue machinery.
 
-    `refill` rows are started together (None: `default_refill(rows)`). `start_first` (default `start`) starts the first `rows` prompts, e.g. with a policy state carried
-    over from an earlier call. Returns (results, state): `harvest`'s pytree with a leading axis of N
-    (prompt order) and the final state (for what is shared across rows, e.g. a policy's learned
-    statistics). Must run under jit."""
+    `refill` rows are started together (None: `default_refill(rows)`). `start_first` (default
+    `start`) starts the first batch, e.g. with a policy state carried over from an earlier call.
+    Returns (results, state): `harvest`'s pytree with a leading axis of N (prompt order) and the
+    final state (for what is shared across rows, e.g. a policy's learned statistics). Must run
+    under jit."""
     n = tokens.shape[0]
+    if rows is None or rows >= n:
+        state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, (start_first or start)(tokens, lens, key))
+        return harvest(state), state
     refill = max(1, min(default_refill(rows) if refill is None else refill, rows))
-    axes = batch_axes(start, tokens, lens, key)
-    widths = prefill_widths(start, tokens, lens, key)
+    one = jax.eval_shape(start, tokens[:1], lens[:1], key)
+    axes = batch_axes(start, tokens, lens, key, one)
+    widths = prefill_widths(start, tokens, lens, key, one)
 
     def prompts(first, count):
         idx = first + jnp.arange(count)

@@ -349,6 +349,8 @@ def measure_context_costs(costs: dict, tparams, tcfg, drafter, dparams, *, batch
     (chain sizes `Ts`, and the tree's block when `tree` is given), a chain draft step ("draft") and
     a tree level ("tree_level"), each the slope between a short and a `context`-token cache timed in
     this process (policies.auto.CostModel reads it for calls with long prompts)."""
+    if context <= CONTEXT_BASE:
+        raise ValueError(f"context {context}: expected more than the base tables' {CONTEXT_BASE} tokens")
     b = str(batch)
     nodes = (tree.num_nodes + 1,) if tree is not None else ()
     span = (context - CONTEXT_BASE) / 1000.0
@@ -356,8 +358,6 @@ def measure_context_costs(costs: dict, tparams, tcfg, drafter, dparams, *, batch
     short = verify_us(tparams, tcfg, batch, Ts, nodes, cache_len=cache_len, committed=CONTEXT_BASE, n=n, reps=reps)
     long = verify_us(tparams, tcfg, batch, Ts, nodes, cache_len=cache_len, committed=context, n=n, reps=reps)
     row = {k: max(long[k] - short[k], 0.0) / span for k in short}
-    if context <= CONTEXT_BASE:
-        raise ValueError(f"context {context}: expected more than the base tables' {CONTEXT_BASE} tokens")
     if drafter is not None and not drafter.parallel:
         parts = [("draft", "draft_step_us", dict(k_max=4))] + ([("tree_level", "tree_level_us", dict(tree=tree))] if tree else [])
         for key, measured, kw in parts:

@@ -13,7 +13,6 @@ from flax import struct
 
 from .. import model as M
 from ..decode import GenerationResult
-from ..refill import run_queue
 
 
 @struct.dataclass
@@ -65,13 +64,3 @@ def outputs_of(state: SpecState) -> tuple:
     """The per-row results an engine returns (`result_from_device` reads them in this order)."""
     return (state.out, state.n_out, state.target_calls, state.drafted, state.accepted, state.trace_drafted,
             state.trace_tokens)
-
-
-def run_rounds(start, round_fn, tokens, lens, key, *, rows=None, refill=None, start_first=None):
-    """The engines' generation loop: every prompt as one batch (`rows` None or >= the prompts), else
-    `rows` in flight, refilled from the queue of prompts (jspec.refill). Returns (outputs, state)."""
-    if rows is None or rows >= tokens.shape[0]:
-        state = (start_first or start)(tokens, lens, key)
-        state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), round_fn, state)
-        return outputs_of(state), state
-    return run_queue(start, round_fn, outputs_of, tokens, lens, key, rows=rows, refill=refill, start_first=start_first)

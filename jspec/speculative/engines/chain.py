@@ -25,10 +25,11 @@ from flax import struct
 from ... import model as M
 from ...config import ModelConfig
 from ...decode import GenerationResult, emit, is_eos, prefill, stream_row0
+from ...refill import run_queue
 from ...sampling import Sampling, probs, sample
 from ..drafters.base import DrafterError, drafter_loop_params
 from ..policies import resolve_policy
-from ..state import SpecState, record_call, result_from_device, round_features, run_rounds, take_row
+from ..state import SpecState, outputs_of, record_call, result_from_device, round_features, take_row
 from ..verify.chain import verify_greedy, verify_sampling
 from ..verify.consultant import ConsultantRule, resolve_verify, verify_consultant
 
@@ -210,8 +211,8 @@ def speculative_generate_jit(tparams, dparams, policy_params, tokens, lens, key,
     loop = M.loop_params(tparams, tcfg, unroll=unroll)  # per-layer weight buffers for the rounds
     body = functools.partial(spec_round, loop, tcfg, drafter, drafter_loop_params(drafter, dparams), policy, k_max, max_new,
                              sampling, verify, unroll)
-    outputs, state = run_rounds(start, body, tokens, lens, key, rows=rows, refill=refill,
-                                start_first=functools.partial(start, policy_state=policy_state))
+    outputs, state = run_queue(start, body, outputs_of, tokens, lens, key, rows=rows, refill=refill,
+                               start_first=functools.partial(start, policy_state=policy_state))
     return outputs + (state.pstate,) if with_policy_state else outputs
 
 

@@ -54,10 +54,11 @@ from ... import model as M
 from ...decode import GenerationResult, emit, is_eos
 from ...heads import eagle as H
 from ...kernels.top_k import top_k
+from ...refill import run_queue
 from ..drafters.eagle import EagleDrafter
 from ..drafters.hybrid import HybridDrafter
 from ..policies import resolve_policy
-from ..state import SpecState, record_call, result_from_device, round_features, run_rounds, take_row
+from ..state import SpecState, outputs_of, record_call, result_from_device, round_features, take_row
 from ..verify.tree import Tree, path_of, verify_tree_greedy, verify_tree_sampling
 from .chain import check_compatible, start_spec
 
@@ -374,8 +375,8 @@ def tree_generate_jit(tparams, dparams, policy_params, tokens, lens, key, policy
 
     loop = M.loop_params(tparams, tcfg, unroll=unroll)  # per-layer weight buffers for the rounds
     body = functools.partial(tree_round, loop, tcfg, drafter, dparams, policy, tree, max_new, sampling, unroll)
-    outputs, state = run_rounds(start, body, tokens, lens, key, rows=rows, refill=refill,
-                                start_first=functools.partial(start, policy_state=policy_state))
+    outputs, state = run_queue(start, body, outputs_of, tokens, lens, key, rows=rows, refill=refill,
+                               start_first=functools.partial(start, policy_state=policy_state))
     return outputs + (state.pstate,) if with_policy_state else outputs
 
 
