@@ -98,9 +98,20 @@ def main(argv=None) -> None:
     print(json.dumps({k: v for k, v in costs.items() if k in ("card", "draft_step_us", "tree_level_us", "spread")}))
 
 
+def child_devices(gpus: int, visible: str | None) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES value of each of `gpus` children: the first `gpus` of the GPUs this
+    process may use. Under CUDA_VISIBLE_DEVICES=2,3 the children run on 2 and 3, not on 0 and 1
+    beside whatever else the host runs there (a table timed on shared GPUs plans on bad costs)."""
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else [str(g) for g in range(gpus)]
+    if len(devices) < gpus:
+        sys.exit(f"measure_card_costs: error: --gpus {gpus} but CUDA_VISIBLE_DEVICES={visible} names {len(devices)} GPU(s)")
+    return devices[:gpus]
+
+
 def spread(args) -> None:
     """One process per GPU, each measuring every gpus-th batch size into its own file; then merged
     into --out. A process that fails leaves its batch sizes out (named in the message)."""
+    devices = child_devices(args.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         for gpu in range(args.gpus):
@@ -110,7 +121,7 @@ def spread(args) -> None:
             out = Path(tmp) / f"gpu{gpu}.json"
             cmd = [sys.executable, __file__, "--batch", *map(str, batches), "--reps", str(args.reps),
                    "--draft-vocab", str(args.draft_vocab), "--out", str(out), "--context", str(args.context)]
-            procs.append((batches, out, subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)})))
+            procs.append((batches, out, subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": devices[gpu]})))
         parts = []
         for batches, out, proc in procs:
             if proc.wait() != 0 or not out.is_file():

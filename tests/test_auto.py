@@ -42,6 +42,34 @@ def test_near_ties_go_to_the_smaller_budget():
     assert plan(jittered, batch=1, drafter_name="eagle", parallel=False, alpha=0.6).k_max == p.k_max
 
 
+def test_one_bad_verify_timing_does_not_collapse_the_plan():
+    """A block costs at most what a larger measured block cost: an H100 table timed on GPUs shared
+    with another process had verify(T=4, 8) at twice verify(16), and planned a one-token chain."""
+    clean = {"verify_us": {"1": {"1": 850, "2": 850, "4": 855, "8": 785, "16": 770, "tree16": 790, "tree60": 1010}},
+             "draft_step_us": {"1": 77}, "draft_first_us": {"1": 30}, "tree_level_us": {"1": 80}}
+    bad = {**clean, "verify_us": {"1": {**clean["verify_us"]["1"], "4": 1627, "8": 1769}}}
+    for tree in (False, True):
+        a, b = (plan(t, batch=1, drafter_name="eagle", parallel=False, alpha=0.65, tree=tree) for t in (clean, bad))
+        assert (a.mode, a.k_max, a.num_nodes) == (b.mode, b.k_max, b.num_nodes)
+    assert plan(bad, batch=1, drafter_name="eagle", parallel=False, alpha=0.65).k_max >= 3
+    # plain decoding's own step stays as measured, even where a 2-token block timed faster
+    from jspec.speculative.policies.auto import CostModel
+    assert CostModel(clean, 1).ar_step() == 850 and CostModel(bad, 1).verify(5) == 770
+
+
+def test_card_cost_children_run_on_the_gpus_the_caller_was_given():
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "measure_card_costs.py")
+    spec = importlib.util.spec_from_file_location("measure_card_costs", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.child_devices(2, "2,3") == ["2", "3"] and mod.child_devices(2, None) == ["0", "1"]
+    assert mod.child_devices(1, "3, 1") == ["3"]
+    with pytest.raises(SystemExit, match="--gpus 4 but CUDA_VISIBLE_DEVICES=2,3 names 2"):
+        mod.child_devices(4, "2,3")
+
+
 def test_larger_batches_plan_for_a_slow_row():
     # a batch runs until its slowest row is done: the planned gain falls with the batch size at
     # the same per-row costs, and a large enough spread of row acceptance means plain decoding

@@ -51,7 +51,7 @@ def _next_pow2(n: int) -> int:
 
 
 def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in, o_ref, k_out, v_out, *stats_refs,
-            T, BT, G, Hq, Hkv, hd, scale, causal, drop_past_end, qkv_parts, splits):
+            T, BT, G, Hq, Hkv, hd, scale, causal, drop_past_end, qkv_parts, splits, dtype):
     del k_in, v_in  # aliased with k_out / v_out: read and write through the outputs
     b = pl.program_id(0)
     qh = pl.program_id(1)
@@ -69,7 +69,9 @@ def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in,
     t_ok = t < T
     rows = pl.ds(0, BT)
     lo, hi = pl.ds(0, half), pl.ds(half, half)
-    dt = o_ref.dtype
+    # the model dtype: with splits the output is float32 partials, but q, k and v stay in the
+    # model dtype (Triton's dot takes operands of one element type)
+    dt = dtype
 
     def load(ref_at, mask):
         return plgpu.load(ref_at, mask=mask, other=0)
@@ -234,7 +236,7 @@ def fused_block_attention(qkv, cos, sin, k_cache, v_cache, layer, lengths, new_m
     splits = attention_splits(B, num_heads, k_cache.shape[2]) if splits is None else splits
     kernel = functools.partial(_kernel, T=T, BT=BT, G=num_heads // num_kv_heads, Hq=num_heads, Hkv=num_kv_heads,
                                hd=hd, scale=float(scale), causal=causal, drop_past_end=drop_past_end,
-                               qkv_parts=qkv_parts, splits=splits)
+                               qkv_parts=qkv_parts, splits=splits, dtype=dtype)
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     if splits == 1:
         outs = (jax.ShapeDtypeStruct((B, T, num_heads, hd), dtype),)

@@ -210,14 +210,23 @@ class CostModel:
 
 
 def row_value(row: dict, key: str) -> float | None:
-    """verify_us[B][key]; a missing chain T or tree size is interpolated over the row's sizes."""
-    if key in row:
-        return float(row[key])
+    """verify_us[B][key]; a missing chain T or tree size is interpolated over the row's sizes.
+
+    A verify block of two or more tokens costs at most what any larger block of the same kind
+    measured (it could be padded to that size): one bad timing, e.g. of a GPU another process was
+    using, cannot make a short chain look dearer than a long one and the plan collapse to it.
+    T = 1 is plain decoding's own step and is taken as measured."""
     tree = key.startswith("tree")
-    pts = {k[4:] if tree else k: v for k, v in row.items() if k.startswith("tree") == tree}
+    pts = {float(k[4:] if tree else k): float(v) for k, v in row.items() if k.startswith("tree") == tree}
     if not pts and tree:  # no tree sizes measured: a chain block of the same size
-        pts = {k: v for k, v in row.items() if not k.startswith("tree")}
-    return _interp(pts, float(key[4:] if tree else key)) if pts else None
+        pts = {float(k): float(v) for k, v in row.items() if not k.startswith("tree")}
+    if not pts:
+        return None
+    size = float(key[4:] if tree else key)
+    value = float(row[key]) if key in row else _interp({str(k): v for k, v in pts.items()}, size)
+    if size < 2:
+        return value
+    return min([value] + [v for k, v in pts.items() if k >= size and k >= 2])
 
 
 @dataclasses.dataclass(frozen=True)
