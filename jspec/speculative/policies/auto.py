@@ -209,13 +209,18 @@ class CostModel:
         return max(self._over_batch(self.costs.get("tree_overhead_us" if tree else "round_overhead_us") or {"1": 0.0}), 0.0)
 
 
+SUSPECT_RATIO = 1.25  # [I] a verify entry this far above a larger block's is a bad timing
+
+
 def row_value(row: dict, key: str) -> float | None:
     """verify_us[B][key]; a missing chain T or tree size is interpolated over the row's sizes.
 
-    A verify block of two or more tokens costs at most what any larger block of the same kind
-    measured (it could be padded to that size): one bad timing, e.g. of a GPU another process was
-    using, cannot make a short chain look dearer than a long one and the plan collapse to it.
-    T = 1 is plain decoding's own step and is taken as measured."""
+    A verify block of two or more tokens that costs over SUSPECT_RATIO times a larger block of the
+    same kind is taken as a bad timing (e.g. of a GPU another process was using) and costs what
+    that larger block does: one such entry cannot make every chain past it look dear and the plan
+    collapse to one token. Smaller inversions are real on both cards measured (at batch 1 a 4-token
+    block costs about 7% more than an 8-token one) and stay. T = 1 is plain decoding's own step and
+    is taken as measured."""
     tree = key.startswith("tree")
     pts = {float(k[4:] if tree else k): float(v) for k, v in row.items() if k.startswith("tree") == tree}
     if not pts and tree:  # no tree sizes measured: a chain block of the same size
@@ -224,9 +229,10 @@ def row_value(row: dict, key: str) -> float | None:
         return None
     size = float(key[4:] if tree else key)
     value = float(row[key]) if key in row else _interp({str(k): v for k, v in pts.items()}, size)
-    if size < 2:
+    larger = [v for k, v in pts.items() if k >= size and k >= 2]
+    if size < 2 or not larger or value <= SUSPECT_RATIO * min(larger):
         return value
-    return min([value] + [v for k, v in pts.items() if k >= size and k >= 2])
+    return min(larger)
 
 
 @dataclasses.dataclass(frozen=True)
