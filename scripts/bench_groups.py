@@ -19,6 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from jspec.local_gpus import gpu_ids  # noqa: E402
+
 
 def parse_group(text: str) -> tuple[str, list[str]]:
     """"NAME=ARGS" -> (NAME, the bench arguments)."""
@@ -54,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     groups = [parse_group(g) for g in args.group]
     if len({n for n, _ in groups}) != len(groups):
         raise SystemExit("bench_groups: error: group names must be unique")
+    try:
+        gpus = gpu_ids(args.gpus)
+    except ValueError as e:
+        raise SystemExit(f"bench_groups: error: --gpus {args.gpus}: {e}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     failed = []
@@ -62,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         for gpu, name, cmd in wave:
             log = open(out / f"{name}.log", "w")
             procs.append((name, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                      env={**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)})))
+                                                      env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus[gpu]})))
         for name, log, proc in procs:
             rc = proc.wait()
             log.close()

@@ -33,18 +33,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from jspec.local_gpus import gpu_ids  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = {"smollm2-135m-instruct": "training/smollm2-eagle3-corpus.json", "gemma3-270m": "training/gemma3-eagle3-corpus.json"}
 JSPEC = [sys.executable, "-m", "jspec.cli"]  # the installed jspec, run by this interpreter
-
-
-def gpu_count() -> int:
-    """GPUs on this host (nvidia-smi -L), at least 1."""
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return 1
-    return max(1, sum(line.startswith("GPU ") for line in out.splitlines()))
 
 
 class Runner:
@@ -131,10 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-s", type=int, default=600, help="pipeline: training budget")
     p.add_argument("--dry-run", action="store_true", help="print the commands instead of running them")
     a = p.parse_args(argv)
-    n = a.devices or gpu_count()
-    if n < 1:
-        p.error(f"--devices must be >= 1, got {n}")
-    a.gpus = list(range(n))
+    if a.devices is not None and a.devices < 1:
+        p.error(f"--devices must be >= 1, got {a.devices}")
+    try:
+        a.gpus = gpu_ids(a.devices)
+    except ValueError as e:
+        p.error(f"--devices {a.devices}: {e}")
     if a.recipe is None and a.target not in RECIPES:
         p.error(f"no recipe ships for {a.target!r}: pass --recipe (training/*.json)")
     a.recipe = a.recipe or str(ROOT / RECIPES[a.target])

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec import model as M
+from jspec.local_gpus import gpu_ids
 from jspec.bench.round_cost import load_card_costs, measure_batch_costs, measure_context_costs, save_card_costs
 from jspec.speculative.policies.auto import cost_table_path
 from jspec.config import ModelConfig
@@ -98,20 +99,13 @@ def main(argv=None) -> None:
     print(json.dumps({k: v for k, v in costs.items() if k in ("card", "draft_step_us", "tree_level_us", "spread")}))
 
 
-def child_devices(gpus: int, visible: str | None) -> list[str]:
-    """The CUDA_VISIBLE_DEVICES value of each of `gpus` children: the first `gpus` of the GPUs this
-    process may use. Under CUDA_VISIBLE_DEVICES=2,3 the children run on 2 and 3, not on 0 and 1
-    beside whatever else the host runs there (a table timed on shared GPUs plans on bad costs)."""
-    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else [str(g) for g in range(gpus)]
-    if len(devices) < gpus:
-        sys.exit(f"measure_card_costs: error: --gpus {gpus} but CUDA_VISIBLE_DEVICES={visible} names {len(devices)} GPU(s)")
-    return devices[:gpus]
-
-
 def spread(args) -> None:
     """One process per GPU, each measuring every gpus-th batch size into its own file; then merged
     into --out. A process that fails leaves its batch sizes out (named in the message)."""
-    devices = child_devices(args.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    try:
+        devices = gpu_ids(args.gpus)
+    except ValueError as e:
+        sys.exit(f"measure_card_costs: error: --gpus {args.gpus}: {e}")
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         for gpu in range(args.gpus):

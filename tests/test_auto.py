@@ -57,19 +57,6 @@ def test_one_bad_verify_timing_does_not_collapse_the_plan():
     assert CostModel(clean, 1).ar_step() == 850 and CostModel(bad, 1).verify(5) == 770
 
 
-def test_card_cost_children_run_on_the_gpus_the_caller_was_given():
-    import importlib.util
-    import os
-    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "measure_card_costs.py")
-    spec = importlib.util.spec_from_file_location("measure_card_costs", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.child_devices(2, "2,3") == ["2", "3"] and mod.child_devices(2, None) == ["0", "1"]
-    assert mod.child_devices(1, "3, 1") == ["3"]
-    with pytest.raises(SystemExit, match="--gpus 4 but CUDA_VISIBLE_DEVICES=2,3 names 2"):
-        mod.child_devices(4, "2,3")
-
-
 def test_larger_batches_plan_for_a_slow_row():
     # a batch runs until its slowest row is done: the planned gain falls with the batch size at
     # the same per-row costs, and a large enough spread of row acceptance means plain decoding

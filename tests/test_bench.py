@@ -407,3 +407,17 @@ def test_bench_groups_plans_waves_with_one_barrier_each(tmp_path):
     for bad in ("noname", "a b=--model m", "x=", "x=--model m --out elsewhere"):
         with pytest.raises(SystemExit, match="bench_groups: error"):
             bg.parse_group(bad)
+
+
+def test_per_gpu_children_run_on_the_gpus_the_parent_was_given(monkeypatch):
+    """measure_card_costs / bench_groups / gpu_pipeline start one process per GPU: under
+    CUDA_VISIBLE_DEVICES=2,3 those are GPUs 2 and 3 (a cost table once ran on 0 and 1 beside
+    another benchmark, and planned on its bad timings)."""
+    from jspec.local_gpus import gpu_ids
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert gpu_ids(2) == ["2", "3"] and gpu_ids(1) == ["2"] and gpu_ids() == ["2", "3"]
+    with pytest.raises(ValueError, match="4 GPU.s. asked for, but CUDA_VISIBLE_DEVICES=2,3 names 2"):
+        gpu_ids(4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert gpu_ids(3) == ["0", "1", "2"]
