@@ -229,6 +229,10 @@ def test_train_head_runs_data_parallel_on_every_device_and_reuses_compiled_progr
     assert events.count(hits) == len(programs) and misses not in events  # the second run compiled nothing
     assert first.last_step == second.last_step == 2
     assert first.losses == second.losses
+    # the exported head attends as far back as it trained (rows of SEQ tokens), at least a drafted block
+    from jspec.heads.eagle import MIN_ATTENTION_WINDOW
+    exported = json.loads((tmp_path / "a" / "eagle" / "config.json").read_text())
+    assert exported["jspec"]["attention_window"] == max(SEQ, MIN_ATTENTION_WINDOW)
     assert "training on 8 device(s): data 8 x fsdp 1, 1 rows" in capsys.readouterr().out
     with pytest.raises(ValueError, match="batch_size 12 does not split over 8 devices"):
         from jspec.train.trainer import train

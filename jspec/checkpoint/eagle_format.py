@@ -157,6 +157,8 @@ def eagle_config_json(hcfg: HeadConfig, dtype: str = "bfloat16", engine: str | N
     }
     if engine is None:
         cfg["jspec"] = {"kind": hcfg.kind, "capture_layers": list(hcfg.capture_layers)}
+        if hcfg.attention_window is not None:
+            cfg["jspec"]["attention_window"] = hcfg.attention_window
     if hcfg.kind == "eagle3":
         cfg["draft_vocab_size"] = hcfg.draft_vocab
         if hcfg.fc_norm:
@@ -445,12 +447,17 @@ def head_config_from_json(cfg: dict, target_cfg: ModelConfig, d2t_len: int | Non
     )
     inter = cfg.get("intermediate_size")
     inter = None if inter in (None, t.intermediate_size) else int(inter)
-    if kind == "eagle1":
-        return HeadConfig("eagle1", t, intermediate_size=inter, **geometry)
-    return HeadConfig(
-        "eagle3", t, capture_layers_from_json(cfg, t.num_layers), d2t_len or 0, inter,
-        fc_norm=bool(cfg.get("fc_norm")), norm_output=bool(cfg.get("norm_output")), **geometry,
-    )
+    window = own.get("attention_window")
+    try:
+        if kind == "eagle1":
+            return HeadConfig("eagle1", t, intermediate_size=inter, attention_window=window, **geometry)
+        return HeadConfig(
+            "eagle3", t, capture_layers_from_json(cfg, t.num_layers), d2t_len or 0, inter,
+            fc_norm=bool(cfg.get("fc_norm")), norm_output=bool(cfg.get("norm_output")), attention_window=window,
+            **geometry,
+        )
+    except ValueError as e:
+        raise CheckpointError(f"head config.json: {e}") from None
 
 
 def weight_files(path: str) -> list[str]:

@@ -19,6 +19,9 @@ one launch per layer:
 
 Grid: (batch, query head[, split]). Each program handles one query head for all T tokens; the G query
 heads of a KV group re-read the same keys (from L2). The first head of each group writes the cache.
+With `window` W, a row attends only to its last W committed slots [lengths[b] - W, lengths[b]) and
+the new tokens (a draft head trained on sequences of W tokens; the loop starts at the window's
+first key block, so a long context costs only the window).
 With splits > 1 (`attention_splits`, opt-in: long caches at small batch), each program takes one
 slice of the row's committed keys (the last also the new tokens) and leaves an unnormalised partial
 result; `combine_splits` merges them.
@@ -51,7 +54,7 @@ def _next_pow2(n: int) -> int:
 
 
 def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in, o_ref, k_out, v_out, *stats_refs,
-            T, BT, G, Hq, Hkv, hd, scale, causal, drop_past_end, qkv_parts, splits, dtype):
+            T, BT, G, Hq, Hkv, hd, scale, causal, drop_past_end, qkv_parts, splits, dtype, window):
     del k_in, v_in  # aliased with k_out / v_out: read and write through the outputs
     b = pl.program_id(0)
     qh = pl.program_id(1)
@@ -106,11 +109,17 @@ def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in,
     # committed slots [0, n): online softmax over blocks of BLOCK_K keys
     kk = jnp.arange(BLOCK_K)
 
+    # a window keeps the last `window` committed slots [first_key, n), counted from the row's cursor
+    # (past the cache end too, as the einsum paths count); earlier key blocks are skipped
+    first_key = jnp.minimum(jnp.maximum(len_ref[b] - window, 0), n) if window else None
+
     def body(j, carry):
         acc, m, l = carry
-        block = first + j if splits > 1 else j
+        block = first + j if first is not None else j
         idx = block * BLOCK_K + kk
         ok = idx < n
+        if first_key is not None:
+            ok = ok & (idx >= first_key)
         kb = pl.ds(block * BLOCK_K, BLOCK_K)
         c1 = load(k_out.at[layer, b, kb, kvh, lo], ok[:, None]).astype(dt)
         c2 = load(k_out.at[layer, b, kb, kvh, hi], ok[:, None]).astype(dt)
@@ -128,9 +137,12 @@ def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in,
     l = jnp.zeros((BT,), jnp.float32)
     # split sp takes key blocks [sp * per, (sp + 1) * per) of the row's committed ones (`body` reads `first`)
     n_blocks = pl.cdiv(n, BLOCK_K)
+    start = first_key // BLOCK_K if first_key is not None else 0  # the window's first key block
     if splits > 1:
-        per = pl.cdiv(n_blocks, splits)
-        first, n_steps = sp * per, jnp.clip(n_blocks - sp * per, 0, per)
+        per = pl.cdiv(n_blocks - start, splits)
+        first, n_steps = start + sp * per, jnp.clip(n_blocks - start - sp * per, 0, per)
+    elif first_key is not None:
+        first, n_steps = start, n_blocks - start
     else:
         first, n_steps = None, n_blocks
     acc, m, l = lax.fori_loop(0, n_steps, body, (acc, m, l))
@@ -212,7 +224,8 @@ def combine_splits(acc, m, l, dtype):
 
 
 def fused_block_attention(qkv, cos, sin, k_cache, v_cache, layer, lengths, new_mask, *, num_heads, num_kv_heads,
-                          scale, interpret=False, num_warps=4, drop_past_end=True, qkv_dtype=None, splits=None):
+                          scale, interpret=False, num_warps=4, drop_past_end=True, qkv_dtype=None, splits=None,
+                          window=None):
     """Attention of T new tokens over a stacked cache, writing their K/V; one kernel.
 
     qkv [B, T, Hq + 2*Hkv, hd] (before rope), or the QKV projection's float32 split-K partials
@@ -225,6 +238,7 @@ def fused_block_attention(qkv, cos, sin, k_cache, v_cache, layer, lengths, new_m
     also hidden from the block (model.forward: the einsum path reads keys back from the cache) or
     still attended (draft heads, whose einsum path attends to the new tokens' own K/V).
     splits: programs per (row, head) over the committed keys (None: `attention_splits`).
+    window: attend only to the last `window` committed slots of each row (None: all of them).
     """
     B, T, H3, hd = qkv.shape[-4:]
     assert H3 == num_heads + 2 * num_kv_heads and T <= MAX_BLOCK, (qkv.shape, num_heads, num_kv_heads)
@@ -236,7 +250,7 @@ def fused_block_attention(qkv, cos, sin, k_cache, v_cache, layer, lengths, new_m
     splits = attention_splits(B, num_heads, k_cache.shape[2]) if splits is None else splits
     kernel = functools.partial(_kernel, T=T, BT=BT, G=num_heads // num_kv_heads, Hq=num_heads, Hkv=num_kv_heads,
                                hd=hd, scale=float(scale), causal=causal, drop_past_end=drop_past_end,
-                               qkv_parts=qkv_parts, splits=splits, dtype=dtype)
+                               qkv_parts=qkv_parts, splits=splits, dtype=dtype, window=int(window or 0))
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     if splits == 1:
         outs = (jax.ShapeDtypeStruct((B, T, num_heads, hd), dtype),)

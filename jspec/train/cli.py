@@ -174,6 +174,7 @@ def train_from_args(args: argparse.Namespace):
     import jax
 
     from ..checkpoint.eagle_format import save_eagle_head
+    from ..heads.eagle import MIN_ATTENTION_WINDOW
     from ..presets import resolve_model
     from .config import load_recipe, recipe_to_dict
     from .trainer import train
@@ -218,7 +219,10 @@ def train_from_args(args: argparse.Namespace):
         _write_vocab_report(out, data_dir, cfg, result.head_params)
     export = export_dir(args, out, result)
     if first_host and export:
-        save_eagle_head(export, hcfg, result.head_params, dtype=recipe.run.export_dtype)
+        # the head attends at most as far back as it was trained to (HeadConfig.attention_window)
+        window = max(recipe.train.seq_len, hcfg.attention_window or 0, MIN_ATTENTION_WINDOW)
+        save_eagle_head(export, dataclasses.replace(hcfg, attention_window=window), result.head_params,
+                        dtype=recipe.run.export_dtype)
         print(f"exported {hcfg.kind} head to {export}")
     return result
 
