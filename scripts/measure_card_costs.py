@@ -41,6 +41,15 @@ SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermedi
                       num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
                       max_position_embeddings=8192, tie_word_embeddings=True, eos_token_ids=())
 TABLE_BATCHES = (1, 8, 16, 32, 64)
+SHIPPED_HEAD = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-instruct" / "heads" / "eagle3" / "config.json"
+
+
+def shipped_head_window() -> int | None:
+    """The shipped head's attention window (its config.json): at long contexts its draft steps
+    read only that much, and the table's context slopes should say so."""
+    if not SHIPPED_HEAD.is_file():
+        return None
+    return (json.loads(SHIPPED_HEAD.read_text()).get("jspec") or {}).get("attention_window")
 
 
 def merge(paths: list[str]) -> dict:
@@ -84,7 +93,7 @@ def main(argv=None) -> None:
         return
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
     tparams = M.init_params(SMOLLM2, jax.random.PRNGKey(0), dtype)
-    hcfg = H.HeadConfig("eagle3", SMOLLM2, draft_vocab_size=args.draft_vocab)
+    hcfg = H.HeadConfig("eagle3", SMOLLM2, draft_vocab_size=args.draft_vocab, attention_window=shipped_head_window())
     hparams = H.init_head(hcfg, jax.random.PRNGKey(1), dtype)
     costs: dict = (load_card_costs(Path(args.out)) or {}) if args.context else {}
     for batch in args.batch:  # saved after each batch size: a killed run keeps what it measured

@@ -421,3 +421,17 @@ def test_per_gpu_children_run_on_the_gpus_the_parent_was_given(monkeypatch):
         gpu_ids(4)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert gpu_ids(3) == ["0", "1", "2"]
+
+
+def test_card_costs_time_the_shipped_heads_window():
+    """The cost table's draft steps are timed with the shipped head's attention window, so their
+    context slopes are those of the head that drafts."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "measure_card_costs.py")
+    spec = importlib.util.spec_from_file_location("measure_card_costs", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    shipped = json.loads(mod.SHIPPED_HEAD.read_text())["jspec"]["attention_window"]
+    assert mod.shipped_head_window() == shipped == 768
