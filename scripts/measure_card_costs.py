@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jspec import model as M
 from jspec.local_gpus import gpu_ids
-from jspec.bench.round_cost import load_card_costs, measure_batch_costs, measure_context_costs, save_card_costs
+from jspec.bench.round_cost import CONTEXT_BASE, load_card_costs, measure_batch_costs, measure_context_costs, save_card_costs
 from jspec.speculative.policies.auto import cost_table_path
 from jspec.config import ModelConfig
 from jspec.heads import eagle as H
@@ -86,8 +86,9 @@ def main(argv=None) -> None:
         return
     if not args.batch or min(args.batch) < 1 or args.reps < 1 or args.gpus < 1:
         sys.exit("measure_card_costs: error: --batch takes positive batch sizes, --reps and --gpus positive counts")
-    if args.context and args.context <= 256:
-        sys.exit(f"measure_card_costs: error: --context {args.context}: expected more than 256 tokens (e.g. 2048)")
+    if args.context and args.context <= CONTEXT_BASE:  # measure_context_costs's rule, checked before any timing
+        sys.exit(f"measure_card_costs: error: --context {args.context}: expected more than the base tables' "
+                 f"{CONTEXT_BASE} tokens (e.g. 2048)")
     if args.gpus > 1:
         spread(args)
         return

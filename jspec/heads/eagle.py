@@ -409,18 +409,27 @@ def _fused_attention(lcfg: ModelConfig, qkv, positions, cache: KVCache, new_mask
     return o.reshape(B, T, lcfg.q_size), cache.replace(k=k, v=v)
 
 
+def committed_visible(hcfg: HeadConfig, cache: KVCache) -> jax.Array:
+    """[B, S]: the committed slots the head attends to, the last `attention_window` of them (all
+    without a window). The fused kernel counts the same slots (its `window`)."""
+    slot = jnp.arange(cache.max_len, dtype=jnp.int32)[None]
+    lengths = cache.lengths[:, None]
+    committed = slot < lengths
+    if hcfg.attention_window is None:
+        return committed
+    return committed & (slot >= lengths - hcfg.attention_window)
+
+
 def window_mask(hcfg: HeadConfig, cache: KVCache, positions, key_pos):
     """[B, T, S] (or True without a window): which cache slots `attention_window` leaves to the T
-    new tokens at `positions`: the last `attention_window` committed slots, and among the new
-    tokens those less than the window before each (a prompt longer than the window)."""
+    new tokens at `positions`: the committed ones of `committed_visible`, and among the new tokens
+    those less than the window before each (a prompt longer than the window)."""
     W = hcfg.attention_window
     if W is None:
         return jnp.ones((), bool)
-    slot = jnp.arange(cache.max_len, dtype=jnp.int32)[None, None, :]
-    lengths = cache.lengths[:, None, None]
-    recent = slot >= lengths - W
+    committed = (jnp.arange(cache.max_len, dtype=jnp.int32)[None] < cache.lengths[:, None])[:, None, :]
     near = key_pos[:, None, :] > positions[:, :, None] - W
-    return jnp.where(slot < lengths, recent, near)
+    return jnp.where(committed, committed_visible(hcfg, cache)[:, None, :], near)
 
 
 def _attend(lcfg: ModelConfig, q, blocks):
@@ -576,12 +585,7 @@ def head_step(
     p = head_params["layer"]
     attn_in, residual = _pair_inputs(hcfg, head_params, target_params, tokens, feats)
     q, k, v = _project_qkv(lcfg, p, attn_in, positions)
-    S = cache.k.shape[2]
-    slot = jnp.arange(S, dtype=jnp.int32)[None]
-    committed = slot < cache.lengths[:, None]
-    if hcfg.attention_window is not None:
-        committed = committed & (slot >= cache.lengths[:, None] - hcfg.attention_window)
-    committed = committed[:, None, None, None]
+    committed = committed_visible(hcfg, cache)[:, None, None, None]
     blocks = [(cache.k[0].astype(q.dtype), cache.v[0].astype(q.dtype), committed, False)]
     if pending is not None and pending[0].shape[1]:
         pk, pv, pvis = pending

@@ -222,14 +222,14 @@ def row_value(row: dict, key: str) -> float | None:
     block costs about 7% more than an 8-token one) and stay. T = 1 is plain decoding's own step and
     is taken as measured."""
     tree = key.startswith("tree")
-    pts = {float(k[4:] if tree else k): float(v) for k, v in row.items() if k.startswith("tree") == tree}
+    pts = {k[4:] if tree else k: float(v) for k, v in row.items() if k.startswith("tree") == tree}
     if not pts and tree:  # no tree sizes measured: a chain block of the same size
-        pts = {float(k): float(v) for k, v in row.items() if not k.startswith("tree")}
+        pts = {k: float(v) for k, v in row.items() if not k.startswith("tree")}
     if not pts:
         return None
     size = float(key[4:] if tree else key)
-    value = float(row[key]) if key in row else _interp({str(k): v for k, v in pts.items()}, size)
-    larger = [v for k, v in pts.items() if k >= size and k >= 2]
+    value = float(row[key]) if key in row else _interp(pts, size)
+    larger = [v for k, v in pts.items() if float(k) >= max(size, 2)]
     if size < 2 or not larger or value <= SUSPECT_RATIO * min(larger):
         return value
     return min(larger)
