@@ -32,13 +32,16 @@ def test_plan_picks_a_budget_or_plain_decoding():
 
 def test_near_ties_go_to_the_smaller_budget():
     """Gains within PLAN_TOLERANCE of the best count as ties and the smallest budget wins, so a
-    re-measured table whose entries moved by a few percent plans the same."""
-    flat = {"verify_us": {"1": {"1": 1000, "4": 1000, "8": 1000}}, "draft_step_us": {"1": 2.0}, "tree_level_us": {"1": 2.0}}
-    gains = {k: plan(flat, batch=1, drafter_name="eagle", parallel=False, alpha=0.6, k_cap=k).gain for k in range(1, 9)}
-    best_k = max(gains, key=gains.get)
-    p = plan(flat, batch=1, drafter_name="eagle", parallel=False, alpha=0.6)
-    assert p.k_max < best_k and p.gain >= gains[best_k] * (1 - PLAN_TOLERANCE)
-    jittered = {**flat, "verify_us": {"1": {"1": 1000, "4": 1010, "8": 990}}}
+    re-measured table whose entries moved by a few percent plans the same. A chain at batch 1 is
+    the exception: its K only caps the row's own per-round choice, so the largest near-tie wins."""
+    flat = {"verify_us": {b: {"1": 1000, "4": 1000, "8": 1000} for b in ("1", "8")},
+            "draft_step_us": {"1": 2.0, "8": 2.0}, "tree_level_us": {"1": 2.0, "8": 2.0}}
+    for batch, smaller in ((8, True), (1, False)):
+        gains = {k: plan(flat, batch=batch, drafter_name="eagle", parallel=False, alpha=0.6, k_cap=k).gain for k in range(1, 9)}
+        best_k = max(gains, key=gains.get)
+        p = plan(flat, batch=batch, drafter_name="eagle", parallel=False, alpha=0.6)
+        assert (p.k_max < best_k if smaller else p.k_max >= best_k) and p.gain >= gains[best_k] * (1 - PLAN_TOLERANCE)
+    jittered = {**flat, "verify_us": {b: {"1": 1000, "4": 1010, "8": 990} for b in ("1", "8")}}
     assert plan(jittered, batch=1, drafter_name="eagle", parallel=False, alpha=0.6).k_max == p.k_max
 
 
@@ -50,7 +53,8 @@ def test_one_bad_verify_timing_does_not_collapse_the_plan():
     bad = {**clean, "verify_us": {"1": {**clean["verify_us"]["1"], "4": 1627, "8": 1769}}}
     for tree in (False, True):
         a, b = (plan(t, batch=1, drafter_name="eagle", parallel=False, alpha=0.65, tree=tree) for t in (clean, bad))
-        assert (a.mode, a.k_max, a.num_nodes) == (b.mode, b.k_max, b.num_nodes)
+        # a chain's cap may move by one where the replaced entries sat at a near-tie's edge
+        assert (a.mode, a.num_nodes) == (b.mode, b.num_nodes) and abs(a.k_max - b.k_max) <= (0 if tree else 1)
     assert plan(bad, batch=1, drafter_name="eagle", parallel=False, alpha=0.65).k_max >= 3
     # plain decoding's own step stays as measured, even where a 2-token block timed faster
     from jspec.speculative.policies.auto import CostModel

@@ -33,6 +33,10 @@ Two decisions use it:
   flat (on the H200 at batch 1, 15- and 59-node trees give the same tokens per ms within 2%), and
   two measurements of the same card's table differ by up to 8% in single entries, so an argmax
   alone flipped between 5/31 and 6/59 trees, and K = 2 and 3 chains, from one table to the next.
+  [I] One exception: a chain at batch 1 takes the largest near-tie K. There K is only a cap,
+  under which the row's own estimate picks each round's length (`round_limit` below), and no
+  other row pays for its padded block. The smaller cap planned K = 3 on both cards' tables, and
+  `auto` chains ran 2-6% behind static K = 6 (H200, MT-Bench 80).
 * Device side, per round and per row, chains only (`round_limit`): with the verify cost of the static block,
   the draft length k in [1, K] that maximises tau(k) / c(k) under the row's own
   acceptance estimate: the geometric fit successes / trials over discounted per-row sums (a round
@@ -286,7 +290,11 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     if top < max(min_gain, 1.0):
         return AutoPlan("ar", 0, 0, top, None)
     near = [c for c in candidates if c[0] >= max(top * (1 - PLAN_TOLERANCE), min_gain)]
-    best = min(near, key=lambda c: (c[1], c[2]))[3]
+    # a lone row's chain K is only a cap: each round the row's own estimate picks k <= K
+    # (`round_limit`), so a longer cap serves its easy stretches and costs the hard ones nothing
+    # more; in a batch, every row pays the padded block of the longest (module doc)
+    larger = not tree and batch == 1
+    best = (max if larger else min)(near, key=lambda c: (c[1], c[2]))[3]
     if best.mode == "tree":
         unit, verify_at = cm.tree_level(), cm.verify(best.num_nodes + best.ngram + 1, tree=True)
     else:
