@@ -13,7 +13,10 @@ Two decisions use it:
   total_tokens tuning, on the measured cost of this card and batch): over EAGLE's candidate sizes
   N in (15, 23, 31, 47, 59) and depths D <= the configured depth, the gain of D tree levels and a
   verify of N + 1 tokens, where a wider tree accepts more per level (`tree_acceptance`; EAGLE
-  credits larger trees with fixed weights instead). If no budget's gain reaches
+  credits larger trees with fixed weights instead). Hybrid trees (drafters.hybrid) also pick the
+  n-gram branch's length M in 0, 2, .., MAX_NGRAM_BRANCH, whatever D (a branch longer than the
+  head's tree pays on text that copies its prompt): a verify of N + M + 1 tokens and the tokens of
+  the longer accepted path (`hybrid_tokens`). If no budget's gain reaches
   `min_gain` (1.05 by default: a margin for the model's error), `plan` returns "ar": the call runs
   plain decoding.
   Stragglers: a batch runs until its slowest row is done, and rows differ in acceptance, so at
@@ -70,6 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from ..drafters.hybrid import MAX_NGRAM_BRANCH
 from ..drafters.ngram import replay_lookup
 from .base import Policy, clip_limit, count_rounds
 
@@ -88,13 +92,15 @@ TREE_WIDTH_EXPONENT = 0.29
 
 
 def hybrid_tokens(tree_alpha: float, depth: int, ngram_alpha: float, ngram: int) -> float:
-    """Expected tokens of a round over a head tree of per-level acceptance tree_alpha and an n-gram
-    branch of `ngram` nodes (drafters.hybrid): the longer of the two accepted paths plus the bonus,
-    1 + sum_j P(either reaches depth j), with the two branches taken as independent ([I] a model:
-    both do better on easy text, so it is optimistic where they overlap)."""
-    j = np.arange(1, depth + 1)
+    """Expected tokens of a round over a head tree of `depth` levels with per-level acceptance
+    tree_alpha and an n-gram branch of `ngram` nodes, which may be the longer (drafters.hybrid):
+    the longer of the two accepted paths plus the bonus, 1 + sum_j P(either reaches depth j) for
+    j up to max(depth, ngram), with the two branches taken as independent ([I] a model: both do
+    better on easy text, so it is optimistic where they overlap)."""
+    j = np.arange(1, max(depth, ngram) + 1)
+    tree_reach = np.where(j <= depth, float(tree_alpha) ** j, 0.0)
     ngram_reach = np.where(j <= ngram, float(ngram_alpha) ** j, 0.0)
-    return float(1.0 + np.sum(1.0 - (1.0 - float(tree_alpha) ** j) * (1.0 - ngram_reach)))
+    return float(1.0 + np.sum(1.0 - (1.0 - tree_reach) * (1.0 - ngram_reach)))
 
 
 def tree_acceptance(alpha, nodes: int, depth: int):
@@ -313,10 +319,10 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     nothing per draft step. alpha: the drafter's mean per-token acceptance (None: the table's or
     the prior, `acceptance_prior`); the plan uses a slow row's (`straggler_acceptance`, with the
     drafter's `ROW_SPREAD` unless row_spread is given). hybrid: a head tree with an n-gram branch
-    beside it (drafters.hybrid): the plan also picks the branch's length, 0 to the depth in steps
-    of 2, by `hybrid_tokens` at the n-gram drafter's acceptance, ngram_alpha (None: its prior),
-    lowered for a slow row by n-gram lookup's ROW_SPREAD. context: the call's mean attended context
-    in tokens (`CostModel`), None: the table's own."""
+    beside it (drafters.hybrid): the plan also picks the branch's length, 0 to MAX_NGRAM_BRANCH in
+    steps of 2 whatever the depth, by `hybrid_tokens` at the n-gram drafter's acceptance,
+    ngram_alpha (None: its prior), lowered for a slow row by n-gram lookup's ROW_SPREAD. context:
+    the call's mean attended context in tokens (`CostModel`), None: the table's own."""
     cm = CostModel(costs, batch, context)
     a = alpha if alpha is not None else acceptance_prior(costs, drafter_name)
     if row_spread is None:
@@ -336,7 +342,7 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
             for n in TREE_SIZES:
                 if n > tree_top_k + (depth - 1) * tree_top_k**2:
                     continue
-                for m in (range(0, depth + 1, 2) if hybrid else (0,)):
+                for m in (range(0, MAX_NGRAM_BRANCH + 1, 2) if hybrid else (0,)):
                     tau = hybrid_tokens(float(tree_acceptance(a, n, depth)), depth, a_ngram, m)
                     gain = tau * ar / (first + depth * level + cm.verify(n + m + 1, tree=True))
                     candidates.append((gain, n + m, depth, AutoPlan("tree", depth, n, gain, None, ngram=m)))
