@@ -123,16 +123,18 @@ def replay_lookup(prompts: Sequence[Sequence[int]], draft: int, max_ngram: int =
     t = np.arange(N)
     live = (t + draft < end) & (match >= 0)  # positions the replay can score with a match
     at, src = t[live], match[live] + 1
+    room = at - src  # proposal i is in the history when i <= room
     kept = np.ones(at.shape[0], bool)
-    accepted = np.zeros(N, np.int64)
-    for i in range(draft):  # the accepted prefix: proposal i is in the history (src + i <= t) and right
-        kept &= (src + i <= at) & (tokens[np.minimum(src + i, N - 1)] == tokens[at + 1 + i])
-        accepted[at] += kept
-    scored = t + draft < end
-    per_round = np.stack([accepted, accepted + (accepted < draft), np.ones(N, np.int64)], 1) * scored[:, None]
-    sums = np.concatenate([per_round, np.zeros((1, 3), np.int64)])  # row N: past every prompt's end
-    nxt = np.append(np.where(scored, t + accepted + 1, N), N)
-    for _ in range(int(lens.max()).bit_length()):  # after j steps, sums[t]: the 2^j rounds from t
-        sums = sums + sums[nxt]
+    count = np.zeros(at.shape[0], np.int32)
+    for i in range(draft):  # the accepted prefix: proposals in the history that equal the next tokens
+        kept &= (i <= room) & (tokens[np.minimum(src + i, N - 1)] == tokens[at + 1 + i])
+        count += kept
+    accepted = np.zeros(N + 1, np.int32)  # entry N: past every prompt's end, where every walk ends
+    accepted[at] = count
+    scored = np.append(t + draft < end, False)
+    counts = [accepted * scored, (accepted + (accepted < draft)) * scored, scored.astype(np.int32)]
+    nxt = np.where(scored, np.arange(N + 1) + accepted + 1, N)
+    for _ in range(int(lens.max()).bit_length()):  # after j steps, counts[.][t]: the 2^j rounds from t
+        counts = [c + c[nxt] for c in counts]
         nxt = nxt[nxt]
-    return sums[starts].astype(np.float64)
+    return np.stack([c[starts] for c in counts], 1).astype(np.float64)
