@@ -52,7 +52,7 @@ The acceptance prior is the drafter's own when it carries one (an EAGLE head's m
 acceptance, `EagleDrafter.acceptance`), else the table's measured one, else `ACCEPTANCE_PRIOR`.
 
 n-gram lookup's acceptance depends on the text far more than a head's (tokens per call of K = 6
-chains on the H100: 1.95 on MT-Bench, 3.05 on longdoc, where the answer copies the prompt), so for
+chains on the H200: 1.95 on MT-Bench, 3.05 on longdoc, where the answer copies the prompt), so for
 it (and a hybrid's n-gram branch) `plan_for` estimates the acceptance from the call's own prompts
 (`ngram_acceptance`, [I], `NgramEstimate`): the drafter's rule replayed over each prompt
 (drafters.ngram.replay_lookup) measures how well the prompts predict themselves, and the prior's
@@ -140,8 +140,8 @@ class NgramEstimate:
     (a_hat - prior), then clipped to [low, high].
 
     reference 0.062: s of the 80 MT-Bench prompts under SmolLM2-135M-Instruct's chat template
-    (drafting 6), the prompts behind ACCEPTANCE_PRIOR["ngram"] (another tokenizer or template moves
-    it a little). gain 2: fit to the n-gram chains' tokens per call on the H100 (K = 6, batch 1):
+    (drafting 6), the prompts behind ACCEPTANCE_PRIOR["ngram"] (another tokenizer or chat template
+    gives another value). gain 2: fit to the n-gram `auto` chains' tokens per call on the H200 (batch 1):
     HumanEval (s 0.206, 2.29 tokens per call) and longdoc (s 0.289, 3.05) imply 2.0 and 2.5
     against the prior of 0.4. prior_rounds 64: a one-prompt call of MT-Bench length (about 60
     rounds) moves halfway from the prior."""
