@@ -385,7 +385,8 @@ def cmd_generate(a) -> int:
             costs = load_costs(a.model if a.model in list_presets() else None, models_dir=str(models_dir()))
             rows = min(a.batch_size or len(prompts), len(prompts))  # rows in flight
             spec = spec.replace(policy=plan_for(drafter, costs, batch=rows, k_cap=spec.k_max, tree=spec.tree,
-                                                context=mean_context([len(p) for p in prompts], a.max_new_tokens)))
+                                                context=mean_context([len(p) for p in prompts], a.max_new_tokens),
+                                                prompts=prompts))
     if not a.no_stream:  # each prompt streamed in turn
         for i, prompt in enumerate(prompts):
             if len(prompts) > 1:

@@ -300,3 +300,67 @@ def test_load_costs_skips_tables_of_another_version(tmp_path, monkeypatch):
     cached.parent.mkdir(parents=True)
     cached.write_text(json.dumps({"version": A.COST_TABLE_VERSION, "card": "new", "verify_us": {"1": {"1": 9.0}}}))
     assert A.load_costs("p", models_dir=str(tmp_path / "m"))["card"] == "new"
+
+
+def _lookup_rounds_on_device(prompt, draft, max_ngram, min_ngram):
+    """replay_lookup's rounds, each proposed by the drafter itself (NgramDrafter.propose on the
+    history so far): (accepted drafts, trials, rounds)."""
+    from jspec.speculative.drafters.ngram import NgramDrafter, NgramState
+
+    drafter = NgramDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
+    hist = jnp.asarray([prompt], jnp.int32)
+    accepted = trials = rounds = t = 0
+    while t + draft < len(prompt):
+        tokens, valid = drafter.propose(NgramState(history=hist, length=jnp.asarray([t + 1])), None, draft)
+        right = np.asarray(valid[0]) & (np.asarray(tokens[0]) == np.asarray(prompt[t + 1: t + 1 + draft]))
+        n = int(np.argmin(np.append(right, False)))
+        accepted, trials, rounds, t = accepted + n, trials + n + (n < draft), rounds + 1, t + n + 1
+    return accepted, trials, rounds
+
+
+def test_replaying_the_ngram_rule_over_prompts_matches_the_drafter():
+    """replay_lookup (host numpy) scores each round as the device drafter's own proposal would be."""
+    from jspec.speculative.drafters.ngram import replay_lookup
+
+    rng = np.random.default_rng(0)
+    phrase = list(rng.integers(5, 40, 12))
+    prompts = [list(rng.integers(5, 40, 20)) + phrase + list(rng.integers(5, 40, 6)) + phrase[:9] + [7, 7, 7, 7, 7],
+               list(rng.integers(5, 12, 30)), [9], []]
+    for draft, max_ngram, min_ngram in ((4, 3, 1), (3, 2, 2)):
+        got = replay_lookup(prompts, draft, max_ngram, min_ngram)
+        want = [_lookup_rounds_on_device(p, draft, max_ngram, min_ngram) if p else (0, 0, 0) for p in prompts]
+        assert got.tolist() == [list(map(float, w)) for w in want]
+    assert got[0, 0] > 0 and got[2].tolist() == [0, 0, 0]
+
+
+def test_ngram_acceptance_is_estimated_from_the_prompts():
+    """Prompts that repeat themselves plan n-gram lookup above its prior, prompts that never do
+    below it; fewer replayed rounds stay nearer the prior; no prompts, or no estimate, plan the prior."""
+    import dataclasses
+
+    from jspec.speculative.drafters.hybrid import HybridDrafter
+    from jspec.speculative.drafters.ngram import NgramDrafter
+    from jspec.speculative.policies.auto import ACCEPTANCE_PRIOR, NGRAM_ESTIMATE, ngram_acceptance, plan_for
+
+    prior = ACCEPTANCE_PRIOR["ngram"]
+    rng = np.random.default_rng(1)
+    phrase = list(rng.integers(5, 60, 40))
+    copying = [list(rng.integers(5, 60, 30)) + phrase * 4 for _ in range(4)]
+    fresh = [list(rng.permutation(np.arange(5, 200))[:150]) for _ in range(4)]
+    high, low = ngram_acceptance(copying, prior), ngram_acceptance(fresh, prior)
+    assert NGRAM_ESTIMATE.low <= low < prior < high <= NGRAM_ESTIMATE.high
+    assert low < ngram_acceptance(fresh[:1], prior) < prior  # shrunk toward the prior: one prompt moves less
+    assert ngram_acceptance([], prior) == prior and ngram_acceptance([[4, 4]], prior) == prior  # nothing replayed
+    assert ngram_acceptance(copying, prior, dataclasses.replace(NGRAM_ESTIMATE, high=0.5)) == 0.5
+    ngram = NgramDrafter()
+    plans = {name: plan_for(ngram, REFERENCE_COSTS, batch=1, k_cap=8, tree=None, prompts=p)
+             for name, p in (("copying", copying), ("fresh", fresh), ("none", None))}
+    assert plans["copying"].k_max > plans["none"].k_max and plans["copying"].policy.alpha0 == pytest.approx(high)
+    assert plans["fresh"].policy.alpha0 == pytest.approx(low) and plans["none"].policy.alpha0 == pytest.approx(prior)
+    assert plan_for(ngram, REFERENCE_COSTS, batch=1, k_cap=8, tree=None, prompts=copying, ngram_estimate=None) == plans["none"]
+    # a hybrid's n-gram branch: the estimate of its own lookup rule; its head's acceptance is untouched
+    drafter, _ = _drafters(M.init_params(CFG, jax.random.PRNGKey(0)))["eagle3"]
+    hybrid = HybridDrafter(dataclasses.replace(drafter, acceptance=0.3))
+    tree = TreeConfig(top_k=10, depth=6, num_nodes=59)
+    branch = [plan_for(hybrid, REFERENCE_COSTS, batch=1, k_cap=8, tree=tree, prompts=p) for p in (copying, fresh)]
+    assert branch[0].ngram > branch[1].ngram and branch[0].policy.alpha0 == branch[1].policy.alpha0 == 0.3

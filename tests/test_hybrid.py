@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jspec import model as M
 from jspec.generate import SpeculativeConfig, generate
 from jspec.sampling import Sampling
 from jspec.speculative.drafters.hybrid import HybridDrafter
@@ -20,6 +21,8 @@ import spec_tiny
 import test_lossless_sampling as L
 
 TC = TreeConfig(top_k=3, depth=4, num_nodes=12, verify_sizes=(6,), ngram=3)
+# an n-gram branch longer than the head's tree: rounds verify and emit paths of up to 6 tokens past the root
+DEEP = TreeConfig(top_k=3, depth=2, num_nodes=6, verify_sizes=(4,), ngram=6)
 
 
 def test_the_ngram_branch_comes_first_and_shifts_the_heads_nodes():
@@ -48,6 +51,25 @@ def test_hybrid_spec_and_plan():
     assert plan(costs, batch=1, drafter_name="eagle", parallel=False, tree=True, alpha=0.6, hybrid=True).ngram == 0
 
 
+def test_the_ngram_branch_may_be_longer_than_the_heads_tree():
+    """The branch's length is bounded by MAX_NGRAM_BRANCH, not the depth: the verified path, the
+    emitted tokens and the cache reserve grow to max(depth, ngram); the plan searches 0..8 whatever
+    the depth, and the expected tokens count the branch's levels past the head's."""
+    from jspec.speculative.drafters.hybrid import MAX_NGRAM_BRANCH
+
+    assert DEEP.path_depth == 6 and DEEP.total_nodes == 12 and DEEP.cache_slots == 13
+    assert TreeConfig(depth=2, num_nodes=15, ngram=8).cache_slots == 24 and TC.path_depth == TC.depth
+    with pytest.raises(ValueError, match=f"ngram .* must be in \\[0, {MAX_NGRAM_BRANCH}\\]"):
+        TreeConfig(depth=2, num_nodes=15, ngram=MAX_NGRAM_BRANCH + 1)
+    assert hybrid_tokens(0.5, 2, 0.8, 6) == pytest.approx(1 + (1 - 0.5 * 0.2) + (1 - 0.75 * 0.36) + sum(0.8 ** j for j in range(3, 7)))
+    assert hybrid_tokens(0.5, 2, 0.8, 6) > hybrid_tokens(0.5, 2, 0.8, 2)
+    costs = {**REFERENCE_COSTS, "acceptance": {"ngram": 0.95}}
+    p = plan(costs, batch=1, drafter_name="eagle", parallel=False, tree=True, alpha=0.3, hybrid=True, tree_depth=2)
+    assert p.k_max == 2 and p.ngram > 2
+    assert plan(costs, batch=1, drafter_name="eagle", parallel=False, tree=True, alpha=0.3, hybrid=True,
+                tree_depth=2, ngram_alpha=0.0).ngram == 0
+
+
 @pytest.fixture(scope="module")
 def target():
     return spec_tiny.make_target()
@@ -69,6 +91,39 @@ def test_hybrid_tree_greedy_identical_to_ar(target, policy):
         assert out.draft_lengths[:, 1:][calls].max() > TC.num_nodes
 
 
+def cycling_target():
+    """spec_tiny's target shape with weak layers and an LM head that scores each token's successor
+    in fixed cycles of 8 tokens (7 for the last) by the last token's embedding: greedy text mostly
+    cycles, with periods long enough for prompt lookup to draft DEEP's whole branch, and the layers
+    still move some rows off a cycle (the context, and so the cache, matters)."""
+    cfg = spec_tiny.CFG
+    params = M.init_params(cfg, jax.random.PRNGKey(0), scale=0.35)
+    params["layers"] = {k: 0.3 * w if w.ndim == 3 else w for k, w in params["layers"].items()}  # the embedding dominates
+    order = np.random.RandomState(0).permutation([t for t in range(cfg.vocab_size) if t not in cfg.eos_token_ids])
+    successor = np.arange(cfg.vocab_size)
+    for c in range(0, len(order), 8):
+        successor[order[c:c + 8]] = np.roll(order[c:c + 8], -1)
+    unit = params["embed"] / jnp.linalg.norm(params["embed"], axis=-1, keepdims=True)
+    return {**params, "lm_head": 20.0 * unit[np.argsort(successor)].T}
+
+
+@pytest.mark.parametrize("which, policy", [("cycling", "static"), ("cycling", make_policy("confidence", threshold=0.4)),
+                                           ("random", "static")])
+def test_a_branch_deeper_than_the_tree_is_greedy_identical_to_ar(target, which, policy):
+    """ngram > depth: rounds accept paths longer than the head's tree (more tokens per call than
+    depth + 1, on text that repeats itself), and the output is plain greedy decoding's."""
+    params = cycling_target() if which == "cycling" else target
+    drafter, dparams = spec_tiny._drafters(params)["eagle3"]
+    prompts = spec_tiny._prompts(7) + spec_tiny._prompts(3)
+    ar = generate(params, spec_tiny.CFG, prompts, max_new_tokens=32)
+    out = generate(params, spec_tiny.CFG, prompts, max_new_tokens=32, speculative=SpeculativeConfig(
+        drafter=HybridDrafter(drafter), drafter_params=dparams, tree=DEEP, policy=policy))
+    for b in range(len(prompts)):
+        assert out.row(b) == ar.row(b)
+    if which == "cycling":
+        assert out.step_tokens[:, 1:].max() == DEEP.ngram + 1
+
+
 def test_build_drafter_makes_a_hybrid(target):
     drafter, dparams = spec_tiny._drafters(target)["eagle3"]
     from jspec.checkpoint.eagle_format import save_eagle_head
@@ -80,18 +135,33 @@ def test_build_drafter_makes_a_hybrid(target):
     assert isinstance(built, HybridDrafter) and built.ngram.max_ngram == 2 and built.head == drafter.head
 
 
-def test_hybrid_sampling_follows_the_target_law():
+def prompt_cycling(tparams, weight: float = 2.0):
+    """test_lossless_sampling's target with its LM head pulled toward a fixed successor of the last
+    token, the next token of L.PROMPT read as a cycle (the other tokens in a second cycle): about
+    0.8 of p on it, so the sampled text often continues the prompt and prompt lookup's drafts are
+    accepted several tokens deep, and every token keeps some probability."""
+    successor = np.arange(L.CFG.vocab_size)
+    for cycle in (L.PROMPT, [t for t in range(L.CFG.vocab_size) if t not in L.PROMPT]):
+        successor[cycle] = np.roll(cycle, -1)
+    pull = tparams["embed"][np.argsort(successor)].T / tparams["final_norm"][:, None] / np.sqrt(L.CFG.hidden_size)
+    return {**tparams, "lm_head": tparams["lm_head"] + weight * pull}
+
+
+@pytest.mark.parametrize("depth, ngram", [(L.K, L.K), (2, L.K + 2)])
+def test_hybrid_sampling_follows_the_target_law(depth, ngram):
     """Every emitted position, stratified as in test_lossless_sampling, follows the target's law
-    under the hybrid tree; the n-gram branch is drafted in most rounds."""
-    tparams = L.make_target()
+    under the hybrid tree, with an n-gram branch as deep as the head's tree or deeper (on a target
+    that continues its prompt, so the branch is accepted past the head's levels); the branch is
+    drafted in most rounds."""
+    tparams = L.make_target() if ngram <= depth else prompt_cycling(L.make_target())
     hc, hp = L.eagle_copy_head(tparams)
     from jspec.speculative.drafters.eagle import EagleDrafter
 
     drafter = HybridDrafter(EagleDrafter(hc))
-    tree = TreeConfig(top_k=3, depth=L.K, num_nodes=10, ngram=L.K)
+    tree = TreeConfig(top_k=3, depth=depth, num_nodes=10, ngram=ngram)
     sampling = Sampling(temperature=1.0)
     res = generate(tparams, L.CFG, [L.PROMPT] * L.N, max_new_tokens=L.MAX_NEW, sampling=sampling, seed=4,
-                   cache_len=L.CACHE_LEN + L.K, speculative=SpeculativeConfig(
+                   cache_len=L.CACHE_LEN + ngram, speculative=SpeculativeConfig(
                        drafter=drafter, drafter_params=L.noised(hp, jax.random.PRNGKey(3), L.NOISE), tree=tree))
     assert (res.lengths == L.MAX_NEW).all()
     calls = res.draft_lengths[:, 1:] > 0
@@ -100,7 +170,9 @@ def test_hybrid_sampling_follows_the_target_law():
     p = np.asarray(L.teacher_forced_probs(tparams, jnp.asarray(seqs, jnp.int32), sampling))
     group = {"tokens": res.tokens, "probs": p, "offsets": L.round_offsets(res.step_tokens, L.MAX_NEW)}
     reached = np.bincount(group["offsets"].ravel(), minlength=L.K + 1) / L.N
-    assert (reached[1:] > 0.2).all(), reached
+    assert (reached[1:L.K + 1] > 0.2).all(), reached
+    if ngram > depth:  # tokens accepted past the head's deepest level
+        assert reached[depth + 1:].sum() > 0.05, reached
     for n in range(L.MAX_NEW):
         pval, df = L.group_pvalue(group, positions=[n])
         assert pval > L.PASS, f"position {n}: p = {pval:.2e} (df {df})"

@@ -276,17 +276,20 @@ class MethodFactory:
     def supports(self, spec: MethodSpec, batch: int) -> bool:
         return not (spec.method == "hf" and spec.drafter == "prompt_lookup" and batch != 1)
 
-    def auto_plan(self, spec: MethodSpec, params: Any, drafter: Any, dparams: Any, batch: int, context: float | None = None):
+    def auto_plan(self, spec: MethodSpec, params: Any, drafter: Any, dparams: Any, batch: int, context: float | None = None,
+                  prompts: list[list[int]] | None = None):
         hybrid = isinstance(drafter, HybridDrafter)
         head = drafter.eagle if hybrid else drafter  # a hybrid's costs are its head's (the n-gram branch costs verify only)
         costs = ensure_costs(params, self.cfg, head, dparams, batch=batch, preset=preset_name(self.args.model),
                              models_dir=self.args.models_dir, tree=isinstance(head, EagleDrafter))
         # the plan a user's generate(policy="auto") makes: the head's own measured acceptance as the prior
         return plan_for(drafter, costs, batch=batch, k_cap=self.args.k_max or 8, tree=TreeConfig() if spec.tree else None,
-                        context=context)
+                        context=context, prompts=prompts)
 
-    def build(self, spec: MethodSpec, dtype: str, batch: int, context: float | None = None):
-        """The method at this batch and dtype; `context`: the task's mean attended context, for `auto` plans."""
+    def build(self, spec: MethodSpec, dtype: str, batch: int, context: float | None = None,
+              prompts: list[list[int]] | None = None):
+        """The method at this batch and dtype; `context`: the task's mean attended context, and
+        `prompts` its prompts (token ids; n-gram lookup's acceptance), for `auto` plans."""
         a = self.args
         if spec.method == "hf":
             pad = getattr(self.tokenizer, "pad_token_id", None)
@@ -312,7 +315,8 @@ class MethodFactory:
             if spec.policy == "ldlp":  # the predictor shipped in the EAGLE head's jspec/ folder
                 extra["policy_params"] = load_ldlp(str(find_ldlp_weights(spec.drafter, self.args.model)))[0]
             if spec.policy == "auto":  # the budget from this card's measured round costs (cached per card)
-                extra["policy"] = self.auto_plan(spec, params, extra["drafter"], extra["drafter_params"], batch, context)
+                extra["policy"] = self.auto_plan(spec, params, extra["drafter"], extra["drafter_params"], batch, context,
+                                                 prompts)
             constants = self.calibrated_policy(spec)
             if constants is not None:
                 extra["policy"], label = constants
@@ -397,7 +401,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                     if skipped:
                         progress.write(f"skipping {', '.join(skipped)} at batch {batch}: transformers runs it at batch 1 only")
                     context = mean_context([len(p) for p in task_prompts], args.max_new_tokens)
-                    methods = [factory.build(s, dtype, batch, context) for s in specs if factory.supports(s, batch)]
+                    methods = [factory.build(s, dtype, batch, context, task_prompts) for s in specs if factory.supports(s, batch)]
                     group = benchmark_group(ctx, methods, task_prompts, task=task, progress=progress, min_timed_s=args.min_timed_s,
                                             barrier=barrier)
                     for row in group:

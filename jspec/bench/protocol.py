@@ -77,8 +77,8 @@ Methods (--methods, comma-separated; all are checked before any runs):
              nodes=N|auto    tree: draft nodes kept, i.e. EAGLE's total_token - 1 (auto: timed on
                              this device over EAGLE's candidates, default tree shape); implies tree
              topk=N depth=N  tree shape; imply tree
-             ngram=N         eagle3+ngram: nodes of the n-gram branch beside the head's tree
-                             (default the depth; with auto, the plan picks it)
+             ngram=N         eagle3+ngram: nodes of the n-gram branch beside the head's tree, up to 8,
+                             deeper than the tree if need be (default the depth; with auto, the plan picks it)
              k=N             chain: most draft tokens per round (k_max; default --k-max, else 8)
              verify=consultant   Consultant Decoding's LOSSY rule; eps=X and smoothing=B set it
              FIELD=VALUE     any field of the policy, e.g. threshold=0.4, lambda_rule=B,

@@ -3,7 +3,9 @@
 Which drafter wins depends on the text: prompt lookup on text that repeats its prompt
 (summaries, retrieval answers, code edits), a trained head elsewhere. A hybrid tree holds both:
 the head's EAGLE-2 tree, and beside it, as one more branch from the root, the n-gram drafter's
-continuation of up to `TreeConfig.ngram` tokens (engines.tree builds it). The n-gram branch is a
+continuation of up to `TreeConfig.ngram` tokens (engines.tree builds it), at most MAX_NGRAM_BRANCH and
+possibly deeper than the head's tree (the round then verifies, and may accept, a path of up to
+max(depth, ngram) tokens). The n-gram branch is a
 chain of point-mass drafts (q = 1), like every tree node, so the tree verifier and its lossless
 rule are unchanged: a root may now have top_k + 1 children, one of them perhaps a duplicate of a
 head child, which the rule (try children in order, zero a rejected token's p) then never accepts.
@@ -20,6 +22,12 @@ from flax import struct
 from ...config import ModelConfig
 from .eagle import EagleDrafter, EagleState
 from .ngram import NgramDrafter, NgramState
+
+# [I] The longest n-gram branch: a round's verified path, its emitted tokens and the cache slots it
+# reserves grow to max(depth, ngram) + 1. 8 is the chain engines' default k_max, the longest n-gram
+# chain `auto` plans; on text that copies its prompt (longdoc) the branch pays past the head's depth
+# (4 at batch 1 on the H100 table), where the head's tree has long stopped being accepted.
+MAX_NGRAM_BRANCH = 8
 
 
 @struct.dataclass

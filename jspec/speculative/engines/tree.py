@@ -56,7 +56,7 @@ from ...heads import eagle as H
 from ...kernels.top_k import top_k
 from ...refill import run_queue
 from ..drafters.eagle import EagleDrafter
-from ..drafters.hybrid import HybridDrafter
+from ..drafters.hybrid import MAX_NGRAM_BRANCH, HybridDrafter
 from ..policies import resolve_policy
 from ..state import SpecState, outputs_of, record_call, result_from_device, round_features, take_row
 from ..verify.tree import Tree, path_of, verify_tree_greedy, verify_tree_sampling
@@ -72,7 +72,9 @@ class TreeConfig:
     num_nodes: int = 59  # draft nodes kept (EAGLE's total_token - 1)
     # smaller verify blocks (draft nodes) compiled for rounds a dynamic policy cut; those below num_nodes are used
     verify_sizes: tuple[int, ...] = (15, 31)
-    ngram: int = 0  # hybrid drafters (drafters.hybrid): nodes of the n-gram branch beside the head's tree
+    # hybrid drafters (drafters.hybrid): nodes of the n-gram branch beside the head's tree, up to
+    # MAX_NGRAM_BRANCH, deeper than the head's levels if need be (`path_depth`)
+    ngram: int = 0
     # cutting policies: run each level under a lax.cond, skipped once no row keeps it. None: where
     # branches are decided on the device (TPU, CPU) but not on GPUs, where XLA reads each predicate
     # back to the host (module doc: ~45 µs a branch on an H200, against 74 µs a level)
@@ -89,13 +91,19 @@ class TreeConfig:
             raise ValueError(f"num_nodes must be in [1, {cands}] for top_k={self.top_k}, depth={self.depth}")
         if any(not isinstance(n, int) or n < 1 for n in self.verify_sizes):
             raise ValueError(f"verify_sizes must be positive node counts, got {self.verify_sizes}")
-        if not 0 <= self.ngram <= self.depth:
-            raise ValueError(f"ngram (the n-gram branch's nodes) must be in [0, depth={self.depth}], got {self.ngram}")
+        if not 0 <= self.ngram <= MAX_NGRAM_BRANCH:
+            raise ValueError(f"ngram (the n-gram branch's nodes) must be in [0, {MAX_NGRAM_BRANCH}], got {self.ngram}")
 
     @property
     def total_nodes(self) -> int:
         """Draft nodes the target verifies at most: the head's kept nodes and the n-gram branch."""
         return self.num_nodes + self.ngram
+
+    @property
+    def path_depth(self) -> int:
+        """The deepest draft node: the head's depth or a longer n-gram branch's. A round's verified
+        path and its emitted tokens hold path_depth + 1 entries."""
+        return max(self.depth, self.ngram)
 
     def block_sizes(self, prunes: bool) -> tuple[int, ...]:
         """Draft-node counts the verify block is compiled for, ascending, the full tree last:
@@ -111,12 +119,12 @@ class TreeConfig:
     @property
     def cache_slots(self) -> int:
         """Cache slots past the cursor one round may write, in the target's cache and the head's:
-        the target's num_nodes + 1 tree tokens, and the head's re-read of the accepted path
-        (depth + 1 pairs). Drafting the tree needs no head slots (the einsum path keeps the levels'
-        K/V in a pending buffer; the fused kernel writes them past the cursor as scratch, drops what
-        falls past the cache end and still attends to it), so nothing grows with (depth - 1) *
-        top_k. `generate` reserves this many."""
-        return max(self.total_nodes, self.depth) + 1
+        the target's total_nodes + 1 tree tokens, and the head's re-read of the accepted path
+        (path_depth + 1 pairs). Drafting the tree needs no head slots (the einsum path keeps the
+        levels' K/V in a pending buffer; the fused kernel writes them past the cursor as scratch,
+        drops what falls past the cache end and still attends to it), so nothing grows with
+        (depth - 1) * top_k. `generate` reserves this many."""
+        return max(self.total_nodes, self.path_depth) + 1
 
 
 def _children(hcfg: H.HeadConfig, dparams, logits, k: int):
@@ -259,7 +267,7 @@ def first_nodes(tree: Tree, n: int) -> Tree:
 
 def verify_block(tparams, tcfg, capture, unroll, sampling, max_depth: int, max_children: int, tree: Tree, cache, key):
     """One target forward over a tree and its verification: (best node, n accepted, next token,
-    path [B, D+1], the forward's outputs along the path, the feature at the best node)."""
+    path [B, max_depth+1], the forward's outputs along the path, the feature at the best node)."""
     positions = cache.lengths[:, None] + tree.depth
     vout = M.forward(tparams, tcfg, tree.tokens, cache, positions=positions, new_mask=tree.ancestors,
                      capture=capture, unroll=unroll)
@@ -284,9 +292,10 @@ def verify_pruned(tparams, tcfg, capture, unroll, sampling, max_depth: int, max_
 
 
 def with_ngram_branch(tcfg, tree: Tree, tokens: jax.Array, valid: jax.Array, max_depth: int) -> Tree:
-    """The head's tree with an n-gram continuation (tokens, valid [B, M], M <= max_depth) as one
-    more branch from the root, placed first (nodes 1..M, a chain) so that a pruned round's valid
-    nodes still come first; the head's nodes follow, their parent indices shifted by M."""
+    """The head's tree with an n-gram continuation (tokens, valid [B, M]) as one more branch from
+    the root, placed first (nodes 1..M, a chain) so that a pruned round's valid nodes still come
+    first; the head's nodes follow, their parent indices shifted by M. max_depth: the deepest node
+    of the result, max(the head tree's depth, M) (`TreeConfig.path_depth`)."""
     B, M = tokens.shape
     chain = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (B, M))  # node i's parent is i - 1 (the root for i = 1)
     head_parent = jnp.where(tree.parent[:, 1:] == 0, 0, tree.parent[:, 1:] + M).astype(jnp.int32)
@@ -322,7 +331,7 @@ def gather_out(out: M.ForwardOut, path: jax.Array) -> M.ForwardOut:
 
 
 def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new, sampling, unroll, state: SpecState) -> SpecState:
-    D = tc.depth
+    D, P = tc.depth, tc.path_depth  # the head's levels; the deepest node (a hybrid's n-gram branch may reach past D)
     key, k_verify = jax.random.split(state.key)
     pstate, limit = policy.start_round(state.pstate, D, round_features(state, tparams))
     # a policy that does not cut trees keeps them whole: masking nodes the round drafts and
@@ -334,22 +343,23 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
     dstate = state.dstate.replace(eagle=head_state) if hybrid else head_state
     children = tc.top_k
     if hybrid and tc.ngram:
-        tree = with_ngram_branch(tcfg, tree, *drafter.ngram.propose(state.dstate.ngram, state.last, tc.ngram), D)
+        tree = with_ngram_branch(tcfg, tree, *drafter.ngram.propose(state.dstate.ngram, state.last, tc.ngram), P)
         children += 1  # the root's n-gram child beside its top_k head children
     best, n, nxt, path, path_out, feature = verify_pruned(
-        tparams, tcfg, drafter.capture_layers, unroll, sampling, D, children, tree, state.cache, k_verify,
+        tparams, tcfg, drafter.capture_layers, unroll, sampling, P, children, tree, state.cache, k_verify,
         tc.block_sizes(policy.cuts_trees))
     path_tok = jnp.take_along_axis(tree.tokens, path, 1)
 
     active = ~state.done
     emitted = jnp.concatenate([path_tok[:, 1:], nxt[:, None]], axis=1)
-    emitted = jnp.where(jnp.arange(D + 1)[None] == n[:, None], nxt[:, None], emitted)
+    emitted = jnp.where(jnp.arange(P + 1)[None] == n[:, None], nxt[:, None], emitted)
     out, n_out, done = emit(tcfg, state.out, state.n_out, state.done, emitted, n + 1, max_new)
     step = active.astype(jnp.int32)
     cache = M.commit(path_out.cache, path, (n + 1) * step)
     dstate = drafter.commit(dparams, tparams, tcfg, dstate, path_tok, n, nxt, path_out)
     n_drafted = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)  # chain-equivalent draft length
-    pstate = policy.update(pstate, n_drafted, n, active)
+    # the policy budgets the head's D levels: an n-gram branch past them counts as D drafted (and accepted)
+    pstate = policy.update(pstate, jnp.minimum(n_drafted, D), jnp.minimum(n, D), active)
     n_nodes = jnp.sum(tree.valid[:, 1:], 1).astype(jnp.int32)
     trace_drafted, trace_tokens = record_call(state, active, n_nodes, state.n_out, n_out)
     return SpecState(

@@ -13,7 +13,10 @@ Two decisions use it:
   total_tokens tuning, on the measured cost of this card and batch): over EAGLE's candidate sizes
   N in (15, 23, 31, 47, 59) and depths D <= the configured depth, the gain of D tree levels and a
   verify of N + 1 tokens, where a wider tree accepts more per level (`tree_acceptance`; EAGLE
-  credits larger trees with fixed weights instead). If no budget's gain reaches
+  credits larger trees with fixed weights instead). Hybrid trees (drafters.hybrid) also pick the
+  n-gram branch's length M in 0, 2, .., MAX_NGRAM_BRANCH, whatever D (a branch longer than the
+  head's tree pays on text that copies its prompt): a verify of N + M + 1 tokens and the tokens of
+  the longer accepted path (`hybrid_tokens`). If no budget's gain reaches
   `min_gain` (1.05 by default: a margin for the model's error), `plan` returns "ar": the call runs
   plain decoding.
   Stragglers: a batch runs until its slowest row is done, and rows differ in acceptance, so at
@@ -51,6 +54,14 @@ run needs and the committed table lacks are measured into the user cache); the e
 table for this card, `REFERENCE_COSTS` (SmolLM2-135M, bf16, an H200) is used.
 The acceptance prior is the drafter's own when it carries one (an EAGLE head's measured
 acceptance, `EagleDrafter.acceptance`), else the table's measured one, else `ACCEPTANCE_PRIOR`.
+
+n-gram lookup's acceptance depends on the text far more than a head's (tokens per call of K = 6
+chains on the H200: 1.95 on MT-Bench, 3.05 on longdoc, where the answer copies the prompt), so for
+it (and a hybrid's n-gram branch) `plan_for` estimates the acceptance from the call's own prompts
+(`ngram_acceptance`, [I], `NgramEstimate`): the drafter's rule replayed over each prompt
+(drafters.ngram.replay_lookup) measures how well the prompts predict themselves, and the prior's
+miss rate is scaled by how much more or less than the MT-Bench prompts (on which the prior was fit)
+they do. `plan_for(..., ngram_estimate=None)`, or no prompts, plans on the prior alone.
 """
 
 from __future__ import annotations
@@ -66,6 +77,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from ..drafters.hybrid import MAX_NGRAM_BRANCH
+from ..drafters.ngram import replay_lookup
 from .base import Policy, clip_limit, count_rounds
 
 TREE_SIZES = (15, 23, 31, 47, 59)  # EAGLE's total_tokens candidates, minus the root
@@ -83,13 +96,15 @@ TREE_WIDTH_EXPONENT = 0.29
 
 
 def hybrid_tokens(tree_alpha: float, depth: int, ngram_alpha: float, ngram: int) -> float:
-    """Expected tokens of a round over a head tree of per-level acceptance tree_alpha and an n-gram
-    branch of `ngram` nodes (drafters.hybrid): the longer of the two accepted paths plus the bonus,
-    1 + sum_j P(either reaches depth j), with the two branches taken as independent ([I] a model:
-    both do better on easy text, so it is optimistic where they overlap)."""
-    j = np.arange(1, depth + 1)
+    """Expected tokens of a round over a head tree of `depth` levels with per-level acceptance
+    tree_alpha and an n-gram branch of `ngram` nodes, which may be the longer (drafters.hybrid):
+    the longer of the two accepted paths plus the bonus, 1 + sum_j P(either reaches depth j) for
+    j up to max(depth, ngram), with the two branches taken as independent ([I] a model: both do
+    better on easy text, so it is optimistic where they overlap)."""
+    j = np.arange(1, max(depth, ngram) + 1)
+    tree_reach = np.where(j <= depth, float(tree_alpha) ** j, 0.0)
     ngram_reach = np.where(j <= ngram, float(ngram_alpha) ** j, 0.0)
-    return float(1.0 + np.sum(1.0 - (1.0 - float(tree_alpha) ** j) * (1.0 - ngram_reach)))
+    return float(1.0 + np.sum(1.0 - (1.0 - tree_reach) * (1.0 - ngram_reach)))
 
 
 def tree_acceptance(alpha, nodes: int, depth: int):
@@ -106,6 +121,57 @@ DEFAULT_PRIOR = 0.4
 # [I] spread of per-row acceptance by drafter (module doc: stragglers); other drafters get the default
 ROW_SPREAD = {"eagle": 0.04, "ngram": 0.2}
 DEFAULT_ROW_SPREAD = 0.04
+
+
+def acceptance_prior(costs: dict, drafter_name: str) -> float:
+    """The per-token acceptance a drafter is planned with before anything else is known: the cost
+    table's measured one, else `ACCEPTANCE_PRIOR` (else DEFAULT_PRIOR)."""
+    return float(costs.get("acceptance", {}).get(drafter_name, ACCEPTANCE_PRIOR.get(drafter_name, DEFAULT_PRIOR)))
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramEstimate:
+    """[I] The call's n-gram acceptance from its prompts (`ngram_acceptance`).
+
+    s: the prompts' self-lookup acceptance, the geometric fit (accepted drafts / trials) of the
+    n-gram drafter's rounds replayed over them, drafting `draft` tokens a round
+    (drafters.ngram.replay_lookup). A prompt predicts its own continuation far worse than the
+    answer is predicted (the answer also repeats itself and quotes its prompt), so s is not the
+    acceptance itself; it says how much the prompts repeat themselves against the prompts the
+    prior was measured on: the estimate scales the prior's miss rate,
+        1 - a_hat = (1 - prior) * ((1 - s) / (1 - reference)) ** gain,
+    and is shrunk toward the prior by the rounds R replayed, a = prior + R / (R + prior_rounds) *
+    (a_hat - prior), then clipped to [low, high].
+
+    reference 0.062: s of the 80 MT-Bench prompts under SmolLM2-135M-Instruct's chat template
+    (drafting 6), the prompts behind ACCEPTANCE_PRIOR["ngram"] (another tokenizer or chat template
+    gives another value). gain 2: fit to the n-gram `auto` chains' tokens per call on the H200 (batch 1):
+    HumanEval (s 0.206, 2.29 tokens per call) and longdoc (s 0.289, 3.05) imply 2.0 and 2.5
+    against the prior of 0.4. prior_rounds 64: a one-prompt call of MT-Bench length (about 60
+    rounds) moves halfway from the prior."""
+
+    draft: int = 6
+    reference: float = 0.062
+    gain: float = 2.0
+    prior_rounds: float = 64.0
+    low: float = 0.05
+    high: float = 0.9
+
+
+NGRAM_ESTIMATE = NgramEstimate()
+
+
+def ngram_acceptance(prompts, prior: float, estimate: NgramEstimate = NGRAM_ESTIMATE, *, max_ngram: int = 3,
+                     min_ngram: int = 1) -> float:
+    """The n-gram drafter's per-token acceptance for a call on these prompts (token-id sequences),
+    from how well they predict themselves under its lookup rule (`NgramEstimate`)."""
+    accepted, trials, rounds = replay_lookup(prompts, estimate.draft, max_ngram, min_ngram).sum(0)
+    if rounds == 0:
+        return float(np.clip(prior, estimate.low, estimate.high))
+    s = accepted / max(trials, 1.0)
+    miss = (1.0 - prior) * ((1.0 - s) / (1.0 - estimate.reference)) ** estimate.gain
+    weight = rounds / (rounds + estimate.prior_rounds)
+    return float(np.clip(prior + weight * ((1.0 - miss) - prior), estimate.low, estimate.high))
 
 
 def expected_max_normal(n: int) -> float:
@@ -251,16 +317,18 @@ class AutoPlan:
 
 def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: int = 8, tree: bool = False,
          tree_top_k: int = 10, tree_depth: int = 6, alpha: float | None = None, min_gain: float = 1.05,
-         row_spread: float | None = None, hybrid: bool = False, context: float | None = None) -> AutoPlan:
+         row_spread: float | None = None, hybrid: bool = False, ngram_alpha: float | None = None,
+         context: float | None = None) -> AutoPlan:
     """The static budget for one generate call (module doc). `parallel` drafters (n-gram) cost
     nothing per draft step. alpha: the drafter's mean per-token acceptance (None: the table's or
-    the prior); the plan uses a slow row's (`straggler_acceptance`, with the drafter's
-    `ROW_SPREAD` unless row_spread is given). hybrid: a head tree with an n-gram branch beside it
-    (drafters.hybrid): the plan also picks the branch's length, 0 to the depth in steps of 2,
-    by `hybrid_tokens` at the n-gram drafter's acceptance. context: the call's mean attended
-    context in tokens (`CostModel`), None: the table's own."""
+    the prior, `acceptance_prior`); the plan uses a slow row's (`straggler_acceptance`, with the
+    drafter's `ROW_SPREAD` unless row_spread is given). hybrid: a head tree with an n-gram branch
+    beside it (drafters.hybrid): the plan also picks the branch's length, 0 to MAX_NGRAM_BRANCH in
+    steps of 2 whatever the depth, by `hybrid_tokens` at the n-gram drafter's acceptance,
+    ngram_alpha (None: its prior), lowered for a slow row by n-gram lookup's ROW_SPREAD. context:
+    the call's mean attended context in tokens (`CostModel`), None: the table's own."""
     cm = CostModel(costs, batch, context)
-    a = alpha if alpha is not None else costs.get("acceptance", {}).get(drafter_name, ACCEPTANCE_PRIOR.get(drafter_name, DEFAULT_PRIOR))
+    a = alpha if alpha is not None else acceptance_prior(costs, drafter_name)
     if row_spread is None:
         row_spread = ROW_SPREAD.get(drafter_name, DEFAULT_ROW_SPREAD)
     a_mean, a = a, straggler_acceptance(a, batch, row_spread)
@@ -270,15 +338,15 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     candidates = []  # (gain, draft tokens, depth or K, plan)
     a_ngram = 0.0
     if hybrid:
-        prior = costs.get("acceptance", {}).get("ngram", ACCEPTANCE_PRIOR["ngram"])
-        a_ngram = straggler_acceptance(prior, batch, ROW_SPREAD["ngram"])
+        a_ngram = ngram_alpha if ngram_alpha is not None else acceptance_prior(costs, "ngram")
+        a_ngram = straggler_acceptance(a_ngram, batch, ROW_SPREAD["ngram"])
     if tree:
         level = cm.tree_level()
         for depth in range(2, tree_depth + 1):
             for n in TREE_SIZES:
                 if n > tree_top_k + (depth - 1) * tree_top_k**2:
                     continue
-                for m in (range(0, depth + 1, 2) if hybrid else (0,)):
+                for m in (range(0, MAX_NGRAM_BRANCH + 1, 2) if hybrid else (0,)):
                     tau = hybrid_tokens(float(tree_acceptance(a, n, depth)), depth, a_ngram, m)
                     gain = tau * ar / (first + depth * level + cm.verify(n + m + 1, tree=True))
                     candidates.append((gain, n + m, depth, AutoPlan("tree", depth, n, gain, None, ngram=m)))
@@ -404,17 +472,26 @@ def load_costs(preset: str | None = None, models_dir: str = "models") -> dict:
     return REFERENCE_COSTS
 
 
-def plan_for(drafter, costs: dict, *, batch: int, k_cap: int, tree, context: float | None = None) -> AutoPlan:
+def plan_for(drafter, costs: dict, *, batch: int, k_cap: int, tree, context: float | None = None, prompts=None,
+             ngram_estimate: NgramEstimate | None = NGRAM_ESTIMATE) -> AutoPlan:
     """`plan` for a drafter object: its own measured acceptance (an EAGLE head's config) as the
     prior, a hybrid planned as its head's tree plus the n-gram branch. `tree`: None (chains), or
     the tree setting (a TreeConfig, whose top_k and depth bound the search; True or "auto": EAGLE-2's
-    defaults). `context`: the call's mean attended context (`mean_context`). The one place
-    `generate`, `jspec generate` and `jspec bench` turn a drafter into a plan."""
+    defaults). `context`: the call's mean attended context (`mean_context`). `prompts`: the call's
+    prompts (token ids), from which n-gram lookup's acceptance (the n-gram drafter's, a hybrid's
+    branch's) is estimated by `ngram_acceptance` with `ngram_estimate`; None for either: its
+    prior. The one place `generate`, `jspec generate` and `jspec bench` turn a drafter into a plan."""
     hybrid = drafter.name == "hybrid"
+    lookup = drafter.ngram if hybrid else (drafter if drafter.name == "ngram" else None)  # the n-gram drafter
+    estimated = None
+    if lookup is not None and prompts is not None and ngram_estimate is not None:
+        estimated = ngram_acceptance(prompts, acceptance_prior(costs, "ngram"), ngram_estimate,
+                                     max_ngram=lookup.max_ngram, min_ngram=lookup.min_ngram)
     return plan(costs, batch=batch, drafter_name="eagle" if hybrid else drafter.name, parallel=drafter.parallel,
-                k_cap=k_cap, tree=tree is not None, alpha=getattr(drafter, "acceptance", None),
+                k_cap=k_cap, tree=tree is not None,
+                alpha=estimated if drafter.name == "ngram" else getattr(drafter, "acceptance", None),
                 tree_top_k=getattr(tree, "top_k", 10), tree_depth=getattr(tree, "depth", 6), hybrid=hybrid,
-                context=context)
+                ngram_alpha=estimated if hybrid else None, context=context)
 
 
 def mean_context(prompt_lens, max_new: int) -> float:
@@ -422,16 +499,17 @@ def mean_context(prompt_lens, max_new: int) -> float:
     return float(np.mean(np.asarray(prompt_lens, np.float64))) + max_new / 2.0
 
 
-def auto_budget(policy, drafter, batch: int, k_max: int, tree, costs: dict | None = None, context: float | None = None):
+def auto_budget(policy, drafter, batch: int, k_max: int, tree, costs: dict | None = None, context: float | None = None,
+                prompts=None):
     """(drafter, policy, k_max, tree) for a generate call whose policy is "auto" or an AutoPlan:
     the drafter is None when plain decoding is expected to be faster. `tree` is None (chains) or
     the caller's tree config, whose depth and num_nodes the plan replaces; `context` the call's
-    mean attended context (`mean_context`)."""
+    mean attended context (`mean_context`), `prompts` its prompts (token ids; `plan_for`)."""
     if isinstance(policy, AutoPlan):
         p = policy
     else:
         p = plan_for(drafter, costs if costs is not None else load_costs(), batch=batch, k_cap=k_max, tree=tree,
-                     context=context)
+                     context=context, prompts=prompts)
     if p.mode == "ar":
         return None, None, k_max, None
     if p.mode == "tree":
