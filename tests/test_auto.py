@@ -355,12 +355,27 @@ def test_ngram_acceptance_is_estimated_from_the_prompts():
     ngram = NgramDrafter()
     plans = {name: plan_for(ngram, REFERENCE_COSTS, batch=1, k_cap=8, tree=None, prompts=p)
              for name, p in (("copying", copying), ("fresh", fresh), ("none", None))}
-    assert plans["copying"].k_max > plans["none"].k_max and plans["copying"].policy.alpha0 == pytest.approx(high)
+    assert plans["copying"].gain > plans["none"].gain and plans["copying"].policy.alpha0 == pytest.approx(high)
     assert plans["fresh"].policy.alpha0 == pytest.approx(low) and plans["none"].policy.alpha0 == pytest.approx(prior)
     assert plan_for(ngram, REFERENCE_COSTS, batch=1, k_cap=8, tree=None, prompts=copying, ngram_estimate=None) == plans["none"]
     # a hybrid's n-gram branch: the estimate of its own lookup rule; its head's acceptance is untouched
     drafter, _ = _drafters(M.init_params(CFG, jax.random.PRNGKey(0)))["eagle3"]
-    hybrid = HybridDrafter(dataclasses.replace(drafter, acceptance=0.3))
+    hybrid = HybridDrafter(dataclasses.replace(drafter, acceptance=0.6))
     tree = TreeConfig(top_k=10, depth=6, num_nodes=59)
     branch = [plan_for(hybrid, REFERENCE_COSTS, batch=1, k_cap=8, tree=tree, prompts=p) for p in (copying, fresh)]
-    assert branch[0].ngram > branch[1].ngram and branch[0].policy.alpha0 == branch[1].policy.alpha0 == 0.3
+    # copying prompts: lookup alone beats the head's tree (at the estimate); fresh ones: the tree
+    assert (branch[0].mode, branch[0].drafter) == ("chain", "ngram") and branch[0].policy.alpha0 == pytest.approx(high)
+    assert branch[1].mode == "tree" and branch[1].policy.alpha0 == 0.6
+
+
+def test_a_hybrid_branch_pays_its_own_round_cost():
+    """The n-gram branch's lookup and commits cost a round more than its verify block: priced, a
+    hybrid whose branch adds little plans the head's tree alone; a table may price it itself."""
+    from jspec.speculative.policies.auto import HYBRID_BRANCH_US
+
+    flat = {"verify_us": {"1": {"1": 1000, "8": 1010, "tree16": 1020, "tree32": 1040, "tree48": 1060, "tree60": 1100}},
+            "draft_step_us": {"1": 40}, "draft_first_us": {"1": 20}, "tree_level_us": {"1": 40}}
+    kw = dict(batch=1, drafter_name="eagle", parallel=False, tree=True, alpha=0.65, hybrid=True)
+    free, priced = (plan({**flat, "hybrid_branch_us": {"1": us}}, ngram_alpha=0.4, **kw) for us in (0.0, 2000.0))
+    assert free.ngram > 0 and priced.ngram == 0
+    assert HYBRID_BRANCH_US > 0 and plan(flat, ngram_alpha=0.85, **kw).drafter == "ngram"  # text that copies its prompt: lookup

@@ -45,10 +45,12 @@ def test_hybrid_spec_and_plan():
     # the expected tokens of the longer of two independent paths: a branch never lowers it
     assert hybrid_tokens(0.5, 4, 0.9, 0) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
     assert hybrid_tokens(0.5, 4, 0.9, 4) > hybrid_tokens(0.5, 4, 0.9, 2) > hybrid_tokens(0.5, 4, 0.9, 0)
-    costs = {**REFERENCE_COSTS, "acceptance": {"ngram": 0.95}}
-    assert plan(costs, batch=1, drafter_name="eagle", parallel=False, tree=True, alpha=0.3, hybrid=True).ngram > 0
-    costs = {**REFERENCE_COSTS, "acceptance": {"ngram": 0.0}}
-    assert plan(costs, batch=1, drafter_name="eagle", parallel=False, tree=True, alpha=0.6, hybrid=True).ngram == 0
+    kw = dict(batch=1, drafter_name="eagle", parallel=False, tree=True, hybrid=True)
+    assert plan({**REFERENCE_COSTS, "acceptance": {"ngram": 0.5}}, alpha=0.7, **kw).ngram > 0
+    assert plan({**REFERENCE_COSTS, "acceptance": {"ngram": 0.0}}, alpha=0.6, **kw).ngram == 0
+    # lookup far ahead of a weak head: the hybrid runs its n-gram half alone, as a chain
+    alone = plan({**REFERENCE_COSTS, "acceptance": {"ngram": 0.95}}, alpha=0.3, **kw)
+    assert (alone.mode, alone.drafter, alone.ngram) == ("chain", "ngram", 0) and alone.policy.alpha0 == 0.95
 
 
 def test_the_ngram_branch_may_be_longer_than_the_heads_tree():
@@ -63,10 +65,10 @@ def test_the_ngram_branch_may_be_longer_than_the_heads_tree():
         TreeConfig(depth=2, num_nodes=15, ngram=MAX_NGRAM_BRANCH + 1)
     assert hybrid_tokens(0.5, 2, 0.8, 6) == pytest.approx(1 + (1 - 0.5 * 0.2) + (1 - 0.75 * 0.36) + sum(0.8 ** j for j in range(3, 7)))
     assert hybrid_tokens(0.5, 2, 0.8, 6) > hybrid_tokens(0.5, 2, 0.8, 2)
-    costs = {**REFERENCE_COSTS, "acceptance": {"ngram": 0.95}}
-    p = plan(costs, batch=1, drafter_name="eagle", parallel=False, tree=True, alpha=0.3, hybrid=True, tree_depth=2)
-    assert p.k_max == 2 and p.ngram > 2
-    assert plan(costs, batch=1, drafter_name="eagle", parallel=False, tree=True, alpha=0.3, hybrid=True,
+    p = plan(REFERENCE_COSTS, batch=1, drafter_name="eagle", parallel=False, tree=True, alpha=0.66, hybrid=True,
+             tree_depth=2, ngram_alpha=0.44)
+    assert p.mode == "tree" and p.k_max == 2 and p.ngram > 2
+    assert plan(REFERENCE_COSTS, batch=1, drafter_name="eagle", parallel=False, tree=True, alpha=0.66, hybrid=True,
                 tree_depth=2, ngram_alpha=0.0).ngram == 0
 
 
@@ -89,6 +91,24 @@ def test_hybrid_tree_greedy_identical_to_ar(target, policy):
     if policy == "static":  # the n-gram branch is drafted: more nodes per call than the head keeps
         calls = out.draft_lengths[:, 1:] > 0
         assert out.draft_lengths[:, 1:][calls].max() > TC.num_nodes
+
+
+def test_a_hybrid_planned_as_lookup_alone_runs_its_ngram_chain(target):
+    """`auto` may give a hybrid none of its head's tree: the call runs the n-gram half as a chain,
+    and its output is still the target's."""
+    drafter, dparams = spec_tiny._drafters(target)["eagle3"]
+    hybrid = HybridDrafter(drafter)
+    lookup = plan(REFERENCE_COSTS, batch=1, drafter_name="eagle", parallel=False, tree=True, alpha=0.3, hybrid=True,
+                  ngram_alpha=0.95)
+    assert (lookup.mode, lookup.drafter) == ("chain", "ngram")
+    prompts = spec_tiny._prompts(3)
+    ar = generate(target, spec_tiny.CFG, prompts, max_new_tokens=16)
+    out = generate(target, spec_tiny.CFG, prompts, max_new_tokens=16,
+                   speculative=SpeculativeConfig(drafter=hybrid, drafter_params=dparams, tree=TreeConfig(top_k=3, depth=4, num_nodes=12),
+                                                 policy=lookup))
+    for b in range(len(prompts)):
+        assert out.row(b) == ar.row(b)
+    assert out.draft_lengths.max() <= lookup.k_max  # a chain of at most K drafts, no tree nodes
 
 
 def cycling_target():

@@ -17,6 +17,7 @@ from jspec.bench.prompts import encode_questions
 from jspec.bench.protocol import ENGINE_KEYS, METHOD_GRAMMAR, PARALLEL_METHODS, MethodSpec, parse_method_specs
 from jspec.bench.report import bench_dir, group_tables, write_benchmarks_md, write_rows
 from jspec.heads.hrad import load_hrad
+from jspec.kernels.decode_attention import split_attention
 from jspec.model import cast_params
 from jspec.sharding import parse_mesh
 from jspec.speculative.factory import build_drafter, find_ldlp_weights, resolve_policy_spec
@@ -407,6 +408,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                     for row in group:
                         if row["method"] in ("ar", "spec"):
                             row["unroll"] = getattr(args, "unroll", "auto")
+                            row["split_attention"] = split_attention()  # $JSPEC_SPLIT_ATTENTION: long caches' keys split
                     if batch in _int_list(args.round_cost):
                         add_round_costs(group, methods, batch, progress)
                     rows += group

@@ -96,6 +96,8 @@ def table_line(row: dict[str, Any]) -> str:
     on_gpu = row.get("method") in ("ar", "spec") and row.get("card", "").lower() != "cpu" and row.get("kernels") != "xla"
     if unroll != "auto" and (unroll != 1 or on_gpu):
         mesh += f" (unroll {unroll})"
+    if row.get("split_attention") is False and on_gpu:  # the default splits long caches' keys (kernels.decode_attention)
+        mesh += " (unsplit attention)"
     cells = [
         row["task"], f"`{method_label(row)}`{mesh}", str(row["batch"]) + _queue_label(row),
         row["dtype"], str(row["n_prompts"]),
@@ -120,7 +122,8 @@ def _latest_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         key = tuple(row.get(k) for k in ("target", "card", "jax_version", "task", "method", "drafter",
                                          "policy", "tree", "dtype", "batch", "max_new_tokens", "kernels"))
         key += (row.get("mesh") or "", method_label(row), row.get("unroll") or 1,  # rows before the field: 1
-                bool(row.get("queue")), row.get("refill"))  # continuous batching: another measurement than batches
+                bool(row.get("queue")), row.get("refill"),  # continuous batching: another measurement than batches
+                row.get("split_attention"))  # rows before the field: None
         if key not in latest or row["timestamp"] >= latest[key]["timestamp"]:
             latest[key] = row
     return list(latest.values())

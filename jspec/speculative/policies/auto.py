@@ -15,8 +15,10 @@ Two decisions use it:
   verify of N + 1 tokens, where a wider tree accepts more per level (`tree_acceptance`; EAGLE
   credits larger trees with fixed weights instead). Hybrid trees (drafters.hybrid) also pick the
   n-gram branch's length M in 0, 2, .., MAX_NGRAM_BRANCH, whatever D (a branch longer than the
-  head's tree pays on text that copies its prompt): a verify of N + M + 1 tokens and the tokens of
-  the longer accepted path (`hybrid_tokens`). If no budget's gain reaches
+  head's tree pays on text that copies its prompt): a verify of N + M + 1 tokens plus the
+  branch's own round cost (`HYBRID_BRANCH_US`) and the tokens of the longer accepted path
+  (`hybrid_tokens`); and beside the trees, the n-gram half alone as a chain (`AutoPlan.drafter`
+  "ngram"), so a hybrid is never planned below lookup. If no budget's gain reaches
   `min_gain` (1.05 by default: a margin for the model's error), `plan` returns "ar": the call runs
   plain decoding.
   Stragglers: a batch runs until its slowest row is done, and rows differ in acceptance, so at
@@ -278,8 +280,19 @@ class CostModel:
     def overhead(self, tree: bool = False) -> float:
         return max(self._over_batch(self.costs.get("tree_overhead_us" if tree else "round_overhead_us") or {"1": 0.0}), 0.0)
 
+    def hybrid_branch(self) -> float:
+        """What a round with an n-gram branch costs beyond its verify block (`HYBRID_BRANCH_US`)."""
+        return max(self._over_batch(self.costs.get("hybrid_branch_us") or {"1": HYBRID_BRANCH_US}), 0.0)
+
 
 SUSPECT_RATIO = 1.25  # [I] a verify entry this far above a larger block's is a bad timing
+# [I] µs a hybrid round with an n-gram branch costs beyond the verify block the table prices: the
+# branch's lookup over the row's history, both drafters' commits, the root's extra child. Measured
+# against the table's model on an H100 at batch 1 (fifth run, hybrid 31 + 4 nodes against the
+# `auto` tree's 15): 83 µs a round on HumanEval, 120 on `longdoc` (whose long contexts the table
+# does not price either). Unpriced, the plan drafted the branch where it lost 2-5%. A table's
+# `hybrid_branch_us[B]` replaces it.
+HYBRID_BRANCH_US = 80.0
 
 
 def row_value(row: dict, key: str) -> float | None:
@@ -313,6 +326,7 @@ class AutoPlan:
     gain: float  # expected speed-up over plain decoding at the prior acceptance
     policy: "AutoPolicy | None"
     ngram: int = 0  # hybrid trees: nodes of the n-gram branch
+    drafter: str = ""  # "ngram": a hybrid drafter runs its n-gram half alone, as a chain
 
 
 def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: int = 8, tree: bool = False,
@@ -336,10 +350,10 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     step = 0.0 if parallel else cm.draft_step()
     first = (0.0 if parallel else cm.draft_first()) + cm.overhead(tree)  # fixed per-round cost
     candidates = []  # (gain, draft tokens, depth or K, plan)
-    a_ngram = 0.0
+    a_ngram = a_ngram_mean = 0.0
     if hybrid:
-        a_ngram = ngram_alpha if ngram_alpha is not None else acceptance_prior(costs, "ngram")
-        a_ngram = straggler_acceptance(a_ngram, batch, ROW_SPREAD["ngram"])
+        a_ngram_mean = ngram_alpha if ngram_alpha is not None else acceptance_prior(costs, "ngram")
+        a_ngram = straggler_acceptance(a_ngram_mean, batch, ROW_SPREAD["ngram"])
     if tree:
         level = cm.tree_level()
         for depth in range(2, tree_depth + 1):
@@ -348,8 +362,13 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
                     continue
                 for m in (range(0, MAX_NGRAM_BRANCH + 1, 2) if hybrid else (0,)):
                     tau = hybrid_tokens(float(tree_acceptance(a, n, depth)), depth, a_ngram, m)
-                    gain = tau * ar / (first + depth * level + cm.verify(n + m + 1, tree=True))
+                    branch = cm.hybrid_branch() if m else 0.0
+                    gain = tau * ar / (first + depth * level + cm.verify(n + m + 1, tree=True) + branch)
                     candidates.append((gain, n + m, depth, AutoPlan("tree", depth, n, gain, None, ngram=m)))
+        if hybrid:  # its n-gram half alone: a hybrid that may draft none of the head's tree is never below lookup
+            for k in range(1, k_cap + 1):
+                gain = float(expected_tokens(a_ngram, k)) * ar / (cm.overhead(False) + cm.verify(k + 1))
+                candidates.append((gain, k, k, AutoPlan("chain", k, 0, gain, None, drafter="ngram")))
     else:
         for k in range(1, k_cap + 1):
             gain = float(expected_tokens(a, k)) * ar / (first + k * step + cm.verify(k + 1))
@@ -358,13 +377,16 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     if top < max(min_gain, 1.0):
         return AutoPlan("ar", 0, 0, top, None)
     near = [c for c in candidates if c[0] >= max(top * (1 - PLAN_TOLERANCE), min_gain)]
+    best = min(near, key=lambda c: (c[1], c[2]))[3]
     # a lone row's chain K is only a cap: each round the row's own estimate picks k <= K
     # (`round_limit`), so a longer cap serves its easy stretches and costs the hard ones nothing
     # more; in a batch, every row pays the padded block of the longest (module doc)
-    larger = not tree and batch == 1
-    best = (max if larger else min)(near, key=lambda c: (c[1], c[2]))[3]
+    if best.mode == "chain" and batch == 1:
+        best = max((c for c in near if c[3].drafter == best.drafter), key=lambda c: (c[1], c[2]))[3]
     if best.mode == "tree":
         unit, verify_at = cm.tree_level(), cm.verify(best.num_nodes + best.ngram + 1, tree=True)
+    elif best.drafter == "ngram":
+        unit, verify_at, first, a_mean = 0.0, cm.verify(best.k_max + 1), cm.overhead(False), a_ngram_mean
     else:
         unit, verify_at = step, cm.verify(best.k_max + 1)
     # rows start from the mean acceptance; each row's own estimate takes over from there
@@ -514,4 +536,4 @@ def auto_budget(policy, drafter, batch: int, k_max: int, tree, costs: dict | Non
         return None, None, k_max, None
     if p.mode == "tree":
         return drafter, p.policy, k_max, dataclasses.replace(tree, depth=p.k_max, num_nodes=p.num_nodes, ngram=p.ngram)
-    return drafter, p.policy, p.k_max, None
+    return (drafter.ngram if p.drafter == "ngram" else drafter), p.policy, p.k_max, None
