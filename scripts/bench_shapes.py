@@ -37,7 +37,7 @@ keeps what it measured; the committed rows live in benchmarks/shapes/):
           devices=N, mesh="model=N", speedup_vs_1_device, identical_to_1_device, and a floor
           from the bytes each device reads (its shards). On a 2-GPU host:
               python scripts/bench_shapes.py --shapes llama-3.1-8b --parts tp --batches 1,16
-  peer    the PyTorch peer script (--peer), run as a subprocess at the same batches.
+  peer    the PyTorch peer script (--peer), run as a subprocess at the same batches (implied by --peer).
 --tp-shards N makes gemm and tune measure one device's products under model=N (Hq/N, Hkv/N heads,
 F/N, an untied LM head's V/N columns): the shapes the tp part's kernels run.
 
@@ -676,7 +676,8 @@ def main(argv=None):
     ap.add_argument("--parts", default="ar,verify,draft")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--variants", default="auto,xla", help="ar variants: auto, fused, xla, cublas")
-    ap.add_argument("--peer", default=None, help="path of the PyTorch peer script (torch_fast_peer.py)")
+    ap.add_argument("--peer", default=None, help="path of the PyTorch peer script (torch_fast_peer.py); its rows "
+                                                 "join every shape's, whatever --parts says")
     ap.add_argument("--out", default=os.environ.get("OUT", "shape-results"))
     ap.add_argument("--wide", action="store_true",
                     help="tune over a broader block search (BN 16-256, BK 64-512, splits, 2/4/8 warps, 2-6 stages, "
@@ -694,6 +695,10 @@ def main(argv=None):
         if s not in SHAPES:
             ap.error(f"unknown shape {s!r}: expected one of {', '.join(SHAPES)}")
     parts = set(args.parts.split(","))
+    if args.peer:  # naming the peer's script is asking for its rows
+        parts.add("peer")
+    elif "peer" in parts:
+        ap.error("--parts peer needs --peer PATH (the PyTorch peer script, torch_fast_peer.py)")
     if "peer" in parts:  # the peer runs beside this process on the same GPU: JAX takes memory as it needs it
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     unknown = set(args.variants.split(",")) - {"auto", "fused", "xla", "cublas"}
