@@ -8,6 +8,7 @@ a table of the same version already there):
 
     python3 scripts/measure_card_costs.py
     python3 scripts/measure_card_costs.py --gpus 4    # the batch sizes spread over 4 GPUs of one host, merged
+                                                      # into the table as each one is measured
     python3 scripts/measure_card_costs.py --batch 16 --out /tmp/b16.json     # one batch size elsewhere
     python3 scripts/measure_card_costs.py --merge /tmp/b*.json --out models/smollm2-135m-instruct/round_cost_<card>.json
     python3 scripts/measure_card_costs.py --context 2048 --gpus 4    # add context_us (long-prompt slopes) to the table
@@ -20,9 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -110,12 +113,15 @@ def main(argv=None) -> None:
 
 
 def spread(args) -> None:
-    """One process per GPU, each measuring every gpus-th batch size into its own file; then merged
-    into --out. A process that fails leaves its batch sizes out (named in the message)."""
+    """One process per GPU, each measuring every gpus-th batch size into its own file (saved after
+    each batch size), merged into --out whenever one of them saves: a run cut short by a time limit
+    or a signal keeps every batch size measured so far. A process that fails leaves its batch sizes
+    out (named in the message)."""
     try:
         devices = gpu_ids(args.gpus)
     except ValueError as e:
         sys.exit(f"measure_card_costs: error: --gpus {args.gpus}: {e}")
+    base = [args.out] if args.context and Path(args.out).is_file() else []  # context slopes join the table there
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         for gpu in range(args.gpus):
@@ -126,17 +132,31 @@ def spread(args) -> None:
             cmd = [sys.executable, __file__, "--batch", *map(str, batches), "--reps", str(args.reps),
                    "--draft-vocab", str(args.draft_vocab), "--out", str(out), "--context", str(args.context)]
             procs.append((batches, out, subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": devices[gpu]})))
-        parts = []
+
+        def merge_saved(seen: dict) -> None:
+            stamps = {out: out.stat().st_mtime_ns for _, out, _ in procs if out.is_file()}
+            if stamps and stamps != seen:
+                save_card_costs(merge(base + [str(out) for out in stamps]), Path(args.out))
+                print(f"merged {len(stamps)} tables -> {args.out}", flush=True)
+                seen.clear()
+                seen.update(stamps)
+
+        # a time limit's SIGTERM stops the children too, after the last merge
+        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        seen: dict = {}
+        try:
+            while any(proc.poll() is None for *_, proc in procs):
+                merge_saved(seen)
+                time.sleep(2.0)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            for *_, proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            merge_saved(seen)
         for batches, out, proc in procs:
-            if proc.wait() != 0 or not out.is_file():
+            if proc.returncode != 0 or not out.is_file():
                 print(f"measure_card_costs: batch sizes {batches} failed (exit {proc.returncode})", file=sys.stderr)
-                continue
-            parts.append(str(out))
-        if parts:
-            if args.context and Path(args.out).is_file():  # context slopes join the table already there
-                parts = [args.out] + parts
-            save_card_costs(merge(parts), Path(args.out))
-            print(f"merged {len(parts)} tables -> {args.out}")
 
 
 if __name__ == "__main__":

@@ -435,3 +435,48 @@ def test_card_costs_time_the_shipped_heads_window():
     spec.loader.exec_module(mod)
     shipped = json.loads(mod.SHIPPED_HEAD.read_text())["jspec"]["attention_window"]
     assert mod.shipped_head_window() == shipped == 768
+
+
+def test_card_costs_from_several_gpus_are_merged_as_they_come(tmp_path, monkeypatch):
+    """measure_card_costs --gpus N merges each child's table into --out whenever the child saves one,
+    so a run stopped by a time limit keeps every batch size measured so far, and stops its children."""
+    import argparse
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "measure_card_costs.py")
+    spec = importlib.util.spec_from_file_location("measure_card_costs", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    class Child:  # gpu 0 saves batch 1 and exits; gpu 1 saves batch 8 and is still running when the limit strikes
+        def __init__(self, cmd, env):
+            self.out = cmd[cmd.index("--out") + 1]
+            self.batch = cmd[cmd.index("--batch") + 1]
+            self.returncode = None
+            json.dump({"verify_us": {self.batch: {"1": 1.0}}}, open(self.out, "w"))
+            self.done = self.batch == "1"
+
+        def poll(self):
+            if self.done:
+                self.returncode = 0
+            return self.returncode
+
+        def terminate(self):
+            self.returncode = -15
+
+    sleeps = []
+
+    def limit(_):  # the first wait is where the time limit strikes
+        sleeps.append(1)
+        raise SystemExit(143)
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setattr(mod.subprocess, "Popen", Child)
+    monkeypatch.setattr(mod.time, "sleep", limit)
+    monkeypatch.setattr(mod, "save_card_costs", lambda costs, p: json.dump(costs, open(p, "w")))
+    out = tmp_path / "table.json"
+    args = argparse.Namespace(gpus=2, batch=[1, 8], reps=1, draft_vocab=64, out=str(out), context=0)
+    with pytest.raises(SystemExit):
+        mod.spread(args)
+    assert sleeps and json.loads(out.read_text())["verify_us"] == {"1": {"1": 1.0}, "8": {"1": 1.0}}
