@@ -354,6 +354,16 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     if hybrid:
         a_ngram_mean = ngram_alpha if ngram_alpha is not None else acceptance_prior(costs, "ngram")
         a_ngram = straggler_acceptance(a_ngram_mean, batch, ROW_SPREAD["ngram"])
+    # a chain's round terms per drafter ("": this drafter; "ngram": a hybrid's n-gram half alone):
+    # (mean acceptance, a slow row's, fixed µs per round, µs per draft step)
+    chain_terms = {"": (a_mean, a, first, step), "ngram": (a_ngram_mean, a_ngram, cm.overhead(False), 0.0)}
+
+    def add_chains(drafter: str) -> None:
+        _, a_slow, first_us, step_us = chain_terms[drafter]
+        for k in range(1, k_cap + 1):
+            gain = float(expected_tokens(a_slow, k)) * ar / (first_us + k * step_us + cm.verify(k + 1))
+            candidates.append((gain, k, k, AutoPlan("chain", k, 0, gain, None, drafter=drafter)))
+
     if tree:
         level = cm.tree_level()
         for depth in range(2, tree_depth + 1):
@@ -366,13 +376,9 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
                     gain = tau * ar / (first + depth * level + cm.verify(n + m + 1, tree=True) + branch)
                     candidates.append((gain, n + m, depth, AutoPlan("tree", depth, n, gain, None, ngram=m)))
         if hybrid:  # its n-gram half alone: a hybrid that may draft none of the head's tree is never below lookup
-            for k in range(1, k_cap + 1):
-                gain = float(expected_tokens(a_ngram, k)) * ar / (cm.overhead(False) + cm.verify(k + 1))
-                candidates.append((gain, k, k, AutoPlan("chain", k, 0, gain, None, drafter="ngram")))
+            add_chains("ngram")
     else:
-        for k in range(1, k_cap + 1):
-            gain = float(expected_tokens(a, k)) * ar / (first + k * step + cm.verify(k + 1))
-            candidates.append((gain, k, k, AutoPlan("chain", k, 0, gain, None)))
+        add_chains("")
     top = max((c[0] for c in candidates), default=1.0)
     if top < max(min_gain, 1.0):
         return AutoPlan("ar", 0, 0, top, None)
@@ -385,10 +391,9 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
         best = max((c for c in near if c[3].drafter == best.drafter), key=lambda c: (c[1], c[2]))[3]
     if best.mode == "tree":
         unit, verify_at = cm.tree_level(), cm.verify(best.num_nodes + best.ngram + 1, tree=True)
-    elif best.drafter == "ngram":
-        unit, verify_at, first, a_mean = 0.0, cm.verify(best.k_max + 1), cm.overhead(False), a_ngram_mean
     else:
-        unit, verify_at = step, cm.verify(best.k_max + 1)
+        a_mean, _, first, unit = chain_terms[best.drafter]
+        verify_at = cm.verify(best.k_max + 1)
     # rows start from the mean acceptance; each row's own estimate takes over from there
     policy = AutoPolicy(k_max=best.k_max, alpha0=float(a_mean), step_us=float(unit), first_us=float(first),
                         verify_us=float(verify_at))
