@@ -62,3 +62,25 @@ def test_training_learns_synthetic_rule():
     lengths = np.round(np.asarray(pred))
     assert np.mean(np.abs(lengths - np.asarray(labels2)) <= 1) > 0.95
     assert np.mean(lengths == np.asarray(labels2)) > 0.6
+
+
+def test_train_ldlp_rejects_a_dataset_without_greedy_rows_before_loading_the_target(tmp_path, monkeypatch):
+    """An all-sampled distillation (--sample-share 1.0) has no greedy answers to label: one line
+    naming the problem, raised before the target is resolved."""
+    import jspec.train.ldlp as T
+    from jspec.train.testing import write_patterned_shards
+
+    data = write_patterned_shards(str(tmp_path / "sampled"), 64, rows=16, temperature=0.7)
+    head = tmp_path / "head"
+    head.mkdir()
+
+    def no_model(*a, **k):
+        raise AssertionError("the target was loaded before the data were checked")
+
+    monkeypatch.setattr(T, "resolve_model", no_model)
+    args = T.add_ldlp_args(__import__("argparse").ArgumentParser()).parse_args(
+        ["--target", "smollm2-135m-instruct", "--head", str(head), "--data", data])
+    with pytest.raises(ValueError, match="no greedy rows"):
+        T.run_train_ldlp(args)
+    greedy = write_patterned_shards(str(tmp_path / "greedy"), 64)
+    assert T.label_split(greedy) == "holdout"

@@ -367,3 +367,28 @@ def test_warm_start_with_input_scale_keeps_the_head_function(straight_run, data_
     out = forward(_target(), TARGET, rows["tokens"][:2], init_cache(TARGET, 2, SEQ), capture=HCFG3.capture_layers)
     np.testing.assert_allclose(np.asarray(H.fuse_captured(HCFG3, res.head_params, out.captured)),
                                np.asarray(H.fuse_captured(HCFG3, head, out.captured)), rtol=1e-6, atol=1e-6)
+
+
+def test_train_head_rejects_a_named_dataset_that_is_not_there(tmp_path, monkeypatch):
+    """A `--data` directory without a dataset (say the distillation failed) is a one-line error
+    before the target loads, not a quiet distillation of the recipe's small prompt set."""
+    import sys
+    import types
+
+    from jspec.errors import UsageError
+    from jspec.train import cli
+
+    presets = types.ModuleType("jspec.presets")
+
+    def no_model(*a, **k):
+        raise AssertionError("the target was loaded before --data was checked")
+
+    presets.resolve_model, presets.list_presets = no_model, lambda: []
+    monkeypatch.setitem(sys.modules, "jspec.presets", presets)
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps({"head": {"kind": "eagle3"}, "data": {"num_prompts": 6}, "train": {"seq_len": 48}}))
+    args = cli.add_train_args(__import__("argparse").ArgumentParser()).parse_args(
+        ["--target", "tiny", "--recipe", str(recipe), "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "run"), "--no-progress",
+         "--compile-cache", "none"])
+    with pytest.raises(UsageError, match="no dataset there"):
+        cli.train_from_args(args)

@@ -34,7 +34,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--target", required=True, help="target model preset or path (jspec.presets.resolve_model)")
     parser.add_argument("--recipe", required=True, help="recipe JSON, e.g. training/smollm2-eagle3.json")
     parser.add_argument("--out", default=None, help="run directory (default runs/<recipe>-<target>)")
-    parser.add_argument("--data", default=None, help="distilled dataset directory (default OUT/data; built if missing)")
+    parser.add_argument("--data", default=None, help="distilled dataset directory (default OUT/data, built there "
+                        "if missing; a named one must exist unless --distill-only builds it)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT")
     parser.add_argument("--distill-only", action="store_true", help="build the dataset and stop")
     parser.add_argument("--export", default=None, help="EAGLE-format output directory (default OUT/eagle)")
@@ -136,6 +137,12 @@ def _is_v2(data_dir: str) -> bool:
         return json.load(fh).get("format") == shards.FORMAT
 
 
+def _has_dataset(data_dir: str) -> bool:
+    from .data import META_FILE
+
+    return os.path.exists(os.path.join(data_dir, META_FILE))
+
+
 def _ensure_data(data_dir: str, recipe, cfg, params, tokenizer, progress: bool) -> None:
     import jax
 
@@ -182,6 +189,11 @@ def train_from_args(args: argparse.Namespace):
     recipe = _apply_overrides(load_recipe(args.recipe), args)
     out = args.out or os.path.join("runs", f"{Path(args.recipe).stem}-{Path(args.target).name}")
     data_dir = args.data or os.path.join(out, "data")
+    if args.data and not args.distill_only and not _has_dataset(args.data):
+        # a named dataset that is not there is a mistake (a distillation that failed or went elsewhere),
+        # not a request to distil the recipe's small prompt set and train on that
+        raise UsageError(f"--data {args.data}: no dataset there (jspec distill writes one; leave --data out to "
+                         f"distil the recipe's {recipe.data.num_prompts} prompts into OUT/data, or add --distill-only)")
     first_host = jax.process_index() == 0
     progress = not args.no_progress
     v2_data = _is_v2(data_dir)  # distilled by `jspec distill`: no tokenizer needed here

@@ -122,6 +122,18 @@ def _greedy_rows(data_dir: str, split: str):
                 yield S.row_tokens(rows, r), int(rows["prompt_lens"][r]), int(rows["items"][r])
 
 
+def label_split(data_dir: str) -> str:
+    """The split LDLP labels: the held-out shards when they hold a greedy row, else the training
+    shards. A dataset without greedy rows (e.g. `jspec distill --sample-share 1.0`) has nothing to
+    label, since a sampled answer is not what verification accepts: that is an error, raised before
+    any model is loaded."""
+    for split in ("holdout", "train"):
+        if next(_greedy_rows(data_dir, split), None) is not None:
+            return split
+    raise ValueError(f"{data_dir}: no greedy rows to label (LDLP needs answers distilled at temperature 0; "
+                     f"this dataset's are all sampled: distil with --sample-share below 1.0)")
+
+
 def collect(hcfg, head_params, tparams, data_dir: str, split: str, lc: LDLPTrainConfig, *, limit: int,
             pad_id: int, deadline: float | None = None, log=print) -> dict[str, np.ndarray]:
     """Labelled (e, f) pairs from the greedy rows of a split, up to `limit` positions."""
@@ -229,15 +241,14 @@ def fit(data: dict, lc: LDLPTrainConfig, log=print) -> tuple[dict, dict]:
 def train_ldlp_for_head(hcfg, head_params, tparams, data_dir: str, out_dir: str, lc: LDLPTrainConfig, *,
                         pad_id: int, deadline: float | None = None, log=print) -> dict:
     """Collect labels, fit, evaluate on the evaluation answers, save them (by default in the head's jspec/ subfolder)."""
-    meta = S.read_meta(data_dir)
-    split = "holdout" if S.shard_files(meta, "holdout") else "train"
+    split = label_split(data_dir)
     if split == "train":
-        log("ldlp: the dataset has no held-out shards; labelling training rows (acceptance is overstated)")
+        log("ldlp: the dataset has no greedy held-out rows; labelling training rows (acceptance is overstated)")
     collect_deadline = None if deadline is None else time.perf_counter() + 0.6 * (deadline - time.perf_counter())
     data = collect(hcfg, head_params, tparams, data_dir, split, lc, limit=lc.max_positions, pad_id=pad_id,
                    deadline=collect_deadline, log=log)
     params, metrics = fit(data, lc, log)
-    if S.shard_files(meta, "eval"):
+    if S.shard_files(S.read_meta(data_dir), "eval"):
         ev = collect(hcfg, head_params, tparams, data_dir, "eval", lc, limit=lc.eval_positions, pad_id=pad_id, log=log)
         metrics["eval_answers"] = evaluate(params, ev, lc.k_max, lc.under_weight)
     config = {"d_model": int(hcfg.hidden_size), "hidden": lc.hidden, "num_layers": lc.num_layers,
@@ -280,6 +291,7 @@ def run_train_ldlp(args) -> int:
         raise ValueError(f"--k-max {lc.k_max} must be >= 1 and --seq-len {lc.seq_len} >= k_max + 2")
     if not os.path.isdir(args.head):
         raise FileNotFoundError(f"no head directory at {args.head}")
+    label_split(args.data)  # a dataset with nothing to label fails here, before the target loads
     dtype = jnp.float32 if args.dtype == "auto" and jax.default_backend() == "cpu" else (
         jnp.bfloat16 if args.dtype == "auto" else jnp.dtype(args.dtype))
     cfg, params, _ = resolve_model(args.target, dtype=dtype, tokenizer=False)

@@ -46,10 +46,11 @@ def numpy_params(init_fn, *args, seed: int = 0, scale: float = 0.02, **kwargs) -
 
 
 def write_patterned_shards(directory: str, vocab_size: int, *, rows: int = 40, low: int = 2,
-                           lengths: tuple[int, int] = (6, 20)) -> str:
+                           lengths: tuple[int, int] = (6, 20), temperature: float = 0.0) -> str:
     """Distilled shards (jspec-distill-v2) a drafter can learn fast: 4-token random prompts and
     responses following x <- 3x + c (mod the vocabulary, tokens >= `low`), EOS (1) last; 8 rows a
-    shard, every 4th row held out. Returns `directory`."""
+    shard, every 4th row held out, each row marked as answered at `temperature` (0 = greedy).
+    Returns `directory`."""
     w = RowWriter(directory, vocab_size=vocab_size, pad_id=0, eos_token_ids=(1,), sources=["t"], rows_per_shard=8,
                   holdout_every=4)
     rng = np.random.default_rng(0)
@@ -58,6 +59,6 @@ def write_patterned_shards(directory: str, vocab_size: int, *, rows: int = 40, l
         for _ in range(int(rng.integers(*lengths))):
             x = (3 * x + c) % (vocab_size - low) + low
             resp.append(x)
-        w.add(rng.integers(low, 128, 4), np.asarray(resp + [1]), item=i, source=0, temperature=0.0, ended=True)
+        w.add(rng.integers(low, 128, 4), np.asarray(resp + [1]), item=i, source=0, temperature=temperature, ended=True)
     w.flush()
     return directory
