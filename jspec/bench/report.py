@@ -159,6 +159,10 @@ def current_command(command: str) -> str:
     return "jspec bench " + command.removeprefix("python scripts/bench.py ").replace(" --out ", " --commit-rows ")
 
 
+PROCESS_NOTE = ("Each row is the newest measurement of its configuration, so rows of one table can come from "
+                "different processes: a speed-up divides by AR in the row's own process, not by the `ar` row shown.")
+
+
 def group_tables(rows: Iterable[dict[str, Any]]) -> str:
     """One table per (target, card, JAX version), with the commands that reproduce it."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
@@ -169,7 +173,8 @@ def group_tables(rows: Iterable[dict[str, Any]]) -> str:
         group.sort(key=lambda r: (r["task"], r["dtype"], r["batch"], bool(r.get("queue")), r["method"] != "ar",
                                   method_label(r)))
         commands = sorted({current_command(r["reproduce"]) for r in group if r.get("reproduce")})
-        lines = [f"## {target} — {card}, JAX {jax_version}", "", TABLE_HEADER, *map(table_line, group), ""]
+        lines = [f"## {target} — {card}, JAX {jax_version}", "", TABLE_HEADER, *map(table_line, group), "",
+                 PROCESS_NOTE, ""]
         lines += round_cost_lines(group)
         if commands:
             lines += ["How to reproduce:", "", "```bash", *commands, "```", ""]
