@@ -379,3 +379,25 @@ def test_a_hybrid_branch_pays_its_own_round_cost():
     free, priced = (plan({**flat, "hybrid_branch_us": {"1": us}}, ngram_alpha=0.4, **kw) for us in (0.0, 2000.0))
     assert free.ngram > 0 and priced.ngram == 0
     assert HYBRID_BRANCH_US > 0 and plan(flat, ngram_alpha=0.85, **kw).drafter == "ngram"  # text that copies its prompt: lookup
+
+
+def test_alpha_for_chain_tokens_inverts_expected_tokens():
+    from jspec.speculative.policies.auto import alpha_for_chain_tokens, expected_tokens
+
+    for a in (0.1, 0.5, 0.648, 0.9):
+        assert abs(alpha_for_chain_tokens(float(expected_tokens(a, 6)), 6) - a) < 1e-4
+    with pytest.raises(ValueError, match=r"must lie in \[1, 7\]"):
+        alpha_for_chain_tokens(7.5, 6)
+
+
+def test_alpha_from_ttt_accuracy_reads_the_steps_as_a_chain():
+    """A constant accuracy a is the geometric chain itself; falling accuracies give less; the
+    shipped SmolLM2 heads' held-out accuracies give their documented estimates."""
+    from jspec.speculative.policies.auto import alpha_from_ttt_accuracy
+
+    assert abs(alpha_from_ttt_accuracy([0.6] * 7) - 0.6) < 1e-4
+    assert abs(alpha_from_ttt_accuracy([0.6]) - 0.6) < 1e-4  # the last step repeats
+    assert alpha_from_ttt_accuracy([0.7, 0.6, 0.5]) < 0.7
+    assert abs(alpha_from_ttt_accuracy([0.673, 0.640, 0.625, 0.615, 0.607, 0.596, 0.588]) - 0.647) < 2e-3
+    with pytest.raises(ValueError, match="no training-time-test accuracies"):
+        alpha_from_ttt_accuracy([])

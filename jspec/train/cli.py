@@ -235,8 +235,35 @@ def train_from_args(args: argparse.Namespace):
         window = max(recipe.train.seq_len, hcfg.attention_window or 0, MIN_ATTENTION_WINDOW)
         save_eagle_head(export, dataclasses.replace(hcfg, attention_window=window), result.head_params,
                         dtype=recipe.run.export_dtype)
+        _record_estimated_acceptance(export, os.path.join(out, "holdout_metrics.jsonl"))
         print(f"exported {hcfg.kind} head to {export}")
     return result
+
+
+def _record_estimated_acceptance(export: str, holdout_path: str) -> None:
+    """Write the head's estimated acceptance into its config.json ("jspec": {"acceptance"}), which
+    `auto` plans with until a timed run replaces it with a measured fit: from the last held-out
+    evaluation's per-step top-1 (`alpha_from_ttt_accuracy`, [I]). Nothing is written without one."""
+    from ..speculative.policies.auto import alpha_from_ttt_accuracy
+
+    try:
+        with open(holdout_path) as fh:
+            last = json.loads([ln for ln in fh if ln.strip()][-1])
+    except (OSError, IndexError, ValueError):
+        return
+    acc = [last[f"acc_{j}"] for j in range(64) if f"acc_{j}" in last]
+    if not acc:
+        return
+    path = os.path.join(export, "config.json")
+    with open(path) as fh:
+        cfg = json.load(fh)
+    cfg.setdefault("jspec", {})["acceptance"] = {
+        "alpha": round(alpha_from_ttt_accuracy(acc), 3),
+        "from": f"estimated from the held-out top-1 at step {last.get('step')} (training-time-test steps "
+                f"0..{len(acc) - 1}), not timed: replace with a measured K = 6 chain's fit",
+    }
+    with open(path, "w") as fh:
+        json.dump(cfg, fh, indent=2)
 
 
 def export_dir(args: argparse.Namespace, out: str, result) -> str | None:
