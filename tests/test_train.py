@@ -397,18 +397,20 @@ def test_train_head_rejects_a_named_dataset_that_is_not_there(tmp_path, monkeypa
 def test_export_records_the_estimated_acceptance(tmp_path):
     """train-head's export carries an acceptance estimate from the last held-out evaluation, which
     `auto` plans with (factory.head_acceptance) until a timed run replaces it; no held-out file, no field."""
+    from jspec.checkpoint.eagle_format import save_eagle_head
     from jspec.speculative.factory import head_acceptance
     from jspec.train import cli
 
+    params = _head(HCFG3) | dict(zip(("d2t", "t2d"), H.draft_vocab_maps(np.arange(HCFG3.draft_vocab_size),
+                                                                         TARGET.vocab_size)))
     export = tmp_path / "eagle"
-    export.mkdir()
-    (export / "config.json").write_text(json.dumps({"jspec": {"kind": "eagle3"}}))
-    cli._record_estimated_acceptance(str(export), str(tmp_path / "missing.jsonl"))
+    save_eagle_head(str(export), HCFG3, params, dtype="float32",
+                    acceptance=cli.estimated_acceptance(str(tmp_path / "missing.jsonl")))
     assert head_acceptance(export) is None
     holdout = tmp_path / "holdout_metrics.jsonl"
     holdout.write_text(json.dumps({"step": 200, "acc_0": 0.3}) + "\n"
                        + json.dumps({"step": 400, **{f"acc_{j}": 0.6 for j in range(7)}}) + "\n")
-    cli._record_estimated_acceptance(str(export), str(holdout))
+    save_eagle_head(str(export), HCFG3, params, dtype="float32", acceptance=cli.estimated_acceptance(str(holdout)))
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["jspec"]["kind"] == "eagle3" and "step 400" in cfg["jspec"]["acceptance"]["from"]
     assert head_acceptance(export) == 0.6

@@ -372,11 +372,15 @@ def draft_to_target_ids(d2t_offsets, target_vocab: int) -> np.ndarray:
 
 
 def save_eagle_head(path: str, hcfg: HeadConfig, head_params: dict, dtype: str | None = None,
-                    engine: str | None = None) -> None:
+                    engine: str | None = None, acceptance: dict | None = None) -> None:
     """Write config.json + model.safetensors for `engine` ("sglang", "vllm", or None: jspec's
     own layout). dtype: "bfloat16" / "float16" / "float32", or None to keep the parameters' own
-    dtype (exact round trip). Raises ValueError, before writing, when the engine cannot hold the head."""
+    dtype (exact round trip). `acceptance` ({"alpha": a, "from": ...}, jspec's layout only) goes
+    to the jspec block, where `auto` reads the head's acceptance (factory.head_acceptance).
+    Raises ValueError, before writing, when the engine cannot hold the head."""
     cfg = eagle_config_json(hcfg, dtype or str(np.asarray(head_params["fc"]).dtype), engine)
+    if acceptance is not None and "jspec" in cfg:
+        cfg["jspec"]["acceptance"] = acceptance
     sd = eagle_state_dict(hcfg, head_params, _NP_DTYPES[dtype] if dtype else None, engine)
     if "layers.0.self_attn.o_proj.bias" in sd:  # vLLM's EAGLE-1 with a folded fc bias
         cfg["attention_bias"] = True

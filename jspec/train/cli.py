@@ -147,9 +147,9 @@ def _ensure_data(data_dir: str, recipe, cfg, params, tokenizer, progress: bool) 
     import jax
 
     from ..model import cast_params
-    from .data import META_FILE, distill_dataset, read_meta
+    from .data import distill_dataset, read_meta
 
-    if os.path.exists(os.path.join(data_dir, META_FILE)):
+    if _has_dataset(data_dir):
         meta = read_meta(data_dir)
         if "seq_len" not in meta:  # jspec-distill-v2 (jspec distill): rows are packed to the recipe's seq_len
             return
@@ -234,36 +234,29 @@ def train_from_args(args: argparse.Namespace):
         # the head attends at most as far back as it was trained to (HeadConfig.attention_window)
         window = max(recipe.train.seq_len, hcfg.attention_window or 0, MIN_ATTENTION_WINDOW)
         save_eagle_head(export, dataclasses.replace(hcfg, attention_window=window), result.head_params,
-                        dtype=recipe.run.export_dtype)
-        _record_estimated_acceptance(export, os.path.join(out, "holdout_metrics.jsonl"))
+                        dtype=recipe.run.export_dtype,
+                        acceptance=estimated_acceptance(os.path.join(out, "holdout_metrics.jsonl")))
         print(f"exported {hcfg.kind} head to {export}")
     return result
 
 
-def _record_estimated_acceptance(export: str, holdout_path: str) -> None:
-    """Write the head's estimated acceptance into its config.json ("jspec": {"acceptance"}), which
-    `auto` plans with until a timed run replaces it with a measured fit: from the last held-out
-    evaluation's per-step top-1 (`alpha_from_ttt_accuracy`, [I]). Nothing is written without one."""
+def estimated_acceptance(holdout_path: str) -> dict | None:
+    """The head's acceptance as its export records it ("jspec": {"acceptance"}), which `auto` plans
+    with until a timed run replaces it with a measured fit: from the last held-out evaluation's
+    per-step top-1 (`alpha_from_ttt_accuracy`, [I]). None without one."""
     from ..speculative.policies.auto import alpha_from_ttt_accuracy
 
     try:
         with open(holdout_path) as fh:
             last = json.loads([ln for ln in fh if ln.strip()][-1])
     except (OSError, IndexError, ValueError):
-        return
+        return None
     acc = [last[f"acc_{j}"] for j in range(64) if f"acc_{j}" in last]
     if not acc:
-        return
-    path = os.path.join(export, "config.json")
-    with open(path) as fh:
-        cfg = json.load(fh)
-    cfg.setdefault("jspec", {})["acceptance"] = {
-        "alpha": round(alpha_from_ttt_accuracy(acc), 3),
-        "from": f"estimated from the held-out top-1 at step {last.get('step')} (training-time-test steps "
-                f"0..{len(acc) - 1}), not timed: replace with a measured K = 6 chain's fit",
-    }
-    with open(path, "w") as fh:
-        json.dump(cfg, fh, indent=2)
+        return None
+    return {"alpha": round(alpha_from_ttt_accuracy(acc), 3),
+            "from": f"estimated from the held-out top-1 at step {last.get('step')} (training-time-test steps "
+                    f"0..{len(acc) - 1}), not timed: replace with a measured K = 6 chain's fit"}
 
 
 def export_dir(args: argparse.Namespace, out: str, result) -> str | None:

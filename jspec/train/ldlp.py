@@ -239,9 +239,10 @@ def fit(data: dict, lc: LDLPTrainConfig, log=print) -> tuple[dict, dict]:
 
 
 def train_ldlp_for_head(hcfg, head_params, tparams, data_dir: str, out_dir: str, lc: LDLPTrainConfig, *,
-                        pad_id: int, deadline: float | None = None, log=print) -> dict:
-    """Collect labels, fit, evaluate on the evaluation answers, save them (by default in the head's jspec/ subfolder)."""
-    split = label_split(data_dir)
+                        pad_id: int, deadline: float | None = None, split: str | None = None, log=print) -> dict:
+    """Collect labels, fit, evaluate on the evaluation answers, save them (by default in the head's jspec/ subfolder).
+    `split`: the one `label_split` chose, if the caller already asked it."""
+    split = split or label_split(data_dir)
     if split == "train":
         log("ldlp: the dataset has no greedy held-out rows; labelling training rows (acceptance is overstated)")
     collect_deadline = None if deadline is None else time.perf_counter() + 0.6 * (deadline - time.perf_counter())
@@ -291,7 +292,7 @@ def run_train_ldlp(args) -> int:
         raise ValueError(f"--k-max {lc.k_max} must be >= 1 and --seq-len {lc.seq_len} >= k_max + 2")
     if not os.path.isdir(args.head):
         raise FileNotFoundError(f"no head directory at {args.head}")
-    label_split(args.data)  # a dataset with nothing to label fails here, before the target loads
+    split = label_split(args.data)  # a dataset with nothing to label fails here, before the target loads
     dtype = jnp.float32 if args.dtype == "auto" and jax.default_backend() == "cpu" else (
         jnp.bfloat16 if args.dtype == "auto" else jnp.dtype(args.dtype))
     cfg, params, _ = resolve_model(args.target, dtype=dtype, tokenizer=False)
@@ -299,7 +300,7 @@ def run_train_ldlp(args) -> int:
     head = cast_params(head, dtype)
     deadline = None if args.time_budget_s is None else t0 + args.time_budget_s
     config = train_ldlp_for_head(hcfg, head, params, args.data, args.out or os.path.join(args.head, EXTRAS_DIR), lc, pad_id=cfg.pad_token_id,
-                                 deadline=deadline)
+                                 deadline=deadline, split=split)
     print(json.dumps({k: config["metrics"][k] for k in ("val", "steps")}))
     return 0
 

@@ -218,9 +218,9 @@ def alpha_for_chain_tokens(tokens: float, k: int = 6) -> float:
     if not 1.0 <= tokens <= k + 1:
         raise ValueError(f"tokens per call {tokens} must lie in [1, {k + 1}] for a chain of {k}")
     lo, hi = 0.0, 0.999
-    for _ in range(60):
+    for _ in range(40):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if sum(mid**i for i in range(k + 1)) < tokens else (lo, mid)
+        lo, hi = (mid, hi) if float(expected_tokens(mid, k)) < tokens else (lo, mid)
     return lo
 
 
