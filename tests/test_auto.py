@@ -363,8 +363,10 @@ def test_ngram_acceptance_is_estimated_from_the_prompts():
     hybrid = HybridDrafter(dataclasses.replace(drafter, acceptance=0.6))
     tree = TreeConfig(top_k=10, depth=6, num_nodes=59)
     branch = [plan_for(hybrid, REFERENCE_COSTS, batch=1, k_cap=8, tree=tree, prompts=p) for p in (copying, fresh)]
-    # copying prompts: lookup alone beats the head's tree (at the estimate); fresh ones: the tree
-    assert (branch[0].mode, branch[0].drafter) == ("chain", "ngram") and branch[0].policy.alpha0 == pytest.approx(high)
+    # copying prompts: lookup alone models far above the head's tree (at the estimate), so the
+    # batch-1 plan looks up first with a full branch; fresh ones: the tree, which looks up first too
+    assert (branch[0].mode, branch[0].ngram, branch[0].lookup_first) == ("tree", 8, hybrid.ngram.max_ngram)
+    assert branch[0].gain > branch[1].gain
     assert branch[1].mode == "tree" and branch[1].policy.alpha0 == 0.6
 
 

@@ -2,6 +2,8 @@
 (static, a pruning policy, auto), the tree's shape, and the lossless law of sampled tokens by
 chi-square (the machinery of test_lossless_sampling)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +53,24 @@ def test_hybrid_spec_and_plan():
     # lookup far ahead of a weak head: the hybrid runs its n-gram half alone, as a chain
     alone = plan({**REFERENCE_COSTS, "acceptance": {"ngram": 0.95}}, alpha=0.3, **kw)
     assert (alone.mode, alone.drafter, alone.ngram) == ("chain", "ngram", 0) and alone.policy.alpha0 == 0.95
+
+
+def test_auto_plans_lookup_first_at_batch_1_when_the_tree_beats_weak_lookup_rounds():
+    from jspec.speculative.drafters.hybrid import MAX_NGRAM_BRANCH
+
+    kw = dict(drafter_name="eagle", parallel=False, tree=True, hybrid=True, lookup_first=3)
+    # a good head: rounds after a full match verify the n-gram branch alone, the others the tree
+    # with a full branch; chosen over lookup alone even where lookup alone models higher
+    for ngram_alpha in (0.4, 0.6):
+        p = plan(REFERENCE_COSTS, batch=1, alpha=0.66, ngram_alpha=ngram_alpha, **kw)
+        assert (p.mode, p.ngram, p.lookup_first) == ("tree", MAX_NGRAM_BRANCH, 3)
+        assert p == plan(REFERENCE_COSTS, batch=1, alpha=0.66, ngram_alpha=ngram_alpha, **kw)  # deterministic
+    assert plan(REFERENCE_COSTS, batch=1, alpha=0.66, ngram_alpha=0.6, **{**kw, "lookup_first": 0}).drafter == "ngram"
+    # a batch skips the head only when every row matched: no lookup-first there
+    assert plan(REFERENCE_COSTS, batch=16, alpha=0.66, ngram_alpha=0.6, **kw).lookup_first == 0
+    # a head whose trees do no better than lookup's weak rounds: lookup alone
+    weak = plan(REFERENCE_COSTS, batch=1, alpha=0.2, ngram_alpha=0.5, **kw)
+    assert (weak.mode, weak.drafter, weak.lookup_first) == ("chain", "ngram", 0)
 
 
 def test_the_ngram_branch_may_be_longer_than_the_heads_tree():
@@ -144,6 +164,40 @@ def test_a_branch_deeper_than_the_tree_is_greedy_identical_to_ar(target, which, 
         assert out.step_tokens[:, 1:].max() == DEEP.ngram + 1
 
 
+@pytest.mark.parametrize("which, policy", [("cycling", "static"), ("cycling", make_policy("confidence", threshold=0.4)),
+                                           ("random", "static")])
+def test_lookup_first_rounds_skip_the_head_and_stay_greedy_identical_to_ar(target, which, policy):
+    """TreeConfig.lookup_first: a round whose every row matched an n-gram of that order verifies the
+    n-gram branch alone (at most `ngram` draft nodes, none of the head's); the output is still
+    plain greedy decoding's, on text that repeats itself (lookup rounds) and on text that does not."""
+    params = cycling_target() if which == "cycling" else target
+    drafter, dparams = spec_tiny._drafters(params)["eagle3"]
+    prompts = spec_tiny._prompts(7) + spec_tiny._prompts(3)
+    ar = generate(params, spec_tiny.CFG, prompts, max_new_tokens=32)
+    tree = dataclasses.replace(DEEP, lookup_first=2)
+    out = generate(params, spec_tiny.CFG, prompts, max_new_tokens=32, speculative=SpeculativeConfig(
+        drafter=HybridDrafter(drafter), drafter_params=dparams, tree=tree, policy=policy))
+    for b in range(len(prompts)):
+        assert out.row(b) == ar.row(b)
+    if which == "cycling":
+        nodes = out.draft_lengths[:, 1:][out.draft_lengths[:, 1:] > 0]
+        assert (nodes <= tree.ngram).any() and (nodes > tree.ngram).any()  # lookup rounds and head rounds
+        assert out.step_tokens[:, 1:].max() == tree.ngram + 1
+
+
+def test_lookup_first_needs_a_hybrid_and_a_reachable_order(target):
+    drafter, dparams = spec_tiny._drafters(target)["eagle3"]
+    with pytest.raises(ValueError, match="lookup_first .* must be >= 0"):
+        TreeConfig(lookup_first=-1)
+    prompts = spec_tiny._prompts(3)
+    with pytest.raises(ValueError, match="use a hybrid drafter"):
+        generate(target, spec_tiny.CFG, prompts, max_new_tokens=4, speculative=SpeculativeConfig(
+            drafter=drafter, drafter_params=dparams, tree=dataclasses.replace(TC, ngram=0, lookup_first=2)))
+    with pytest.raises(ValueError, match="above the n-gram drafter's longest match"):
+        generate(target, spec_tiny.CFG, prompts, max_new_tokens=4, speculative=SpeculativeConfig(
+            drafter=HybridDrafter(drafter), drafter_params=dparams, tree=dataclasses.replace(TC, lookup_first=4)))
+
+
 def test_build_drafter_makes_a_hybrid(target):
     drafter, dparams = spec_tiny._drafters(target)["eagle3"]
     from jspec.checkpoint.eagle_format import save_eagle_head
@@ -167,8 +221,8 @@ def prompt_cycling(tparams, weight: float = 2.0):
     return {**tparams, "lm_head": tparams["lm_head"] + weight * pull}
 
 
-@pytest.mark.parametrize("depth, ngram", [(L.K, L.K), (2, L.K + 2)])
-def test_hybrid_sampling_follows_the_target_law(depth, ngram):
+@pytest.mark.parametrize("depth, ngram, lookup_first", [(L.K, L.K, 0), (2, L.K + 2, 0), (2, L.K + 2, 1)])
+def test_hybrid_sampling_follows_the_target_law(depth, ngram, lookup_first):
     """Every emitted position, stratified as in test_lossless_sampling, follows the target's law
     under the hybrid tree, with an n-gram branch as deep as the head's tree or deeper (on a target
     that continues its prompt, so the branch is accepted past the head's levels); the branch is
@@ -178,14 +232,19 @@ def test_hybrid_sampling_follows_the_target_law(depth, ngram):
     from jspec.speculative.drafters.eagle import EagleDrafter
 
     drafter = HybridDrafter(EagleDrafter(hc))
-    tree = TreeConfig(top_k=3, depth=depth, num_nodes=10, ngram=ngram)
+    tree = TreeConfig(top_k=3, depth=depth, num_nodes=10, ngram=ngram, lookup_first=lookup_first)
     sampling = Sampling(temperature=1.0)
+    # lookup rounds need every row of a batch to match: one row in flight at a time (a queue) has them
     res = generate(tparams, L.CFG, [L.PROMPT] * L.N, max_new_tokens=L.MAX_NEW, sampling=sampling, seed=4,
-                   cache_len=L.CACHE_LEN + ngram, speculative=SpeculativeConfig(
+                   cache_len=L.CACHE_LEN + ngram, batch_size=1 if lookup_first else None, speculative=SpeculativeConfig(
                        drafter=drafter, drafter_params=L.noised(hp, jax.random.PRNGKey(3), L.NOISE), tree=tree))
     assert (res.lengths == L.MAX_NEW).all()
     calls = res.draft_lengths[:, 1:] > 0
-    assert (res.draft_lengths[:, 1:][calls] > tree.num_nodes).mean() > 0.5  # n-gram nodes drafted beside the head's
+    drafted = res.draft_lengths[:, 1:][calls]
+    if lookup_first:  # lookup rounds (the n-gram branch alone) and head rounds both ran
+        assert 0.1 < (drafted <= ngram).mean() < 0.9, (drafted <= ngram).mean()
+    else:
+        assert (drafted > tree.num_nodes).mean() > 0.5  # n-gram nodes drafted beside the head's
     seqs = np.concatenate([np.tile(L.PROMPT, (L.N, 1)), res.tokens], 1)
     p = np.asarray(L.teacher_forced_probs(tparams, jnp.asarray(seqs, jnp.int32), sampling))
     group = {"tokens": res.tokens, "probs": p, "offsets": L.round_offsets(res.step_tokens, L.MAX_NEW)}

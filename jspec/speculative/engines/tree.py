@@ -75,6 +75,10 @@ class TreeConfig:
     # hybrid drafters (drafters.hybrid): nodes of the n-gram branch beside the head's tree, up to
     # MAX_NGRAM_BRANCH, deeper than the head's levels if need be (`path_depth`)
     ngram: int = 0
+    # [I] hybrid drafters: a round in which every row's n-gram match is at least this long (the
+    # n-gram order, `NgramDrafter.propose_ordered`) verifies the n-gram branch alone and skips the
+    # head's tree ("lookup first"); 0: never. One lax.cond a round picks the program (module doc).
+    lookup_first: int = 0
     # cutting policies: run each level under a lax.cond, skipped once no row keeps it. None: where
     # branches are decided on the device (TPU, CPU) but not on GPUs, where XLA reads each predicate
     # back to the host (module doc: ~45 µs a branch on an H200, against 74 µs a level)
@@ -93,6 +97,8 @@ class TreeConfig:
             raise ValueError(f"verify_sizes must be positive node counts, got {self.verify_sizes}")
         if not 0 <= self.ngram <= MAX_NGRAM_BRANCH:
             raise ValueError(f"ngram (the n-gram branch's nodes) must be in [0, {MAX_NGRAM_BRANCH}], got {self.ngram}")
+        if self.lookup_first < 0:
+            raise ValueError(f"lookup_first (the n-gram order that skips the head's tree) must be >= 0, got {self.lookup_first}")
 
     @property
     def total_nodes(self) -> int:
@@ -312,8 +318,12 @@ def with_ngram_branch(tcfg, tree: Tree, tokens: jax.Array, valid: jax.Array, max
 def tree_for(drafter, tree: TreeConfig) -> TreeConfig:
     """The tree a drafter drafts: a hybrid's n-gram branch defaults to the tree's depth."""
     hybrid = isinstance(drafter, HybridDrafter)
-    if tree.ngram and not hybrid:
-        raise ValueError(f"TreeConfig.ngram={tree.ngram} drafts an n-gram branch: use a hybrid drafter (eagle3+ngram)")
+    if (tree.ngram or tree.lookup_first) and not hybrid:
+        raise ValueError(f"TreeConfig.ngram={tree.ngram}, lookup_first={tree.lookup_first} draft an n-gram branch: "
+                         "use a hybrid drafter (eagle3+ngram)")
+    if hybrid and tree.lookup_first > drafter.ngram.max_ngram:
+        raise ValueError(f"lookup_first={tree.lookup_first} is above the n-gram drafter's longest match "
+                         f"(max_ngram={drafter.ngram.max_ngram}): no round would skip the head's tree")
     return dataclasses.replace(tree, ngram=tree.depth) if hybrid and tree.ngram == 0 else tree
 
 
@@ -330,25 +340,61 @@ def gather_out(out: M.ForwardOut, path: jax.Array) -> M.ForwardOut:
     return M.ForwardOut(take(out.hidden), tuple(take(c) for c in out.captured), out.cache)
 
 
+def root_tree(last: jax.Array) -> Tree:
+    """A tree of the root alone (the last emitted token), to hang an n-gram branch from."""
+    B = last.shape[0]
+    zeros = jnp.zeros((B, 1), jnp.int32)
+    return Tree(last[:, None], zeros, zeros, jnp.ones((B, 1, 1), bool), jnp.ones((B, 1), bool))
+
+
+def verified(tparams, tcfg, capture, unroll, sampling, max_depth: int, max_children: int, tree: Tree, cache, key,
+             sizes: tuple[int, ...]):
+    """`verify_pruned`, and what the round keeps of the tree: (n accepted, next token, path, path
+    tokens, the forward's outputs along the path, feature at the best node, chain-equivalent draft
+    length, valid draft nodes)."""
+    _, n, nxt, path, path_out, feature = verify_pruned(tparams, tcfg, capture, unroll, sampling, max_depth, max_children,
+                                                       tree, cache, key, sizes)
+    path_tok = jnp.take_along_axis(tree.tokens, path, 1)
+    n_drafted = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)
+    n_nodes = jnp.sum(tree.valid[:, 1:], 1).astype(jnp.int32)
+    return n, nxt, path, path_tok, path_out, feature, n_drafted, n_nodes
+
+
 def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new, sampling, unroll, state: SpecState) -> SpecState:
     D, P = tc.depth, tc.path_depth  # the head's levels; the deepest node (a hybrid's n-gram branch may reach past D)
     key, k_verify = jax.random.split(state.key)
-    pstate, limit = policy.start_round(state.pstate, D, round_features(state, tparams))
+    pstate0, limit = policy.start_round(state.pstate, D, round_features(state, tparams))
     # a policy that does not cut trees keeps them whole: masking nodes the round drafts and
     # verifies anyway would only lose tokens
     limit = jnp.clip(limit, 1, D) if policy.cuts_trees else jnp.full_like(limit, D)
     hybrid = isinstance(drafter, HybridDrafter)
     head_drafter, head_state = (drafter.eagle, state.dstate.eagle) if hybrid else (drafter, state.dstate)
-    tree, pstate, head_state = draft_tree(head_drafter, dparams, tparams, tcfg, head_state, state.last, tc, policy, pstate, limit)
-    dstate = state.dstate.replace(eagle=head_state) if hybrid else head_state
-    children = tc.top_k
+    verify = functools.partial(verified, tparams, tcfg, drafter.capture_layers, unroll, sampling, P)
     if hybrid and tc.ngram:
-        tree = with_ngram_branch(tcfg, tree, *drafter.ngram.propose(state.dstate.ngram, state.last, tc.ngram), P)
-        children += 1  # the root's n-gram child beside its top_k head children
-    best, n, nxt, path, path_out, feature = verify_pruned(
-        tparams, tcfg, drafter.capture_layers, unroll, sampling, P, children, tree, state.cache, k_verify,
-        tc.block_sizes(policy.cuts_trees))
-    path_tok = jnp.take_along_axis(tree.tokens, path, 1)
+        ngram_tok, ngram_valid, order = drafter.ngram.propose_ordered(state.dstate.ngram, tc.ngram)
+
+    def head_round(head_state, pstate):
+        tree, pstate, head_state = draft_tree(head_drafter, dparams, tparams, tcfg, head_state, state.last, tc, policy,
+                                              pstate, limit)
+        children = tc.top_k
+        if hybrid and tc.ngram:
+            tree = with_ngram_branch(tcfg, tree, ngram_tok, ngram_valid, P)
+            children += 1  # the root's n-gram child beside its top_k head children
+        return head_state, pstate, verify(children, tree, state.cache, k_verify, tc.block_sizes(policy.cuts_trees))
+
+    def lookup_round(head_state, pstate):
+        # the n-gram branch alone: a chain of tc.ngram nodes, and no head work this round
+        tree = with_ngram_branch(tcfg, root_tree(state.last), ngram_tok, ngram_valid, P)
+        return head_state, pstate, verify(1, tree, state.cache, k_verify, (tc.ngram,))
+
+    lookup = None
+    if hybrid and tc.ngram and tc.lookup_first:
+        lookup = jnp.all((order >= tc.lookup_first) | state.done)
+        head_state, pstate, parts = jax.lax.cond(lookup, lookup_round, head_round, head_state, pstate0)
+    else:
+        head_state, pstate, parts = head_round(head_state, pstate0)
+    n, nxt, path, path_tok, path_out, feature, n_drafted, n_nodes = parts
+    dstate = state.dstate.replace(eagle=head_state) if hybrid else head_state
 
     active = ~state.done
     emitted = jnp.concatenate([path_tok[:, 1:], nxt[:, None]], axis=1)
@@ -357,10 +403,11 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
     step = active.astype(jnp.int32)
     cache = M.commit(path_out.cache, path, (n + 1) * step)
     dstate = drafter.commit(dparams, tparams, tcfg, dstate, path_tok, n, nxt, path_out)
-    n_drafted = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)  # chain-equivalent draft length
-    # the policy budgets the head's D levels: an n-gram branch past them counts as D drafted (and accepted)
+    # the policy budgets the head's D levels: an n-gram branch past them counts as D drafted (and
+    # accepted); a lookup round drafted nothing of the head's, so its policy state stays as it was
     pstate = policy.update(pstate, jnp.minimum(n_drafted, D), jnp.minimum(n, D), active)
-    n_nodes = jnp.sum(tree.valid[:, 1:], 1).astype(jnp.int32)
+    if lookup is not None:
+        pstate = jax.tree_util.tree_map(lambda old, new: jnp.where(lookup, old, new), state.pstate, pstate)
     trace_drafted, trace_tokens = record_call(state, active, n_nodes, state.n_out, n_out)
     return SpecState(
         trace_drafted=trace_drafted, trace_tokens=trace_tokens,

@@ -18,7 +18,9 @@ Two decisions use it:
   head's tree pays on text that copies its prompt): a verify of N + M + 1 tokens plus the
   branch's own round cost (`HYBRID_BRANCH_US`) and the tokens of the longer accepted path
   (`hybrid_tokens`); and beside the trees, the n-gram half alone as a chain (`AutoPlan.drafter`
-  "ngram"), so a hybrid is never planned below lookup. If no budget's gain reaches
+  "ngram"), so a hybrid is never planned below lookup. At batch 1 a hybrid whose head's trees beat
+  lookup's weak rounds looks up first (`AutoPlan.lookup_first`, engines.tree: rounds after a full
+  n-gram match verify the branch alone, the others the tree). If no budget's gain reaches
   `min_gain` (1.05 by default: a margin for the model's error), `plan` returns "ar": the call runs
   plain decoding.
   Stragglers: a batch runs until its slowest row is done, and rows differ in acceptance, so at
@@ -360,12 +362,19 @@ class AutoPlan:
     policy: "AutoPolicy | None"
     ngram: int = 0  # hybrid trees: nodes of the n-gram branch
     drafter: str = ""  # "ngram": a hybrid drafter runs its n-gram half alone, as a chain
+    lookup_first: int = 0  # hybrid trees: engines.tree.TreeConfig.lookup_first (0: every round drafts the head's tree)
+
+
+# [I] Tokens per call of n-gram rounds whose match is shorter than the drafter's longest n-gram
+# (replays of SmolLM2-135M-Instruct's greedy answers, drafting 8: 1.69 on longdoc, 1.42 on MT-Bench;
+# after a full-length match, 6.5 and 5.6). A lookup-first hybrid gives those rounds the head's tree.
+WEAK_LOOKUP_TOKENS = 1.6
 
 
 def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: int = 8, tree: bool = False,
          tree_top_k: int = 10, tree_depth: int = 6, alpha: float | None = None, min_gain: float = 1.05,
          row_spread: float | None = None, hybrid: bool = False, ngram_alpha: float | None = None,
-         context: float | None = None) -> AutoPlan:
+         context: float | None = None, lookup_first: int = 0) -> AutoPlan:
     """The static budget for one generate call (module doc). `parallel` drafters (n-gram) cost
     nothing per draft step. alpha: the drafter's mean per-token acceptance (None: the table's or
     the prior, `acceptance_prior`); the plan uses a slow row's (`straggler_acceptance`, with the
@@ -373,7 +382,14 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     beside it (drafters.hybrid): the plan also picks the branch's length, 0 to MAX_NGRAM_BRANCH in
     steps of 2 whatever the depth, by `hybrid_tokens` at the n-gram drafter's acceptance,
     ngram_alpha (None: its prior), lowered for a slow row by n-gram lookup's ROW_SPREAD. context:
-    the call's mean attended context in tokens (`CostModel`), None: the table's own."""
+    the call's mean attended context in tokens (`CostModel`), None: the table's own.
+    lookup_first: the n-gram order (the drafter's max_ngram) at which a hybrid round may verify
+    its n-gram branch alone (engines.tree); 0: never. [I] At batch 1 (a round skips the head only
+    when every row matched, which a batch nearly never does) the plan runs lookup first whenever
+    the best hybrid tree with a full n-gram branch beats lookup's weak rounds
+    (`WEAK_LOOKUP_TOKENS` per chain round): its rounds after a full match are lookup's, the others
+    that tree's, so it is planned above both lookup alone and the tree alone. Its gain is reported
+    as the larger of theirs (the model has no share of matched rounds)."""
     cm = CostModel(costs, batch, context)
     a = alpha if alpha is not None else acceptance_prior(costs, drafter_name)
     if row_spread is None:
@@ -413,10 +429,24 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     else:
         add_chains("")
     top = max((c[0] for c in candidates), default=1.0)
+    first_tree = None
+    if tree and hybrid and lookup_first and batch == 1:
+        m = MAX_NGRAM_BRANCH
+        weak_alpha = alpha_for_chain_tokens(WEAK_LOOKUP_TOKENS, m)
+        weak_lookup = WEAK_LOOKUP_TOKENS * ar / (cm.overhead(False) + cm.verify(m + 1))
+
+        def weak_round_gain(p: AutoPlan) -> float:  # the tree's gain in a round after a short match
+            tau = hybrid_tokens(float(tree_acceptance(a, p.num_nodes, p.k_max)), p.k_max, weak_alpha, m)
+            return tau * ar / (first + p.k_max * cm.tree_level() + cm.verify(p.num_nodes + m + 1, tree=True)
+                               + cm.hybrid_branch())
+
+        full = [c for c in candidates if c[3].mode == "tree" and c[3].ngram == m]
+        if full and max(weak_round_gain(c[3]) for c in full) > weak_lookup:
+            first_tree = dataclasses.replace(max(full, key=lambda c: c[0])[3], gain=top, lookup_first=lookup_first)
     if top < max(min_gain, 1.0):
         return AutoPlan("ar", 0, 0, top, None)
     near = [c for c in candidates if c[0] >= max(top * (1 - PLAN_TOLERANCE), min_gain)]
-    best = min(near, key=lambda c: (c[1], c[2]))[3]
+    best = first_tree or min(near, key=lambda c: (c[1], c[2]))[3]
     # a lone row's chain K is only a cap: each round the row's own estimate picks k <= K
     # (`round_limit`), so a longer cap serves its easy stretches and costs the hard ones nothing
     # more; in a batch, every row pays the padded block of the longest (module doc)
@@ -551,7 +581,8 @@ def plan_for(drafter, costs: dict, *, batch: int, k_cap: int, tree, context: flo
                 k_cap=k_cap, tree=tree is not None,
                 alpha=estimated if drafter.name == "ngram" else getattr(drafter, "acceptance", None),
                 tree_top_k=getattr(tree, "top_k", 10), tree_depth=getattr(tree, "depth", 6), hybrid=hybrid,
-                ngram_alpha=estimated if hybrid else None, context=context)
+                ngram_alpha=estimated if hybrid else None, context=context,
+                lookup_first=lookup.max_ngram if hybrid else 0)
 
 
 def mean_context(prompt_lens, max_new: int) -> float:
@@ -573,5 +604,6 @@ def auto_budget(policy, drafter, batch: int, k_max: int, tree, costs: dict | Non
     if p.mode == "ar":
         return None, None, k_max, None
     if p.mode == "tree":
-        return drafter, p.policy, k_max, dataclasses.replace(tree, depth=p.k_max, num_nodes=p.num_nodes, ngram=p.ngram)
+        return drafter, p.policy, k_max, dataclasses.replace(tree, depth=p.k_max, num_nodes=p.num_nodes, ngram=p.ngram,
+                                                             lookup_first=p.lookup_first)
     return (drafter.ngram if p.drafter == "ngram" else drafter), p.policy, p.k_max, None
