@@ -75,8 +75,9 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default="auto", help=f"{' | '.join(DTYPES)} (auto: float32 on CPU, bfloat16 elsewhere)")
     p.add_argument("--drafter", default=None,
                    help="speculative drafter: ngram[:N], early-exit[:E|:PATH], model[:PATH], eagle[:PATH], eagle3[:PATH], "
-                        "dlm[:PATH] (DiffuSpec, a diffusion LM drafting a block per forward; use --policy adl); "
-                        "no PATH: the one shipped with the preset")
+                        "dlm[:PATH] (DiffuSpec, a diffusion LM drafting a block per forward; use --policy adl), "
+                        "eagle3+ngram (the head's tree plus prompt lookup; with --tree --policy auto it looks up first "
+                        "at batch 1, the fastest choice measured); no PATH: the one shipped with the preset")
     p.add_argument("--policy", default=None,
                    help=f"draft-length policy (needs --drafter; default static): {', '.join(POLICY_NAMES)}; with an EAGLE "
                         "head, svip/adaedl/confidence/tapout/ldlp take the constants `jspec calibrate` fit for it on this "

@@ -73,6 +73,25 @@ def test_auto_plans_lookup_first_at_batch_1_when_the_tree_beats_weak_lookup_roun
     assert (weak.mode, weak.drafter, weak.lookup_first) == ("chain", "ngram", 0)
 
 
+def test_a_hybrid_at_batch_16_plans_its_heads_chain_and_runs_it(target):
+    """Where a chain beats every tree (a tree's verify grows with the batch), the hybrid's `auto`
+    plan is its head alone as a chain (AutoPlan.drafter "head"): the chain engine runs the EAGLE
+    drafter, and the output is still the target's."""
+    flat = {**REFERENCE_COSTS, "verify_us": {b: {**v, **{k: v["16"] * 3 for k in v if k.startswith("tree")}}
+                                             for b, v in REFERENCE_COSTS["verify_us"].items()}}
+    p = plan(flat, batch=16, drafter_name="eagle", parallel=False, tree=True, alpha=0.7, hybrid=True,
+             ngram_alpha=0.3, lookup_first=3)
+    assert (p.mode, p.drafter, p.lookup_first) == ("chain", "head", 0) and p.k_max >= 1
+    drafter, dparams = spec_tiny._drafters(target)["eagle3"]
+    prompts = spec_tiny._prompts(7)
+    ar = generate(target, spec_tiny.CFG, prompts, max_new_tokens=16)
+    out = generate(target, spec_tiny.CFG, prompts, max_new_tokens=16, speculative=SpeculativeConfig(
+        drafter=HybridDrafter(drafter), drafter_params=dparams, tree=TreeConfig(top_k=3, depth=4, num_nodes=12), policy=p))
+    for b in range(len(prompts)):
+        assert out.row(b) == ar.row(b)
+    assert out.draft_lengths.max() <= p.k_max  # a chain of at most K drafts, no tree nodes
+
+
 def test_the_ngram_branch_may_be_longer_than_the_heads_tree():
     """The branch's length is bounded by MAX_NGRAM_BRANCH, not the depth: the verified path, the
     emitted tokens and the cache reserve grow to max(depth, ngram); the plan searches 0..8 whatever

@@ -17,8 +17,8 @@ Two decisions use it:
   n-gram branch's length M in 0, 2, .., MAX_NGRAM_BRANCH, whatever D (a branch longer than the
   head's tree pays on text that copies its prompt): a verify of N + M + 1 tokens plus the
   branch's own round cost (`HYBRID_BRANCH_US`) and the tokens of the longer accepted path
-  (`hybrid_tokens`); and beside the trees, the n-gram half alone as a chain (`AutoPlan.drafter`
-  "ngram"), so a hybrid is never planned below lookup. At batch 1 a hybrid whose head's trees beat
+  (`hybrid_tokens`); and beside the trees, either half alone as a chain (`AutoPlan.drafter`
+  "ngram" or "head"), so a hybrid is never planned below lookup or the head's chain. At batch 1 a hybrid whose head's trees beat
   lookup's weak rounds looks up first (`AutoPlan.lookup_first`, engines.tree: rounds after a full
   n-gram match verify the branch alone, the others the tree). If no budget's gain reaches
   `min_gain` (1.05 by default: a margin for the model's error), `plan` returns "ar": the call runs
@@ -361,7 +361,7 @@ class AutoPlan:
     gain: float  # expected speed-up over plain decoding at the prior acceptance
     policy: "AutoPolicy | None"
     ngram: int = 0  # hybrid trees: nodes of the n-gram branch
-    drafter: str = ""  # "ngram": a hybrid drafter runs its n-gram half alone, as a chain
+    drafter: str = ""  # a hybrid drafter run as a chain of one half: "ngram" (lookup alone) or "head"
     lookup_first: int = 0  # hybrid trees: engines.tree.TreeConfig.lookup_first (0: every round drafts the head's tree)
 
 
@@ -398,20 +398,22 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     ar = cm.ar_step()
     step = 0.0 if parallel else cm.draft_step()
     first = (0.0 if parallel else cm.draft_first()) + cm.overhead(tree)  # fixed per-round cost
+    chain_first = (0.0 if parallel else cm.draft_first()) + cm.overhead(False)
     candidates = []  # (gain, draft tokens, depth or K, plan)
     a_ngram = a_ngram_mean = 0.0
     if hybrid:
         a_ngram_mean = ngram_alpha if ngram_alpha is not None else acceptance_prior(costs, "ngram")
         a_ngram = straggler_acceptance(a_ngram_mean, batch, ROW_SPREAD["ngram"])
-    # a chain's round terms per drafter ("": this drafter; "ngram": a hybrid's n-gram half alone):
-    # (mean acceptance, a slow row's, fixed µs per round, µs per draft step)
-    chain_terms = {"": (a_mean, a, first, step), "ngram": (a_ngram_mean, a_ngram, cm.overhead(False), 0.0)}
+    # a chain's round terms per drafter ("": this drafter; "ngram" / "head": a hybrid's n-gram half
+    # or head alone): (mean acceptance, a slow row's, fixed µs per round, µs per draft step)
+    chain_terms = {"": (a_mean, a, first, step), "ngram": (a_ngram_mean, a_ngram, cm.overhead(False), 0.0),
+                   "head": (a_mean, a, chain_first, step)}
 
-    def add_chains(drafter: str) -> None:
+    def add_chains(drafter: str, into: list | None = None, longest: int = k_cap) -> None:
         _, a_slow, first_us, step_us = chain_terms[drafter]
-        for k in range(1, k_cap + 1):
+        for k in range(1, longest + 1):
             gain = float(expected_tokens(a_slow, k)) * ar / (first_us + k * step_us + cm.verify(k + 1))
-            candidates.append((gain, k, k, AutoPlan("chain", k, 0, gain, None, drafter=drafter)))
+            (candidates if into is None else into).append((gain, k, k, AutoPlan("chain", k, 0, gain, None, drafter=drafter)))
 
     if tree:
         level = cm.tree_level()
@@ -426,6 +428,14 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
                     candidates.append((gain, n + m, depth, AutoPlan("tree", depth, n, gain, None, ngram=m)))
         if hybrid:  # its n-gram half alone: a hybrid that may draft none of the head's tree is never below lookup
             add_chains("ngram")
+            # and its head alone as a chain, which leads at batch 8 and more (a tree's verify grows with the
+            # batch, a chain's far less); asked for as a tree, the hybrid takes it only where it beats every
+            # tree and lookup by more than the tolerance, not on a near-tie; the tree's depth caps its K
+            head_chains = []
+            add_chains("head", head_chains, min(k_cap, tree_depth))
+            best_head = max(head_chains, key=lambda c: c[0])
+            if best_head[0] > max(c[0] for c in candidates) * (1 + PLAN_TOLERANCE):
+                candidates = head_chains
     else:
         add_chains("")
     top = max((c[0] for c in candidates), default=1.0)
@@ -606,4 +616,5 @@ def auto_budget(policy, drafter, batch: int, k_max: int, tree, costs: dict | Non
     if p.mode == "tree":
         return drafter, p.policy, k_max, dataclasses.replace(tree, depth=p.k_max, num_nodes=p.num_nodes, ngram=p.ngram,
                                                              lookup_first=p.lookup_first)
-    return (drafter.ngram if p.drafter == "ngram" else drafter), p.policy, p.k_max, None
+    return {"ngram": getattr(drafter, "ngram", None), "head": getattr(drafter, "eagle", None)}.get(p.drafter) or drafter, \
+        p.policy, p.k_max, None
