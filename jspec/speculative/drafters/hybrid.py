@@ -11,6 +11,10 @@ rule are unchanged: a root may now have top_k + 1 children, one of them perhaps 
 head child, which the rule (try children in order, zero a rejected token's p) then never accepts.
 
 The state is both drafters' states; after verification both commit the accepted path.
+
+Lookup first (`engines.tree.TreeConfig.lookup_first`, planned by `auto` at batch 1): a round in
+which every row's n-gram match reached that order (`NgramDrafter.propose_ordered`) verifies the
+n-gram branch alone and drafts none of the head's tree; the head still re-reads the accepted path.
 """
 
 from __future__ import annotations

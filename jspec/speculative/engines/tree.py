@@ -38,6 +38,12 @@ skipped only where the user turns it on (a level costing several branches: big h
 batches); on TPUs, whose control flow runs on the device without a host round trip, by default. A policy
 whose cuts cannot pay (static; `auto`, whose plan already sized the tree for this batch and card)
 compiles none of this: its rounds are the static tree's program.
+
+Hybrid drafters (drafters.hybrid) may look up first (`TreeConfig.lookup_first`): one `lax.cond` a
+round runs either the n-gram branch alone (a block of ngram + 1, no head levels) when every row's
+match reached that n-gram order, or the whole hybrid tree. Both end in the same commit. The
+branch costs one predicate read a round on GPUs; a lookup round saves the head's levels and most
+of the verify block (docs/methods.md §2.8 has the measured gain).
 """
 
 from __future__ import annotations
