@@ -71,6 +71,10 @@ def test_auto_plans_lookup_first_at_batch_1_when_the_tree_beats_weak_lookup_roun
     # a head whose trees do no better than lookup's weak rounds: lookup alone
     weak = plan(REFERENCE_COSTS, batch=1, alpha=0.2, ngram_alpha=0.5, **kw)
     assert (weak.mode, weak.drafter, weak.lookup_first) == ("chain", "ngram", 0)
+    # what each plan runs, in one line (jspec generate prints it, bench rows record it)
+    assert weak.describe() == "chain K = 8, the n-gram half alone"
+    first = plan(REFERENCE_COSTS, batch=1, alpha=0.66, ngram_alpha=0.4, **kw)
+    assert first.describe().endswith(", lookup first after 3-gram matches") and "8-node n-gram branch" in first.describe()
 
 
 def test_a_hybrid_at_batch_16_plans_its_heads_chain_and_runs_it(target):
@@ -312,3 +316,4 @@ def test_bench_runs_hybrid_auto_trees_and_paper_constants(tmp_path, monkeypatch)
     assert hybrid["greedy_identical_to_ar"] == 1.0 and hybrid["policy_constants"] is None
     paper = rows[f"spec:eagle:{head}:svip:paper"]
     assert paper["policy"] == "svip" and paper["policy_constants"] == "paper" and paper["greedy_identical_to_ar"] == 1.0
+    assert hybrid["auto_plan"].startswith(("tree depth", "chain K")) and paper["auto_plan"] is None

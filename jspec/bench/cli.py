@@ -27,8 +27,7 @@ from jspec.speculative.policies.ldlp import load_ldlp
 from jspec.speculative.drafters.eagle import EagleDrafter
 from jspec.speculative.drafters.hybrid import HybridDrafter
 from jspec.speculative.engines.tree import TreeConfig
-from jspec.speculative.policies.auto import AutoPlan
-from jspec.speculative.policies.auto import mean_context, plan_for
+from jspec.speculative.policies.auto import AutoPlan, mean_context, plan_for
 from jspec.bench.round_cost import VERIFY_TS, attach_profile, ensure_costs, plot_round_cost, profile_method
 from jspec.errors import UsageError
 from jspec.tasks import TASK_NAMES, Question, load_questions_file, load_task
@@ -326,6 +325,8 @@ class MethodFactory:
                              refill=getattr(a, "refill", None))
         if spec.method == "spec" and spec.policy in CALIBRATED_POLICIES:
             method.policy_constants = label if constants is not None else spec.option_dict.get("constants", "paper")
+        if isinstance(extra.get("policy"), AutoPlan):
+            method.auto_plan = extra["policy"].describe()
         return method
 
     def calibrated_policy(self, spec: MethodSpec):

@@ -206,6 +206,7 @@ def make_row(
         "drafter": m.drafter,
         "policy": m.policy,
         "policy_constants": getattr(m, "policy_constants", None),  # calibrated policies: "calibrated" | "paper"
+        "auto_plan": getattr(m, "auto_plan", None),  # `auto`: what the plan ran (AutoPlan.describe)
         "tree": bool(m.tree),
         "dtype": m.dtype,
         "batch": m.batch,

@@ -364,6 +364,17 @@ class AutoPlan:
     drafter: str = ""  # a hybrid drafter run as a chain of one half: "ngram" (lookup alone) or "head"
     lookup_first: int = 0  # hybrid trees: engines.tree.TreeConfig.lookup_first (0: every round drafts the head's tree)
 
+    def describe(self) -> str:
+        """What the plan runs, in one line (`jspec generate`'s report, bench rows' `auto_plan`)."""
+        if self.mode == "ar":
+            return "plain decoding"
+        if self.mode == "chain":
+            alone = {"ngram": ", the n-gram half alone", "head": ", the head alone"}.get(self.drafter, "")
+            return f"chain K = {self.k_max}{alone}"
+        text = f"tree depth {self.k_max}, {self.num_nodes} nodes"
+        text += f" + a {self.ngram}-node n-gram branch" if self.ngram else ""
+        return text + (f", lookup first after {self.lookup_first}-gram matches" if self.lookup_first else "")
+
 
 # [I] Tokens per call of n-gram rounds whose match is shorter than the drafter's longest n-gram
 # (replays of SmolLM2-135M-Instruct's greedy answers, drafting 8: 1.69 on longdoc, 1.42 on MT-Bench;
