@@ -18,9 +18,10 @@ Two decisions use it:
   head's tree pays on text that copies its prompt): a verify of N + M + 1 tokens plus the
   branch's own round cost (`HYBRID_BRANCH_US`) and the tokens of the longer accepted path
   (`hybrid_tokens`); and beside the trees, either half alone as a chain (`AutoPlan.drafter`
-  "ngram" or "head"), so a hybrid is never planned below lookup or the head's chain. At batch 1 a hybrid whose head's trees beat
-  lookup's weak rounds looks up first (`AutoPlan.lookup_first`, engines.tree: rounds after a full
-  n-gram match verify the branch alone, the others the tree). If no budget's gain reaches
+  "ngram" or "head"), so a hybrid is never planned below lookup or, by more than the tolerance,
+  below the head's chain. At batch 1 a hybrid whose head's trees beat lookup's weak rounds looks
+  up first (`AutoPlan.lookup_first`, engines.tree: rounds after a full n-gram match verify the
+  branch alone, the others the tree). If no budget's gain reaches
   `min_gain` (1.05 by default: a margin for the model's error), `plan` returns "ar": the call runs
   plain decoding.
   Stragglers: a batch runs until its slowest row is done, and rows differ in acceptance, so at
@@ -377,8 +378,9 @@ class AutoPlan:
 
 
 # [I] Tokens per call of n-gram rounds whose match is shorter than the drafter's longest n-gram
-# (replays of SmolLM2-135M-Instruct's greedy answers, drafting 8: 1.69 on longdoc, 1.42 on MT-Bench;
-# after a full-length match, 6.5 and 5.6). A lookup-first hybrid gives those rounds the head's tree.
+# (CPU replays of SmolLM2-135M-Instruct's greedy answers, drafting 8: 1.60 on longdoc, 1.70 on
+# HumanEval, 1.42 on MT-Bench; after a full-length match 6.8, 5.5 and 5.6). A lookup-first hybrid
+# gives those rounds the head's tree.
 WEAK_LOOKUP_TOKENS = 1.6
 
 
@@ -627,5 +629,5 @@ def auto_budget(policy, drafter, batch: int, k_max: int, tree, costs: dict | Non
     if p.mode == "tree":
         return drafter, p.policy, k_max, dataclasses.replace(tree, depth=p.k_max, num_nodes=p.num_nodes, ngram=p.ngram,
                                                              lookup_first=p.lookup_first)
-    return {"ngram": getattr(drafter, "ngram", None), "head": getattr(drafter, "eagle", None)}.get(p.drafter) or drafter, \
-        p.policy, p.k_max, None
+    half = {"ngram": "ngram", "head": "eagle"}.get(p.drafter)  # a hybrid's half that runs alone
+    return (getattr(drafter, half) if half else drafter), p.policy, p.k_max, None
