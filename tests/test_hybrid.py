@@ -208,6 +208,22 @@ def test_lookup_first_rounds_skip_the_head_and_stay_greedy_identical_to_ar(targe
         assert out.step_tokens[:, 1:].max() == tree.ngram + 1
 
 
+def test_generate_with_auto_at_batch_1_looks_up_first():
+    """generate(policy="auto") with a hybrid tree and one row in flight: the plan looks up first,
+    rounds of both kinds run, and the output is plain greedy decoding's."""
+    params = cycling_target()
+    drafter, dparams = spec_tiny._drafters(params)["eagle3"]
+    prompts = spec_tiny._prompts(7)[:3]
+    ar = generate(params, spec_tiny.CFG, prompts, max_new_tokens=32)
+    out = generate(params, spec_tiny.CFG, prompts, max_new_tokens=32, batch_size=1, speculative=SpeculativeConfig(
+        drafter=HybridDrafter(drafter), drafter_params=dparams, tree=TreeConfig(top_k=3, depth=4, num_nodes=12),
+        policy="auto"))
+    for b in range(len(prompts)):
+        assert out.row(b) == ar.row(b)
+    nodes = out.draft_lengths[:, 1:][out.draft_lengths[:, 1:] > 0]
+    assert (nodes <= 8).any() and (nodes > 8).any()  # lookup rounds (the 8-node branch alone) and tree rounds
+
+
 def test_lookup_first_needs_a_hybrid_and_a_reachable_order(target):
     drafter, dparams = spec_tiny._drafters(target)["eagle3"]
     with pytest.raises(ValueError, match="lookup_first .* must be >= 0"):
