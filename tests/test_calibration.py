@@ -65,6 +65,11 @@ def test_calibration_fits_every_policy_and_specs_find_it(setup, tmp_path):
         if name != "tapout":  # the paper's constants are grid points: the fit can only be as fast or faster
             assert fit["calibrated"]["speedup_vs_ar"] >= fit["paper"]["speedup_vs_ar"] - 1e-6
     assert set(fits["policies"]["tapout"]["constants"]) >= {"svip", "adaedl"}
+    # the oracle stop rule (drafts exactly what each round accepted) bounds every policy and static K
+    ceiling = fits["oracle"]["speedup_vs_ar"]
+    assert all(ceiling >= f["calibrated"]["speedup_vs_ar"] - 1e-6 for f in fits["policies"].values())
+    assert all(ceiling >= s["speedup_vs_ar"] - 1e-6 for s in fits["static"].values())
+    assert fits["oracle"]["tokens_per_round"] == pytest.approx(fits["static"][str(K)]["tokens_per_round"])
 
     head = tmp_path / "eagle3"
     save_eagle_head(str(head), drafter.head, dparams)
@@ -109,7 +114,7 @@ def test_calibrate_command_writes_beside_the_head(setup, tmp_path, monkeypatch, 
             "--n-prompts", "6", "--record-batch", "3", "--max-new-tokens", "12"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "svip calibrated" in out and "static K=4" in out
+    assert "svip calibrated" in out and "static K=4" in out and "oracle stop" in out
     data = json.loads(calibration_path(head).read_text())
     (entry,) = data["cards"].values()
     assert set(entry["policies"]) == {"svip", "ldlp"} and entry["k_max"] == K and "training split" in entry["prompts"]

@@ -114,6 +114,11 @@ def report_lines(entry: dict) -> list[str]:
     lines = [f"{entry['rounds']} rounds recorded at K = {entry['k_max']}; costs at batch {entry['batch']} ({entry['cost_table']})"]
     for k, s in sorted(entry["static"].items(), key=lambda kv: int(kv[0])):
         lines.append(f"  static K={k}: {s['tokens_per_round']:.2f} tokens/round, {s['speedup_vs_ar']:.2f}x AR")
+    oracle = entry.get("oracle")
+    if oracle:
+        vs = f", {oracle['speedup_vs_ar'] / static['speedup_vs_ar']:.3f}x static K={STATIC_REFERENCE}" if static else ""
+        lines.append(f"  oracle stop (drafts exactly what is accepted): drafted {oracle['drafted_per_round']:.2f}, "
+                     f"{oracle['speedup_vs_ar']:.2f}x AR{vs}: the ceiling of any stop rule here")
     for name, fit in entry["policies"].items():
         for which in ("paper", "calibrated"):
             s = fit[which]

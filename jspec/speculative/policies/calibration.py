@@ -230,6 +230,15 @@ def static_summary(rec: Records, k: int, cost: RoundCost) -> dict[str, float]:
     return summary(replay(make_policy("static", k_max=k), rec, k, cost), cost)
 
 
+def oracle_summary(rec: Records, k: int, cost: RoundCost) -> dict[str, float]:
+    """A stop rule that knew each round's accepted count and drafted exactly that many (at least
+    one, at most k), replayed on the same rounds: the most tokens per µs any draft-length policy
+    can reach with this head on this card, so how far a calibrated policy is from what stopping
+    can give at all. A round that accepted every recorded draft counts as reaching k."""
+    limits = jnp.clip(jnp.asarray(rec.accepted), 1, k)
+    return summary(replay(make_policy("static", k_max=k), rec, k, cost, limits=limits), cost)
+
+
 # ---- 3. fitting -----------------------------------------------------------------------------------
 
 
@@ -284,8 +293,9 @@ def fit_policy(name: str, rec: Records, k_max: int, cost: RoundCost, base_consta
 
 
 def fit_all(names, rec: Records, k_max: int, cost: RoundCost) -> dict[str, Any]:
-    """Fit each named policy (TapOut after the rules its arms use) and replay static K = 1..k_max:
-    {"policies": {name: fit_policy(...)}, "static": {k: summary}}."""
+    """Fit each named policy (TapOut after the rules its arms use), replay static K = 1..k_max and
+    the oracle stop rule at k_max: {"policies": {name: fit_policy(...)}, "static": {k: summary},
+    "oracle": summary}."""
     order = sorted(names, key=lambda n: n == "tapout")
     fits: dict[str, Any] = {}
     for name in order:
@@ -295,7 +305,7 @@ def fit_all(names, rec: Records, k_max: int, cost: RoundCost) -> dict[str, Any]:
                     for arm in ("svip", "adaedl")}
         fits[name] = fit_policy(name, rec, k_max, cost, base)
     static = {str(k): static_summary(rec, k, cost) for k in range(1, k_max + 1)}
-    return {"policies": {n: fits[n] for n in names}, "static": static}
+    return {"policies": {n: fits[n] for n in names}, "static": static, "oracle": oracle_summary(rec, k_max, cost)}
 
 
 # ---- the file beside the head ------------------------------------------------------------------
