@@ -411,8 +411,9 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     a_mean, a = a, straggler_acceptance(a, batch, row_spread)
     ar = cm.ar_step()
     step = 0.0 if parallel else cm.draft_step()
-    first = (0.0 if parallel else cm.draft_first()) + cm.overhead(tree)  # fixed per-round cost
-    chain_first = (0.0 if parallel else cm.draft_first()) + cm.overhead(False)
+    draft_start = 0.0 if parallel else cm.draft_first()
+    first = draft_start + cm.overhead(tree)  # fixed per-round cost
+    chain_first = draft_start + cm.overhead(False)
     candidates = []  # (gain, draft tokens, depth or K, plan)
     a_ngram = a_ngram_mean = 0.0
     if hybrid:
@@ -429,16 +430,19 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
             gain = float(expected_tokens(a_slow, k)) * ar / (first_us + k * step_us + cm.verify(k + 1))
             (candidates if into is None else into).append((gain, k, k, AutoPlan("chain", k, 0, gain, None, drafter=drafter)))
 
+    def tree_gain(depth: int, n: int, ngram_alpha: float, m: int) -> float:
+        """A tree of `depth` levels and n head nodes with an m-node n-gram branch accepted at ngram_alpha."""
+        tau = hybrid_tokens(float(tree_acceptance(a, n, depth)), depth, ngram_alpha, m)
+        branch = cm.hybrid_branch() if m else 0.0
+        return tau * ar / (first + depth * cm.tree_level() + cm.verify(n + m + 1, tree=True) + branch)
+
     if tree:
-        level = cm.tree_level()
         for depth in range(2, tree_depth + 1):
             for n in TREE_SIZES:
                 if n > tree_top_k + (depth - 1) * tree_top_k**2:
                     continue
                 for m in (range(0, MAX_NGRAM_BRANCH + 1, 2) if hybrid else (0,)):
-                    tau = hybrid_tokens(float(tree_acceptance(a, n, depth)), depth, a_ngram, m)
-                    branch = cm.hybrid_branch() if m else 0.0
-                    gain = tau * ar / (first + depth * level + cm.verify(n + m + 1, tree=True) + branch)
+                    gain = tree_gain(depth, n, a_ngram, m)
                     candidates.append((gain, n + m, depth, AutoPlan("tree", depth, n, gain, None, ngram=m)))
         if hybrid:  # its n-gram half alone: a hybrid that may draft none of the head's tree is never below lookup
             add_chains("ngram")
@@ -458,14 +462,9 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
         m = MAX_NGRAM_BRANCH
         weak_alpha = alpha_for_chain_tokens(WEAK_LOOKUP_TOKENS, m)
         weak_lookup = WEAK_LOOKUP_TOKENS * ar / (cm.overhead(False) + cm.verify(m + 1))
-
-        def weak_round_gain(p: AutoPlan) -> float:  # the tree's gain in a round after a short match
-            tau = hybrid_tokens(float(tree_acceptance(a, p.num_nodes, p.k_max)), p.k_max, weak_alpha, m)
-            return tau * ar / (first + p.k_max * cm.tree_level() + cm.verify(p.num_nodes + m + 1, tree=True)
-                               + cm.hybrid_branch())
-
         full = [c for c in candidates if c[3].mode == "tree" and c[3].ngram == m]
-        if full and max(weak_round_gain(c[3]) for c in full) > weak_lookup:
+        # the trees' gain in a round after a short match, whose n-gram branch is weak too
+        if full and max(tree_gain(c[3].k_max, c[3].num_nodes, weak_alpha, m) for c in full) > weak_lookup:
             first_tree = dataclasses.replace(max(full, key=lambda c: c[0])[3], gain=top, lookup_first=lookup_first)
     if top < max(min_gain, 1.0):
         return AutoPlan("ar", 0, 0, top, None)
