@@ -89,6 +89,17 @@ def test_calibration_fits_every_policy_and_specs_find_it(setup, tmp_path):
     assert tapout.svip.threshold == fits["policies"]["svip"]["constants"]["threshold"]
     ldlp_policy = resolve_policy_spec("ldlp", spec, None, K)
     assert ldlp_policy.length_offset == fits["policies"]["ldlp"]["constants"]["length_offset"]
+    # a fit recorded with other weights (the head retrained in place) is not used for this head
+    from jspec.speculative.policies.calibration import head_fingerprint
+
+    own = head_fingerprint(head)
+    assert own is not None and len(own) == 16
+    stale = {"k_max": K, "policies": {"svip": {**fits["policies"]["svip"], "head": "0" * 16}}}
+    save_calibration(head, card_name(), stale)
+    with pytest.warns(UserWarning, match="other head weights"):
+        assert resolve_policy_spec("svip", spec, None, K) == "svip"
+    save_calibration(head, card_name(), {"k_max": K, "policies": {"svip": {**fits["policies"]["svip"], "head": own}}})
+    assert resolve_policy_spec("svip", spec, None, K) == svip
     ar = generate(target, CFG, prompts, max_new_tokens=16)
     for policy, params in ((tapout, None), (ldlp_policy, ldlp), (resolve_policy_spec("adaedl", spec, None, K), None)):
         out = generate(target, CFG, prompts, max_new_tokens=16, speculative=SpeculativeConfig(
@@ -118,6 +129,9 @@ def test_calibrate_command_writes_beside_the_head(setup, tmp_path, monkeypatch, 
     data = json.loads(calibration_path(head).read_text())
     (entry,) = data["cards"].values()
     assert set(entry["policies"]) == {"svip", "ldlp"} and entry["k_max"] == K and "training split" in entry["prompts"]
+    from jspec.speculative.policies.calibration import head_fingerprint
+
+    assert {fit["head"] for fit in entry["policies"].values()} == {head_fingerprint(head)}
     assert cli.main(["calibrate", "--policy", "static"]) == 2
     assert "calibrate fits confidence, svip" in capsys.readouterr().err
 

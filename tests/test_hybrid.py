@@ -44,6 +44,8 @@ def test_hybrid_spec_and_plan():
     assert check_drafter_spec("eagle3+ngram") is HybridDrafter and check_drafter_spec("ngram:2+eagle") is HybridDrafter
     with pytest.raises(DrafterError, match="one EAGLE head and n-gram"):
         check_drafter_spec("eagle3+model")
+    with pytest.raises(DrafterError, match=r"eagle3:runs/head\+ngram"):  # the head's path given to the n-gram half
+        check_drafter_spec("eagle3+ngram:runs/head")
     # the expected tokens of the longer of two independent paths: a branch never lowers it
     assert hybrid_tokens(0.5, 4, 0.9, 0) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
     assert hybrid_tokens(0.5, 4, 0.9, 4) > hybrid_tokens(0.5, 4, 0.9, 2) > hybrid_tokens(0.5, 4, 0.9, 0)

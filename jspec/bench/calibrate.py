@@ -24,7 +24,7 @@ from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, head_dir
 from jspec.speculative.policies.auto import card_name
 from jspec.speculative.policies.calibration import (CALIBRATED_POLICIES, Records, RecordingPolicy, RoundCost, fit_all,
-                                                    save_calibration)
+                                                    head_fingerprint, save_calibration)
 from jspec.speculative.policies.ldlp import load_ldlp
 from jspec.tasks import Question, TaskDataError, load_questions_file, training_prompts
 
@@ -141,6 +141,9 @@ def run_calibrate(a) -> int:
     entry = calibrate(params, cfg, drafter, dparams, prompts, names, costs=costs, k_max=a.k_max, batch=a.batch,
                       record_batch=a.record_batch, max_new=a.max_new_tokens, ldlp_params=ldlp_params)
     entry["prompts"] = source
+    fingerprint = head_fingerprint(head_dir(a.drafter, a.model))  # the weights recorded, whichever folder is written
+    for fit in entry["policies"].values():
+        fit["head"] = fingerprint
     path = save_calibration(head, card_name(), entry)
     print("\n".join(report_lines(entry)))
     print(f"calibration: {path}")

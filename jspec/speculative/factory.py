@@ -89,6 +89,10 @@ def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | No
     serve)."""
     hybrid = split_hybrid(spec)
     if hybrid is not None:
+        n_gram_arg = _split(hybrid[1])[1]
+        if n_gram_arg is not None and not n_gram_arg.isdigit() and _split(hybrid[0])[1] is None:
+            raise DrafterError(f"drafter {spec!r}: a hybrid's head path goes with the head, "
+                               f"{_split(hybrid[0])[0]}:{n_gram_arg}+ngram (ngram:N takes the longest n-gram)")
         for part in hybrid:
             check_drafter_spec(part, model_name, k_max, cfg)
         return HybridDrafter

@@ -21,13 +21,18 @@ in other places, and SVIP with its paper constants drafts 1.35 tokens a round wi
 The result is written beside the head (`save_calibration`: <head>/jspec/calibration.json, one
 entry per card) and read back by `calibrated_constants`; `policy_from_constants` builds the
 policy. The paper's constants stay the dataclass defaults (`svip:paper` in a policy spec).
+Each fit records the fingerprint of the head weights it was recorded with (`head_fingerprint`):
+a head retrained in place accepts differently, so a fit of its predecessor is not used for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import itertools
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -326,6 +331,25 @@ def save_calibration(head_dir, card: str, entry: dict) -> Path:
     return path
 
 
+def head_fingerprint(head_dir) -> str | None:
+    """The first 16 hex digits of the SHA-256 of a head's weight files (its top-level *.safetensors
+    and *.bin, by name), or None when it has none. Cached per file size and modification time."""
+    files = sorted(f for f in Path(head_dir).glob("*") if f.suffix in (".safetensors", ".bin") and f.is_file())
+    if not files:
+        return None
+    return _fingerprint(tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
+@functools.lru_cache(maxsize=16)
+def _fingerprint(files: tuple) -> str:
+    digest = hashlib.sha256()
+    for path, _, _ in files:
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
 def load_calibration_file(path) -> dict | None:
     try:
         data = json.loads(Path(path).read_text())
@@ -336,13 +360,23 @@ def load_calibration_file(path) -> dict | None:
 
 def calibrated_constants(head_dir, name: str, card: str) -> tuple[dict, str] | None:
     """(constants, the card they were fit on) for policy `name` beside a head: this card's, else
-    the first card's (by name) that has the policy; None when none has."""
+    the first card's (by name) that has the policy; None when none has. A fit recorded with other
+    weights than the head's own (its `head` fingerprint differs) is skipped, with a warning."""
     data = load_calibration_file(calibration_path(head_dir))
     if data is None:
         return None
     cards = [card] + sorted(c for c in data["cards"] if c != card)
+    current = None
     for c in cards:
         fit = data["cards"].get(c, {}).get("policies", {}).get(name)
-        if fit is not None:
-            return fit["constants"], c
+        if fit is None:
+            continue
+        if fit.get("head") is not None:  # fits written before fingerprints were kept carry none
+            current = current or head_fingerprint(head_dir)
+            if current is not None and fit["head"] != current:
+                warnings.warn(f"{calibration_path(head_dir)}: the {name} fit for {c} was recorded with other head "
+                              f"weights ({fit['head']}, this head {current}); not used: rerun `jspec calibrate`",
+                              stacklevel=2)
+                continue
+        return fit["constants"], c
     return None
