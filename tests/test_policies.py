@@ -8,7 +8,7 @@ import pytest
 
 from jspec.speculative.policies import POLICY_NAMES, make_policy
 from jspec.speculative.policies.adl import ADLPolicy
-from jspec.speculative.policies.base import softmax_entropy
+from jspec.speculative.policies.base import draft_log_probs, softmax_entropy, top_two_probs
 from jspec.speculative.policies.ldlp import length_from_prediction
 from jspec.speculative.policies.tapout import TAPOUT_ARMS
 
@@ -76,6 +76,19 @@ def test_entropy_of_crafted_distributions():
     z = jax.random.normal(KEY, (3, 50)) * 30
     p = jax.nn.softmax(z)
     np.testing.assert_allclose(softmax_entropy(z + 1e4), -jnp.sum(p * jnp.log(p + 1e-30), -1), atol=1e-3)
+
+
+def test_top_two_probs_in_one_pass():
+    # ties count twice (as top_k would), zero-probability entries never rank, one-entry rows give 0
+    logits = logits_of([0.4, 0.4, 0.2, 0], [0.1, 0.7, 0, 0.2], [0, 0, 1, 0])
+    top1, top2 = top_two_probs(draft_log_probs(logits))
+    np.testing.assert_allclose(top1, [0.4, 0.7, 1.0], atol=1e-6)
+    np.testing.assert_allclose(top2, [0.4, 0.2, 0.0], atol=1e-6)
+    z = jax.random.normal(KEY, (2, 3, 1000))
+    ranked = np.sort(np.asarray(jax.nn.softmax(z)), axis=-1)
+    top1, top2 = jax.jit(top_two_probs)(jax.nn.log_softmax(z))
+    np.testing.assert_allclose(top1, ranked[..., -1], rtol=1e-5)
+    np.testing.assert_allclose(top2, ranked[..., -2], rtol=1e-5)
 
 
 def test_svip_stops_above_0_6_nats():

@@ -69,14 +69,22 @@ def entropy_from_log_probs(log_probs: jax.Array) -> jax.Array:
     return jnp.maximum(-jnp.sum(terms, axis=-1), 0.0)
 
 
+def _merge_top_two(a, b):
+    """The two largest of two (largest, second largest) pairs: associative and commutative."""
+    (a1, a2), (b1, b2) = a, b
+    return jnp.maximum(a1, b1), jnp.maximum(jnp.minimum(a1, b1), jnp.maximum(a2, b2))
+
+
 def top_two_probs(log_probs: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Largest and second-largest probability over the last axis (a tie counts twice, as top_k
-    would). Two reductions beside the entropy's over the same row, which XLA fuses, instead of a
-    top-k per draft step: TapOut reads all three statistics at every step."""
-    best = jnp.argmax(log_probs, axis=-1)
-    top1 = jnp.take_along_axis(log_probs, best[..., None], axis=-1)[..., 0]
-    others = jnp.where(jnp.arange(log_probs.shape[-1]) == best[..., None], -jnp.inf, log_probs)
-    return jnp.exp(top1), jnp.exp(jnp.max(others, axis=-1))
+    would). One pass: a reduction over (value, -inf) pairs, which has no dependence on another
+    reduction's result, so it can share a kernel with the entropy's over the same row, where
+    argmax, a gather and a masked max ran one after another. TapOut reads all three statistics at
+    every draft step, max-confidence the first."""
+    ninf = jnp.array(-jnp.inf, log_probs.dtype)
+    top1, top2 = jax.lax.reduce((log_probs, jnp.full_like(log_probs, -jnp.inf)), (ninf, ninf), _merge_top_two,
+                                (log_probs.ndim - 1,))
+    return jnp.exp(top1), jnp.exp(top2)
 
 
 def softmax_entropy(draft_logits: jax.Array) -> jax.Array:
