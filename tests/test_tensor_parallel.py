@@ -158,3 +158,53 @@ def test_model_axis_that_does_not_split_the_kv_heads_is_a_one_line_error(target)
     with pytest.raises(ValueError, match=r"^model=8 must divide num_kv_heads=4.*N dividing 4$") as e:
         generate(target, CFG, PROMPTS, max_new_tokens=4, mesh="model=8")
     assert "\n" not in str(e.value)
+
+
+# -- the opt-in peer-memory all-reduce (kernels.allreduce, JSPEC_TP_ALLREDUCE=p2p) -----------------
+
+
+class _FakeGPU:
+    platform, process_index = "gpu", 0
+
+    def __init__(self, ordinal):
+        self.id = self.local_hardware_id = ordinal
+
+
+class _FakeMesh:
+    def __init__(self, devices, axis_names):
+        self.devices, self.axis_names = devices, axis_names
+
+
+def test_p2p_all_reduce_groups_follow_the_model_axis():
+    from jspec.kernels.allreduce import model_groups
+
+    gpus = np.array([_FakeGPU(i) for i in range(8)]).reshape(2, 4)  # data=2, model=4
+    assert model_groups(_FakeMesh(gpus, ("data", "model"))) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert model_groups(_FakeMesh(gpus.T, ("model", "data"))) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    with pytest.raises(ValueError, match="at most 8"):
+        model_groups(_FakeMesh(np.array([_FakeGPU(i) for i in range(16)]).reshape(1, 16), ("data", "model")))
+
+
+def test_p2p_all_reduce_is_opt_in_and_refuses_what_it_cannot_run(target, monkeypatch):
+    from jspec.kernels import allreduce
+
+    assert allreduce.choice() == "nccl"  # the default: psum (NCCL on GPUs)
+    monkeypatch.setenv("JSPEC_TP_ALLREDUCE", "nvls")
+    with pytest.raises(ValueError, match="JSPEC_TP_ALLREDUCE='nvls': expected one of nccl, p2p"):
+        allreduce.choice()
+    monkeypatch.setenv("JSPEC_TP_ALLREDUCE", "p2p")  # on CPU devices: a one-line error, when traced
+    with pytest.raises(ValueError, match="needs this process's CUDA GPUs, not cpu"):
+        generate(target, CFG, PROMPTS, max_new_tokens=2, mesh="model=2")
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="needs nvcc")
+def test_p2p_all_reduce_source_compiles(tmp_path):
+    import subprocess
+
+    from jspec.kernels import allreduce
+
+    out = tmp_path / "p2p.so"
+    run = subprocess.run(allreduce.build_command(out, arch="sm_90"), capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    symbols = subprocess.run(["nm", "-D", str(out)], capture_output=True, text=True).stdout
+    assert "JspecP2pAllReduce" in symbols and "jspec_p2p_init" in symbols
