@@ -197,6 +197,28 @@ def test_p2p_all_reduce_is_opt_in_and_refuses_what_it_cannot_run(target, monkeyp
         generate(target, CFG, PROMPTS, max_new_tokens=2, mesh="model=2")
 
 
+def test_p2p_all_reduce_sets_up_one_grouping_a_process(monkeypatch):
+    from jspec.kernels import allreduce
+
+    calls = []
+
+    class FakeLibrary:
+        def jspec_p2p_init(self, ordinals, ngroups, nranks):
+            calls.append((list(ordinals), ngroups, nranks))
+            return 0
+
+    monkeypatch.setattr(allreduce, "_library", FakeLibrary)
+    monkeypatch.setattr(allreduce, "_PREPARED", set())
+    allreduce._prepare(((0, 1), (2, 3)))
+    allreduce._prepare(((0, 1), (2, 3)))  # the same grouping again: nothing more to do
+    assert calls == [([0, 1, 2, 3], 2, 2)]
+    with pytest.raises(ValueError, match="one grouping of the GPUs a process"):
+        allreduce._prepare(((0, 1, 2, 3),))
+    monkeypatch.setattr(allreduce, "_PREPARED", set())
+    with pytest.raises(ValueError, match="model=2, 4 or 8"):
+        allreduce._prepare(((0, 1, 2),))
+
+
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="needs nvcc")
 def test_p2p_all_reduce_source_compiles(tmp_path):
     import subprocess

@@ -5,8 +5,8 @@ Portable path: `jax.lax.psum` over the "model" axis (NCCL on GPUs), on every pla
 GPU path, opt-in with $JSPEC_TP_ALLREDUCE=p2p until a GPU run has timed it against NCCL: a one-shot
 all-reduce over peer memory between the local CUDA GPUs of one process (`p2p_allreduce.cu`). Why:
 an 8B decode step under model=2 runs 65 collectives of 8-128 KB, and NCCL took about 23 µs for each
-(2×H200, `BENCHMARKS.md`), about 1.5 ms of a 3.7 ms step; a one-block kernel on the compute stream
-that reads its peers' buffers needs no NCCL launch and no second stream. Operands above 1 MiB and
+(2×H200, `BENCHMARKS.md`), about 1.5 ms of a 3.7 ms step; a kernel on the compute stream that
+reads its peers' buffers needs no NCCL launch and no second stream. Operands above 1 MiB and
 dtypes other than bfloat16 / float32 keep psum. The sum runs in rank order on every device, so
 every device holds bitwise the same result, as after psum.
 
@@ -64,7 +64,8 @@ def model_groups(mesh) -> tuple[tuple[int, ...], ...]:
 
 
 def row_parallel_sum(y: jax.Array) -> jax.Array:
-    """The sum over the "model" axis of each device's share `y` (inside tensor_parallel_map)."""
+    """The sum over the "model" axis of each device's share `y` (inside tensor_parallel_map, which
+    only generation uses: the p2p call has no gradient rule, and training never runs under model=N)."""
     if choice() == "p2p" and y.dtype in _DTYPES and y.size * y.dtype.itemsize <= MAX_BYTES:
         groups = model_groups(tensor_parallel_mesh())
         if len(groups[0]) > 1:
@@ -87,10 +88,18 @@ def build_command(out: Path, arch: str = "native") -> list[str]:
             f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
 
 
+def _build_tag() -> str:
+    """What the cached library depends on: the source, JAX (its FFI headers), nvcc and the GPU."""
+    nvcc = subprocess.run([shutil.which("nvcc") or "nvcc", "--version"], capture_output=True, text=True).stdout
+    gpu = getattr(jax.devices()[0], "compute_capability", jax.devices()[0].device_kind)
+    return hashlib.sha256(SOURCE.read_bytes() + f"{jax.__version__}|{nvcc}|{gpu}".encode()).hexdigest()[:16]
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL:
     """Build (once per machine), load and register the CUDA all-reduce."""
-    tag = hashlib.sha256(SOURCE.read_bytes() + jax.__version__.encode()).hexdigest()[:16]
+    build_command(Path("check"))  # no nvcc: the one-line error, before anything else
+    tag = _build_tag()
     path = cache_dir() / f"p2p_allreduce-{tag}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,9 +117,15 @@ def _library() -> ctypes.CDLL:
 
 
 def _prepare(groups: tuple[tuple[int, ...], ...]) -> None:
-    """Allocate the exchange buffers and enable peer access for these groups, once per process."""
+    """Allocate the exchange buffers and enable peer access for these groups. Once per process: the
+    buffers and call counters serve one grouping of the GPUs, so another mesh is refused."""
     if groups in _PREPARED:
         return
+    if _PREPARED:
+        raise ValueError(f"JSPEC_TP_ALLREDUCE=p2p serves one grouping of the GPUs a process ({next(iter(_PREPARED))}), "
+                         f"not also {groups}: use one mesh, or unset it (NCCL / psum)")
+    if len(groups[0]) not in (2, 4, 8):
+        raise ValueError(f"JSPEC_TP_ALLREDUCE=p2p: model={len(groups[0])}; it runs model=2, 4 or 8")
     flat = [d for g in groups for d in g]
     status = _library().jspec_p2p_init((ctypes.c_int * len(flat))(*flat), len(groups), len(groups[0]))
     if status != 0:
