@@ -69,6 +69,7 @@ from jspec import sharding as S
 from jspec.checkpoint import eagle_format, synthetic
 from jspec.config import ModelConfig
 from jspec.heads import eagle as H
+from jspec.kernels import allreduce
 from jspec.kernels import matvec as MV
 from jspec.sampling import Sampling
 
@@ -504,6 +505,7 @@ def tp_part(shape, cfg, params, rows_out: Rows, batches, mesh_spec: str):
                         base_t, base_out = t, out
                     rows_out.add(**base_row(shape, cfg, wbytes, "ar", b, 1, t / NEW, b, devices=devices, mesh=mesh_name,
                                             device_bytes=dbytes, variant="auto", part="tp",
+                                            all_reduce=allreduce.choice() if devices > 1 else None,
                                             spread_ms=round(1000 * spread, 2), compile_s=round(compile_s, 1),
                                             note=f"whole generation, {label}: prompt 64 + 256 new tokens; "
                                                  "ms_per_step = time / 256", **extra))
