@@ -66,8 +66,9 @@ def model_groups(mesh) -> tuple[tuple[int, ...], ...]:
 def row_parallel_sum(y: jax.Array) -> jax.Array:
     """The sum over the "model" axis of each device's share `y` (inside tensor_parallel_map, which
     only generation uses: the p2p call has no gradient rule, and training never runs under model=N)."""
-    if choice() == "p2p" and y.dtype in _DTYPES and y.size * y.dtype.itemsize <= MAX_BYTES:
-        groups = model_groups(tensor_parallel_mesh())
+    mesh = tensor_parallel_mesh()
+    if choice() == "p2p" and mesh is not None and y.dtype in _DTYPES and y.size * y.dtype.itemsize <= MAX_BYTES:
+        groups = model_groups(mesh)
         if len(groups[0]) > 1:
             _prepare(groups)
             return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(y.shape, y.dtype))(y)
