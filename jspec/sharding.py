@@ -181,14 +181,13 @@ def verify_shardings(mesh: Mesh, batch: int, k: int, vocab: int):
 # a cache of its own kv heads only.
 
 TP_AXIS = "model"
-_IN_TENSOR_PARALLEL = contextvars.ContextVar("jspec_in_tensor_parallel", default=False)
 _TENSOR_PARALLEL_MESH = contextvars.ContextVar("jspec_tensor_parallel_mesh", default=None)
 
 
 def in_tensor_parallel() -> bool:
     """Whether the code being traced runs inside tensor_parallel_map's shard_map (where an untied
     LM head holds one device's slice of the vocabulary and the "model" axis is bound)."""
-    return _IN_TENSOR_PARALLEL.get()
+    return _TENSOR_PARALLEL_MESH.get() is not None
 
 
 def tensor_parallel_mesh() -> Mesh | None:
@@ -336,12 +335,11 @@ def _tensor_parallel_map(fn, mesh, params_name, param_specs, static_items, rows)
     def per_device(params, split, shared):
         if rows and "key" in shared:
             shared = {**shared, "key": jax.random.fold_in(shared["key"], jax.lax.axis_index("data"))}
-        token, mesh_token = _IN_TENSOR_PARALLEL.set(True), _TENSOR_PARALLEL_MESH.set(mesh)
+        token = _TENSOR_PARALLEL_MESH.set(mesh)
         try:
             return fn(**{params_name: params}, **split, **shared, **static)
         finally:
-            _IN_TENSOR_PARALLEL.reset(token)
-            _TENSOR_PARALLEL_MESH.reset(mesh_token)
+            _TENSOR_PARALLEL_MESH.reset(token)
 
     mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(jax.tree_util.tree_unflatten(treedef, specs), P("data"), P()),
                            out_specs=P("data") if rows else P(), check_vma=False)

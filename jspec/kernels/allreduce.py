@@ -11,7 +11,7 @@ dtypes other than bfloat16 / float32 keep psum. The sum runs in rank order on ev
 every device holds bitwise the same result, as after psum.
 
 The p2p path builds the CUDA source once per machine with nvcc (cached under $JSPEC_CACHE, default
-~/.cache/jspec, keyed by the source and the JAX version), registers it as an XLA FFI target, and sets
+~/.cache/jspec, keyed by the source, JAX, nvcc and the GPU), registers it as an XLA FFI target, and sets
 up each device's buffers the first time a mesh is traced. It uses plain peer access, never NVLink
 multicast.
 """
@@ -79,19 +79,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("JSPEC_CACHE", Path.home() / ".cache" / "jspec")) / "kernels"
 
 
-def build_command(out: Path, arch: str = "native") -> list[str]:
-    """nvcc's command line for the shared library (arch "native": the GPUs of the machine building it)."""
+def _nvcc() -> str:
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise RuntimeError("JSPEC_TP_ALLREDUCE=p2p builds a CUDA kernel and needs nvcc on PATH: install the CUDA "
                            "toolkit or unset it (NCCL / psum)")
-    return [nvcc, "-std=c++17", "-O3", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC", "-diag-suppress", "940,2473",
+    return nvcc
+
+
+def build_command(out: Path, arch: str = "native") -> list[str]:
+    """nvcc's command line for the shared library (arch "native": the GPUs of the machine building it)."""
+    return [_nvcc(), "-std=c++17", "-O3", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC", "-diag-suppress", "940,2473",
             f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
 
 
 def _build_tag() -> str:
     """What the cached library depends on: the source, JAX (its FFI headers), nvcc and the GPU."""
-    nvcc = subprocess.run([shutil.which("nvcc") or "nvcc", "--version"], capture_output=True, text=True).stdout
+    nvcc = subprocess.run([_nvcc(), "--version"], capture_output=True, text=True).stdout
     gpu = getattr(jax.devices()[0], "compute_capability", jax.devices()[0].device_kind)
     return hashlib.sha256(SOURCE.read_bytes() + f"{jax.__version__}|{nvcc}|{gpu}".encode()).hexdigest()[:16]
 
@@ -99,8 +103,7 @@ def _build_tag() -> str:
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL:
     """Build (once per machine), load and register the CUDA all-reduce."""
-    build_command(Path("check"))  # no nvcc: the one-line error, before anything else
-    tag = _build_tag()
+    tag = _build_tag()  # no nvcc: its one-line error, before anything else
     path = cache_dir() / f"p2p_allreduce-{tag}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
