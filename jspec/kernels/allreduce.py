@@ -10,9 +10,8 @@ reads its peers' buffers needs no NCCL launch and no second stream. Operands abo
 dtypes other than bfloat16 / float32 keep psum. The sum runs in rank order on every device, so
 every device holds bitwise the same result, as after psum.
 
-The p2p path builds the CUDA source once per machine with nvcc (cached under $JSPEC_CACHE, default
-~/.cache/jspec, keyed by the source, JAX, nvcc and the GPU), registers it as an XLA FFI target, and sets
-up each device's buffers the first time a mesh is traced. It uses plain peer access, never NVLink
+The p2p path builds the CUDA source once per machine with nvcc (`cuda_build`), registers it as an
+XLA FFI target, and sets up each device's buffers the first time a mesh is traced. It uses plain peer access, never NVLink
 multicast.
 """
 
@@ -20,10 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import jax
@@ -31,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..sharding import TP_AXIS, tensor_parallel_mesh
+from . import cuda_build
 
 SOURCE = Path(__file__).with_name("p2p_allreduce.cu")
 TARGET = "jspec_p2p_all_reduce"
@@ -39,6 +36,7 @@ MAX_BYTES = 1 << 20  # the CUDA source's slot size (kSlotBytes)
 MAX_RANKS = 8
 _DTYPES = (jnp.bfloat16, jnp.float32)
 _PREPARED: set[tuple[tuple[int, ...], ...]] = set()
+UNSET_HINT = "unset JSPEC_TP_ALLREDUCE (NCCL / psum)"
 
 
 def choice() -> str:
@@ -75,45 +73,18 @@ def row_parallel_sum(y: jax.Array) -> jax.Array:
     return jax.lax.psum(y, TP_AXIS)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("JSPEC_CACHE", Path.home() / ".cache" / "jspec")) / "kernels"
-
-
-def _nvcc() -> str:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        raise RuntimeError("JSPEC_TP_ALLREDUCE=p2p builds a CUDA kernel and needs nvcc on PATH: install the CUDA "
-                           "toolkit or unset it (NCCL / psum)")
-    return nvcc
+UNSET_HINT = "unset JSPEC_TP_ALLREDUCE (NCCL / psum)"
 
 
 def build_command(out: Path, arch: str = "native") -> list[str]:
-    """nvcc's command line for the shared library (arch "native": the GPUs of the machine building it)."""
-    return [_nvcc(), "-std=c++17", "-O3", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC", "-diag-suppress", "940,2473",
-            f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
-
-
-def _build_tag() -> str:
-    """What the cached library depends on: the source, JAX (its FFI headers), nvcc and the GPU."""
-    nvcc = subprocess.run([_nvcc(), "--version"], capture_output=True, text=True).stdout
-    gpu = getattr(jax.devices()[0], "compute_capability", jax.devices()[0].device_kind)
-    return hashlib.sha256(SOURCE.read_bytes() + f"{jax.__version__}|{nvcc}|{gpu}".encode()).hexdigest()[:16]
+    """nvcc's command line for the all-reduce's shared library."""
+    return cuda_build.build_command(SOURCE, out, arch=arch, unset_hint=UNSET_HINT)
 
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL:
     """Build (once per machine), load and register the CUDA all-reduce."""
-    tag = _build_tag()  # no nvcc: its one-line error, before anything else
-    path = cache_dir() / f"p2p_allreduce-{tag}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        run = subprocess.run(build_command(tmp), capture_output=True, text=True)
-        if run.returncode != 0:
-            last = (run.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"building {SOURCE.name} with nvcc failed ({last}): unset JSPEC_TP_ALLREDUCE")
-        os.replace(tmp, path)
-    lib = ctypes.CDLL(str(path))
+    lib = cuda_build.load(SOURCE, unset_hint=UNSET_HINT)
     lib.jspec_p2p_init.argtypes = (ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int)
     lib.jspec_p2p_init.restype = ctypes.c_int
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JspecP2pAllReduce), platform="CUDA")
