@@ -42,7 +42,6 @@ import numpy as np
 from flax import struct
 
 from .config import ModelConfig, rope_inv_freq
-from .kernels import allreduce
 from .kernels import decode_attention as fused_attn
 from .kernels import matvec as MV
 from .sharding import TP_AXIS, in_tensor_parallel
@@ -349,7 +348,7 @@ def forward(
         return qkv + p["bqkv"] if cfg.attention_bias else qkv
 
     def row_parallel(y):  # tensor parallelism: this device's share of wo / w_down -> the full product
-        return allreduce.row_parallel_sum(y) if cfg.tensor_parallel_shards > 1 else y
+        return jax.lax.psum(y, TP_AXIS) if cfg.tensor_parallel_shards > 1 else y
 
     def mlp(m, p, mm=dot):  # the gated MLP: gate | up, act(gate) * up, down
         gu = mm(m, p, "w_gate_up")

@@ -181,18 +181,13 @@ def verify_shardings(mesh: Mesh, batch: int, k: int, vocab: int):
 # a cache of its own kv heads only.
 
 TP_AXIS = "model"
-_TENSOR_PARALLEL_MESH = contextvars.ContextVar("jspec_tensor_parallel_mesh", default=None)
+_IN_TENSOR_PARALLEL = contextvars.ContextVar("jspec_in_tensor_parallel", default=False)
 
 
 def in_tensor_parallel() -> bool:
     """Whether the code being traced runs inside tensor_parallel_map's shard_map (where an untied
     LM head holds one device's slice of the vocabulary and the "model" axis is bound)."""
-    return _TENSOR_PARALLEL_MESH.get() is not None
-
-
-def tensor_parallel_mesh() -> Mesh | None:
-    """The mesh of the tensor_parallel_map being traced (kernels.allreduce reads its devices), else None."""
-    return _TENSOR_PARALLEL_MESH.get()
+    return _IN_TENSOR_PARALLEL.get()
 
 
 def check_tensor_parallel(cfg, n: int) -> None:
@@ -335,11 +330,11 @@ def _tensor_parallel_map(fn, mesh, params_name, param_specs, static_items, rows)
     def per_device(params, split, shared):
         if rows and "key" in shared:
             shared = {**shared, "key": jax.random.fold_in(shared["key"], jax.lax.axis_index("data"))}
-        token = _TENSOR_PARALLEL_MESH.set(mesh)
+        token = _IN_TENSOR_PARALLEL.set(True)
         try:
             return fn(**{params_name: params}, **split, **shared, **static)
         finally:
-            _TENSOR_PARALLEL_MESH.reset(token)
+            _IN_TENSOR_PARALLEL.reset(token)
 
     mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(jax.tree_util.tree_unflatten(treedef, specs), P("data"), P()),
                            out_specs=P("data") if rows else P(), check_vma=False)

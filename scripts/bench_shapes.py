@@ -11,10 +11,6 @@ keeps what it measured; the committed rows live in benchmarks/shapes/):
           ("xla_cublas"), XLA's dot on a slice of stacked [L, K, N] weights ("xla_stacked", what a
           layer loop over stacked weights runs), and the matvec kernel with its picked blocks
           reading a weight buffer ("matvec") or stacked weights by layer index ("matvec_stacked");
-          where the CUDA few-row kernel runs (kernels/gemv.py: sm_90+ and nvcc), also every one of
-          its block choices at one row and the best at 1-8 rows ("cuda"), and its table entry
-          (`gemv_tuning` rows: the best blocks, and whether they beat matvec and XLA; with
-          --write-tuning merged into jspec/kernels/gemv_tuning.json, which JSPEC_MATMUL=auto reads);
   tune    the matvec kernel's candidate blocks for each product at --tune-rows (1, 16, 32, 64; of
           --products): the best, against the best XLA variant (wo and w_down timed with the
           residual add and RMSNorm that follow them in the model: unsplit blocks let XLA fold the
@@ -27,8 +23,7 @@ keeps what it measured; the committed rows live in benchmarks/shapes/):
           parts that run next use it;
   ar      whole jitted generations (jspec.decode.generate_ar_jit: prompt 64 + 256 new tokens) at
           --batches, per --variants: "auto" (the default kernels), "xla" (JSPEC_MATMUL=xla: XLA's
-          dots everywhere, the previous default), "cublas" (xla + cuBLAS GEMMs), "cuda"
-          (JSPEC_MATMUL=cuda: the CUDA kernel of kernels/gemv.py for products of 1-8 rows), "fused" (auto
+          dots everywhere, the previous default), "cublas" (xla + cuBLAS GEMMs), "fused" (auto
           with JSPEC_FUSE_PRODUCTS=1: split-K partials summed by the next kernel and the MLP's
           activation folded into the down projection; opt-in until measured);
   verify  one target forward + LM head over T = 1, 8, 64 tokens and a 60-node tree (cursor fixed);
@@ -74,10 +69,7 @@ from jspec import sharding as S
 from jspec.checkpoint import eagle_format, synthetic
 from jspec.config import ModelConfig
 from jspec.heads import eagle as H
-from jspec.kernels import allreduce
-from jspec.kernels import gemv as GV
 from jspec.kernels import matvec as MV
-from jspec.kernels.card import sm_count
 from jspec.sampling import Sampling
 
 SHAPES = {
@@ -239,7 +231,7 @@ def wide_search(m, K, N, tr, time_blocks, sms=None, log=print):
       2. the best two so far at every BK x stages that fits shared memory;
       3. the best two so far at 2 and 8 warps.
     time_blocks(b) -> seconds, or None where Triton rejects the blocks. Returns {blocks: seconds}."""
-    sms = sms or sm_count()
+    sms = sms or MV._sm_count()
     bk0 = min(256 if tr else 128, max(64, 1 << (K - 1).bit_length()))
     results: dict = {}
 
@@ -320,40 +312,6 @@ def fold_timing(x, ws, F, blocks, act, n_iter) -> dict:
             "unfolded_us": round(1e6 * t_apart, 2)}
 
 
-def gemv_part(shape, name, K, N, tr, m, x, ws, ref, n_iter, rows_out: Rows, bw):
-    """The CUDA few-row kernel (kernels/gemv.py) on this product: every candidate block choice at one
-    row (the tuning search), the chosen one at more rows. Returns (seconds, blocks) of the fastest
-    correct choice, or None."""
-    nbytes = K * N * 2
-    cands = GV.candidate_blocks(K, N, transposed=tr) if m == 1 else [GV.pick_blocks(K, N, transposed=tr)]
-    best = None
-    for b in cands:
-        fn = lambda x, w, b=b: GV.gemv(x, w, transposed=tr, out_dtype=jnp.float32, blocks=b)  # noqa: E731
-        try:
-            got = np.asarray(fn(x, ws[0]))
-            rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-            t, spread = product_timer(x, ws, fn, n_iter)
-        except Exception as e:  # noqa: BLE001 - record and go on
-            rows_out.add(shape=shape, card=card(), method="gemm", variant="cuda", product=name, rows=m,
-                         blocks=list(b), error=repr(e)[:300])
-            continue
-        ok = rel <= MAX_REL_ERR
-        rows_out.add(shape=shape, card=card(), method="gemm", variant="cuda", product=name, K=K, N=N, transposed=tr,
-                     rows=m, us=round(1e6 * t, 2), spread_us=round(1e6 * spread, 2), gbps=round(nbytes / t / 1e9, 1),
-                     bw_fraction=None if not bw else round(nbytes / t / bw, 3), blocks=list(b), rel_err_vs_xla=rel)
-        if ok and (best is None or t < best[0]):
-            best = (t, b)
-    return best
-
-
-def write_gemv_tuning(entries: dict, path: Path = GV.TUNING_FILE):
-    """Merge this card's (block_n, split) choices into the CUDA kernel's table."""
-    table = json.loads(path.read_text()) if path.exists() else {}
-    table.setdefault(card(), {}).update(entries)
-    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    GV._tuning_table.cache_clear()
-
-
 def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tuning=None, wide=False,
               products=None, tune_rows=(1, 64), write=False):
     dtype = jnp.bfloat16
@@ -396,18 +354,6 @@ def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tu
                 except Exception as e:  # noqa: BLE001 - record and go on
                     rows_out.add(shape=shape, card=card(), method="gemm", variant=vname, product=name, rows=m,
                                  error=repr(e)[:300])
-            if GV.available() and m <= GV.MAX_ROWS:
-                found = gemv_part(shape, name, K, N, tr, m, x, ws, ref, n_iter, rows_out, bw)
-                if found is not None and m == 1:  # the table's entry: the best blocks, and whether they beat the rest
-                    others = [results[v] for v in ("matvec", "xla", "xla_cublas") if v in results]
-                    entry = {"blocks": list(found[1]), "us": round(1e6 * found[0], 2),
-                             "matvec_us": round(1e6 * results["matvec"], 2) if "matvec" in results else None,
-                             "xla_us": round(1e6 * min(results.get(v, 1e9) for v in ("xla", "xla_cublas")), 2),
-                             "faster": bool(others) and found[0] < min(others)}
-                    rows_out.add(shape=shape, card=card(), method="gemv_tuning", product=name, K=K, N=N,
-                                 transposed=tr, **entry)
-                    if write:
-                        write_gemv_tuning({GV.tuning_key(K, N, tr): entry})
             # stacked: a static layer slice inside the jit (what a loop over stacked weights does)
             if not tr and not (tune and wide):  # (diagnostic rows: a wide tuning run skips them)
                 for vname, fn in (("xla_stacked", lambda x, st, i: x @ st[i]),
@@ -491,7 +437,7 @@ def ar_part(shape, cfg, params, rows_out: Rows, batches, variants):
     sampling = Sampling()
     for variant in variants:
         jax.clear_caches()  # JSPEC_MATMUL is read when tracing: each variant must trace anew
-        with_matmul({"xla": "xla", "cublas": "xla", "cuda": "cuda"}.get(variant, "auto"))
+        with_matmul("xla" if variant in ("xla", "cublas") else "auto")
         os.environ["JSPEC_FUSE_PRODUCTS"] = "1" if variant == "fused" else "0"
         opts = {"xla_gpu_enable_triton_gemm": False} if variant == "cublas" else None
         gen = jax.jit(D.generate_ar_jit.__wrapped__,
@@ -558,7 +504,6 @@ def tp_part(shape, cfg, params, rows_out: Rows, batches, mesh_spec: str):
                         base_t, base_out = t, out
                     rows_out.add(**base_row(shape, cfg, wbytes, "ar", b, 1, t / NEW, b, devices=devices, mesh=mesh_name,
                                             device_bytes=dbytes, variant="auto", part="tp",
-                                            all_reduce=allreduce.choice() if devices > 1 else None,
                                             spread_ms=round(1000 * spread, 2), compile_s=round(compile_s, 1),
                                             note=f"whole generation, {label}: prompt 64 + 256 new tokens; "
                                                  "ms_per_step = time / 256", **extra))
@@ -730,7 +675,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b,smollm2-135m")
     ap.add_argument("--parts", default="ar,verify,draft")
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--variants", default="auto,xla", help="ar variants: auto, cuda, fused, xla, cublas")
+    ap.add_argument("--variants", default="auto,xla", help="ar variants: auto, fused, xla, cublas")
     ap.add_argument("--peer", default=None, help="path of the PyTorch peer script (torch_fast_peer.py); its rows "
                                                  "join every shape's, whatever --parts says")
     ap.add_argument("--out", default=os.environ.get("OUT", "shape-results"))
@@ -756,9 +701,9 @@ def main(argv=None):
         ap.error("--parts peer needs --peer PATH (the PyTorch peer script, torch_fast_peer.py)")
     if "peer" in parts:  # the peer runs beside this process on the same GPU: JAX takes memory as it needs it
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    unknown = set(args.variants.split(",")) - {"auto", "cuda", "fused", "xla", "cublas"}
+    unknown = set(args.variants.split(",")) - {"auto", "fused", "xla", "cublas"}
     if unknown:
-        ap.error(f"--variants: unknown {', '.join(sorted(unknown))}; expected some of auto, cuda, fused, xla, cublas")
+        ap.error(f"--variants: unknown {', '.join(sorted(unknown))}; expected some of auto, fused, xla, cublas")
     tune_rows = tuple(int(r) for r in args.tune_rows.split(",") if r.strip().isdigit())
     if not tune_rows or set(tune_rows) - {1, 16, 32, 64}:
         ap.error(f"--tune-rows {args.tune_rows!r}: expected a comma-separated subset of 1, 16, 32, 64")

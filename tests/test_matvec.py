@@ -181,7 +181,7 @@ def untuned_card(monkeypatch, tmp_path):
     monkeypatch.setenv("JSPEC_MATMUL", "auto")
     monkeypatch.setattr(MV, "card_name", lambda: "untuned")
     monkeypatch.setattr(MV, "smem_limit", lambda: H200_SMEM)
-    monkeypatch.setattr(MV, "sm_count", lambda: 132)  # the H200's (and the H100's)
+    monkeypatch.setattr(MV, "_sm_count", lambda: 132)  # the H200's (and the H100's)
     MV._tuning_table.cache_clear()
     yield
     MV._tuning_table.cache_clear()

@@ -52,16 +52,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import gemv as GV
-from .card import card_name, sm_count
-
 MAX_ROWS = 64  # rows (batch x tokens) in one tile; more rows go to XLA's GEMMs (compute starts to matter)
 MIN_ELEMENTS = 1 << 20  # smaller matrices are launch-bound, not bandwidth-bound: XLA's dot serves them
 # $JSPEC_MATMUL (read when a program is traced): "auto" (the tuning table, else the rule), "matvec"
-# (the Pallas kernel wherever rows <= MAX_ROWS), "cuda" (as "matvec", but the CUDA kernel of
-# gemv.py wherever it serves the product) or "xla" (never a kernel): for A/B benchmarks.
-MATMUL_CHOICES = ("auto", "matvec", "cuda", "xla")
+# (the kernel wherever rows <= MAX_ROWS) or "xla" (never the kernel): for A/B benchmarks.
+MATMUL_CHOICES = ("auto", "matvec", "xla")
 TUNING_FILE = Path(__file__).with_name("matvec_tuning.json")
+_SMS_FALLBACK = 132  # H100 SXM; only used when the device does not report its core count
 
 
 class Blocks(tuple):
@@ -192,9 +189,6 @@ def _pallas_matvec(x, w, *, layer, transposed, blocks: Blocks, out_dtype, act, x
                          f"{' read transposed' if transposed else ''}")
     if M > MAX_ROWS:
         raise ValueError(f"matvec: {M} rows, at most {MAX_ROWS}")
-    if not interpret and not x_parts and not act and use_cuda_kernel(M, K, N, transposed=transposed, w_dtype=w.dtype,
-                                                                        x_dtype=x.dtype):
-        return GV.gemv(x, w, layer=layer, transposed=transposed, out_dtype=out_dtype)
     bk = min(blocks[1], 1 << (K - 1).bit_length())
     # the blocks were chosen for a plain product of W's dtype: this variant may need more shared memory
     blocks = fit_blocks(M, Blocks(blocks[0], bk, *blocks[2:]), jnp.dtype(w.dtype).itemsize, x_parts=x_parts,
@@ -290,6 +284,13 @@ _matvec_vjp.defvjp(_matvec_fwd, _matvec_bwd)
 # ---------------------------------------------------------------------------------------------
 
 
+def _sm_count() -> int:
+    try:
+        return int(getattr(jax.devices()[0], "core_count", 0)) or _SMS_FALLBACK
+    except Exception:  # noqa: BLE001 - no device info: fall back to the H100's count
+        return _SMS_FALLBACK
+
+
 def default_blocks(M: int, K: int, N: int, *, transposed: bool, sms: int | None = None) -> Blocks:
     """A rule that keeps the HBM busy: enough programs for ~4 per SM, each streaming >= 64 KiB.
 
@@ -302,7 +303,7 @@ def default_blocks(M: int, K: int, N: int, *, transposed: bool, sms: int | None 
     split 8), where the kernel took 2.2-3.2 µs against XLA's 4.3-8.5 µs.
 
     Either way the blocks fit the card's shared memory (`fit_blocks`)."""
-    sms = sms or sm_count()
+    sms = sms or _sm_count()
     if K * N < MIN_ELEMENTS and not transposed:
         bk = min(128, 1 << (K - 1).bit_length())
         programs = -(-N // 64)
@@ -335,7 +336,7 @@ _SMEM_BY_CAPABILITY = {
 _SMEM_UNKNOWN_GPU = 48 * 1024  # what every CUDA card gives a block without opting in (and below a ROCm
 #                                card's 64 KiB): slower blocks on a card not listed, never refused ones
 _SMEM_OFF_GPU = 227 * 1024  # no shared memory to fit off a GPU (interpret mode): choose as for the H100,
-#                             the card card.SMS_FALLBACK also stands for, so CPU runs see an H100's blocks
+#                             the card _SMS_FALLBACK also stands for, so CPU runs see an H100's blocks
 
 
 @functools.lru_cache(maxsize=None)
@@ -424,6 +425,13 @@ def tuning_key(M: int, K: int, N: int, transposed: bool, dtype) -> str:
     return f"{rows}x{K}x{N}{'t' if transposed else ''}:{jnp.dtype(dtype).name}"
 
 
+def card_name() -> str:
+    try:
+        return jax.devices()[0].device_kind
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
 def fuse_products() -> bool:
     """$JSPEC_FUSE_PRODUCTS (read when a program is traced): "1" lets split-K partials go unsummed
     to the next kernel and folds the MLP's activation into the down projection; "0" (default)
@@ -443,16 +451,6 @@ def matmul_choice() -> str:
     return choice
 
 
-def use_cuda_kernel(M: int, K: int, N: int, *, transposed: bool, w_dtype, x_dtype) -> bool:
-    """Whether a product the kernel takes runs as gemv.py's CUDA kernel instead of the Pallas one:
-    with JSPEC_MATMUL=cuda wherever it serves, with auto where this card's table measured it faster."""
-    choice = matmul_choice()
-    if choice == "auto":
-        return jnp.dtype(x_dtype) == jnp.dtype(w_dtype) and GV.measured_faster(M, K, N, transposed=transposed,
-                                                                                 dtype=w_dtype)
-    return choice == "cuda" and GV.serves(M, K, N, transposed=transposed, w_dtype=w_dtype, x_dtype=x_dtype)
-
-
 def pick_blocks(M: int, K: int, N: int, *, transposed: bool, dtype=jnp.bfloat16,
                 in_place: bool = False) -> Blocks | None:
     """The kernel's blocks for this card and product, or None where XLA's dot is the better choice.
@@ -468,8 +466,6 @@ def pick_blocks(M: int, K: int, N: int, *, transposed: bool, dtype=jnp.bfloat16,
     choice = matmul_choice()
     if choice == "xla" or M > MAX_ROWS:
         return None
-    if choice == "auto" and GV.measured_faster(M, K, N, transposed=transposed, dtype=dtype):
-        return default_blocks(M, K, N, transposed=transposed)  # (the CUDA kernel runs it: use_cuda_kernel)
     hit = _tuning_table(card_name()).get(tuning_key(M, K, N, transposed, dtype))
     if choice == "auto" and not in_place and (hit.get("xla_faster") if hit else K * N < MIN_ELEMENTS and M > 1):
         return None
@@ -494,7 +490,7 @@ def candidate_blocks(M: int, K: int, N: int, *, transposed: bool, sms: int | Non
     """A small search space for tuning (bench_shapes --parts tune): BN x BK x split, 4 stages (3
     where 4 do not fit the card's shared memory, `smem_limit`; left out where 3 do not either);
     splits that give the grid between one and eight programs per SM (and no split)."""
-    sms = sms or sm_count()
+    sms = sms or _sm_count()
     out = []
     bns = (64, 128) if not transposed else (16, 32, 64)
     bks = (128, 256) if not transposed else (256, 512)
