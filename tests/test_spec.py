@@ -105,3 +105,23 @@ def test_static_chains_draft_without_a_branch(target):
     assert make_policy("static", k_max=K).fixed_steps(K) == K and make_policy("static", k=2, k_max=K).fixed_steps(K) == 2
     assert "stablehlo.case" not in hlo(make_policy("static", k_max=K))
     assert "stablehlo.case" in hlo(make_policy("auto", k_max=K))
+
+
+def test_device_loops_only_where_a_rule_stops_mid_round(monkeypatch):
+    from jspec.speculative.engines import chain
+
+    static, confidence = make_policy("static", k_max=K), make_policy("confidence", k_max=K)
+    assert not static.stops_in_round and confidence.stops_in_round
+    monkeypatch.setattr(chain.jax, "default_backend", lambda: "gpu")
+    assert chain.generation_program(confidence) is chain._speculative_generate_device_loops_jit
+    assert chain.generation_program(static) is chain.speculative_generate_jit
+    monkeypatch.setenv("JSPEC_DEVICE_LOOPS", "off")
+    assert chain.generation_program(confidence) is chain.speculative_generate_jit
+    monkeypatch.setenv("JSPEC_DEVICE_LOOPS", "all")
+    assert chain.generation_program(static) is chain._speculative_generate_device_loops_jit
+    monkeypatch.setenv("JSPEC_DEVICE_LOOPS", "yes")
+    with pytest.raises(ValueError, match="JSPEC_DEVICE_LOOPS='yes': expected one of auto, off, all"):
+        chain.generation_program(static)
+    monkeypatch.setattr(chain.jax, "default_backend", lambda: "cpu")
+    monkeypatch.setenv("JSPEC_DEVICE_LOOPS", "all")
+    assert chain.generation_program(static) is chain.speculative_generate_jit  # (CPU: XLA's default)

@@ -17,6 +17,7 @@ Everything a round needs lives in `SpecState`, so the same `spec_round` serves t
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -197,9 +198,18 @@ def start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, ma
 
 _STATIC = ("tcfg", "drafter", "policy", "k_max", "max_new", "cache_len", "sampling", "verify", "unroll")
 
+# A rule that may stop a draft mid-round runs the draft loop as a while_loop whose predicate depends
+# on the drafts. On a GPU, XLA reads such a predicate on the host after every step (about 7 µs of a
+# ~46 µs draft step on an H200) unless the loop runs from a command buffer on the device: so those
+# generations compile with loops and branches in command buffers. Other programs keep XLA's
+# default: on an H200 (head v7, all 80 MT-Bench questions) these options made static K = 6 4.5%
+# slower, and the confidence chain went from 2.27-2.28x AR to 2.35x, SVIP from 2.20-2.24x to
+# 2.30x (BENCHMARKS.md, tenth run).
+DEVICE_LOOPS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CONDITIONAL,WHILE"}
+DEVICE_LOOP_MODES = ("auto", "off", "all")
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("with_policy_state", "rows", "refill"))
-def speculative_generate_jit(tparams, dparams, policy_params, tokens, lens, key, policy_state=None, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll, with_policy_state=False, rows=None, refill=None):
+
+def _speculative_generate(tparams, dparams, policy_params, tokens, lens, key, policy_state=None, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll, with_policy_state=False, rows=None, refill=None):
     """The whole generation in one jit. Returns the result arrays (`result_from_device`), plus the
     final policy state when ``with_policy_state`` (to pass back as ``policy_state``). ``rows``:
     that many rows in flight over the prompts (continuous batching, jspec.refill), ``refill`` rows
@@ -214,6 +224,27 @@ def speculative_generate_jit(tparams, dparams, policy_params, tokens, lens, key,
     outputs, state = run_queue(start, body, outputs_of, tokens, lens, key, rows=rows, refill=refill,
                                start_first=functools.partial(start, policy_state=policy_state))
     return outputs + (state.pstate,) if with_policy_state else outputs
+
+
+_JIT_ARGS = dict(static_argnames=_STATIC + ("with_policy_state", "rows", "refill"))
+speculative_generate_jit = jax.jit(_speculative_generate, **_JIT_ARGS)
+_speculative_generate_device_loops_jit = jax.jit(_speculative_generate, compiler_options=DEVICE_LOOPS, **_JIT_ARGS)
+
+
+def generation_program(policy):
+    """The jitted whole generation for this policy: with DEVICE_LOOPS on a GPU where its rule may
+    stop a draft mid-round ($JSPEC_DEVICE_LOOPS: "auto", the default; "off": never; "all": every
+    policy), else the default compilation."""
+    mode = device_loops_mode()
+    on = mode == "all" or (mode == "auto" and policy.stops_in_round)
+    return _speculative_generate_device_loops_jit if on and jax.default_backend() == "gpu" else speculative_generate_jit
+
+
+def device_loops_mode() -> str:
+    mode = os.environ.get("JSPEC_DEVICE_LOOPS", "auto")
+    if mode not in DEVICE_LOOP_MODES:
+        raise ValueError(f"JSPEC_DEVICE_LOOPS={mode!r}: expected one of {', '.join(DEVICE_LOOP_MODES)}")
+    return mode
 
 
 def check_compatible(drafter, policy, tcfg: ModelConfig, k_max: int, verify):
@@ -239,7 +270,7 @@ def speculative_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_p
     policy = resolve_policy(policy, k_max)
     verify = resolve_verify(verify)
     check_compatible(drafter, policy, tcfg, k_max, verify)
-    return result_from_device(speculative_generate_jit(
+    return result_from_device(generation_program(policy)(
         tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key, policy_state,
         tcfg=tcfg, drafter=drafter, policy=policy, k_max=k_max, max_new=max_new, cache_len=cache_len,
         sampling=sampling, verify=verify, unroll=unroll, with_policy_state=True, rows=rows, refill=refill,
