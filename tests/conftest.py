@@ -5,12 +5,31 @@ import pytest
 # Eight fake CPU devices for the sharding tests; must be set before jax is imported. The tests are
 # XLA-compile-bound (tiny models, hundreds of programs): LLVM's backend optimization level 0 cuts
 # CPU compile time by about a third and the tiny programs run as fast. XLA:CPU's older elemental
-# fusion emitters (instead of the MLIR fusion emitters) halve compile time again; same HLO, same
-# sampled tokens in the chi-square tests. Codegen settings only: nothing of jspec changes.
+# fusion emitters (instead of the MLIR fusion emitters) halve compile time again where jaxlib still
+# has them (before 0.11); same HLO, same sampled tokens in the chi-square tests. Codegen settings
+# only: nothing of jspec changes.
 # They are appended to an XLA_FLAGS already in the environment (whose own settings win), except
 # that a different device count is an error: the 8-device tests would otherwise not run.
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-TEST_XLA_FLAGS = (f"{DEVICE_COUNT_FLAG}=8", "--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
+
+def knows_cpu_fusion_emitters_flag() -> bool:
+    """Whether the installed jaxlib's XLA has --xla_cpu_use_fusion_emitters: it was dropped in
+    jaxlib 0.11, where the MLIR emitters are the only ones, and XLA aborts the process on an
+    unknown flag. Read from the package metadata: jax must not be imported before the flags are set."""
+    import importlib.metadata
+    import re
+
+    try:
+        version = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return tuple(int(v) for v in re.findall(r"\d+", version)[:2]) < (0, 11)
+
+
+CPU_FUSION_EMITTERS_KNOWN = knows_cpu_fusion_emitters_flag()
+TEST_XLA_FLAGS = (f"{DEVICE_COUNT_FLAG}=8", "--xla_backend_optimization_level=0") + (
+    ("--xla_cpu_use_fusion_emitters=false",) if CPU_FUSION_EMITTERS_KNOWN else ())
 
 
 def with_test_xla_flags(existing: str) -> tuple[str, str | None]:

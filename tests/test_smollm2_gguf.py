@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import CPU_FUSION_EMITTERS_KNOWN
 
 from jspec import model
 from jspec.checkpoint.gguf_io import fast_gguf_parsing, load_gguf
@@ -103,7 +104,8 @@ def jspec_greedy(cfg, params, prompts: list[list[int]], n_new: int) -> np.ndarra
 
     # conftest's XLA flags trade run time for compile time, right for the suite's tiny programs; this
     # 30-layer model's 31 decode steps would run 2-3x slower, so this one program keeps XLA's defaults.
-    @functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 2, "xla_cpu_use_fusion_emitters": True})
+    @functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 2, **(
+        {"xla_cpu_use_fusion_emitters": True} if CPU_FUSION_EMITTERS_KNOWN else {})})
     def step(params, tokens, cache, last):
         out = model.forward(params, cfg, tokens, cache)
         hidden = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]
