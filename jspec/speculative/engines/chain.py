@@ -234,7 +234,7 @@ _speculative_generate_device_loops_jit = jax.jit(_speculative_generate, compiler
 def generation_program(policy):
     """The jitted whole generation for this policy: with DEVICE_LOOPS on a GPU where its rule may
     stop a draft mid-round ($JSPEC_DEVICE_LOOPS: "auto", the default; "off": never; "all": every
-    policy), else the default compilation."""
+    policy, and trees too, `tree.tree_program`), else the default compilation."""
     mode = device_loops_mode()
     on = mode == "all" or (mode == "auto" and policy.stops_in_round)
     return _speculative_generate_device_loops_jit if on and jax.default_backend() == "gpu" else speculative_generate_jit
