@@ -67,7 +67,7 @@ from ..drafters.hybrid import MAX_NGRAM_BRANCH, HybridDrafter
 from ..policies import resolve_policy
 from ..state import SpecState, outputs_of, record_call, result_from_device, round_features, take_row
 from ..verify.tree import Tree, path_of, verify_tree_greedy, verify_tree_sampling
-from .chain import DEVICE_LOOPS, check_compatible, device_loops_mode, start_spec
+from .chain import DEVICE_LOOPS, check_compatible, device_loops_on, start_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +97,7 @@ class TreeConfig:
         """`skip_levels` resolved for the backend the program is traced for."""
         if self.skip_levels is not None:
             return self.skip_levels
-        return jax.default_backend() != "gpu" or device_loops_mode() == "all"
+        return jax.default_backend() != "gpu" or device_loops_on(stops_in_round=False)
 
     def __post_init__(self):
         cands = self.top_k + (self.depth - 1) * self.top_k**2
@@ -456,8 +456,8 @@ def tree_program():
     on a GPU only with JSPEC_DEVICE_LOOPS=all, until a GPU run has timed trees with it (their level
     conds, verify-size switch and the hybrid's lookup branch each cost a host read per round
     without it); else the default compilation."""
-    on = device_loops_mode() == "all" and jax.default_backend() == "gpu"
-    return _tree_generate_device_loops_jit if on else tree_generate_jit
+    # (stops_in_round=False: under auto no tree compiles so until trees are timed with it)
+    return _tree_generate_device_loops_jit if device_loops_on(stops_in_round=False) else tree_generate_jit
 
 
 def tree_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, tree: TreeConfig, max_new, cache_len, sampling, unroll, policy_state=None, rows=None, refill=None) -> GenerationResult:
