@@ -59,7 +59,7 @@ def pipeline(tmp_path_factory):
     ldlp_cfg = TL.train_ldlp_for_head(HCFG, res.head_params, target, data, str(run / "eagle" / EXTRAS_DIR), lc, pad_id=0,
                                       log=lambda *_: None)
     return dict(root=root, corpus=corpus, target=target, data=data, summary=summary, result=res, run=run,
-                ldlp=ldlp_cfg)
+                ldlp=ldlp_cfg, ldlp_config=lc)
 
 
 def test_corpus_drops_eval_leaks_and_links_continuations(pipeline):
@@ -114,6 +114,24 @@ def test_ldlp_weights_saved_beside_the_head(pipeline):
     assert params["w_in"].shape == (2 * TARGET.hidden_size, 16)
     val = cfg["metrics"]["val"] or cfg["metrics"]["train"]
     assert val["positions"] > 0 and set(val["rounds"]) >= {"ldlp", "static_2"}
+
+
+def test_ldlp_saved_before_its_evaluation_on_the_evaluation_answers(pipeline, tmp_path, monkeypatch):
+    """A run killed (or out of time) while it labels the evaluation answers keeps its fitted predictor."""
+    assert "eval_answers" in pipeline["ldlp"]["metrics"]  # the fixture's data has evaluation answers
+    real_collect = TL.collect
+
+    def collect(hcfg, head, target, data_dir, split, *args, **kw):
+        if split == "eval":
+            raise KeyboardInterrupt  # the kill
+        return real_collect(hcfg, head, target, data_dir, split, *args, **kw)
+
+    monkeypatch.setattr(TL, "collect", collect)
+    with pytest.raises(KeyboardInterrupt):
+        TL.train_ldlp_for_head(HCFG, pipeline["result"].head_params, pipeline["target"], pipeline["data"],
+                               str(tmp_path / "ldlp"), pipeline["ldlp_config"], pad_id=0, log=lambda *_: None)
+    params, cfg = load_ldlp(str(tmp_path / "ldlp"))
+    assert params["w_in"].shape == (2 * TARGET.hidden_size, 16) and "eval_answers" not in cfg["metrics"]
 
 
 def test_gpu_pipeline_runs_jspec_commands_on_paths(capsys):

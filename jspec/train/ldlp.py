@@ -240,7 +240,7 @@ def fit(data: dict, lc: LDLPTrainConfig, log=print) -> tuple[dict, dict]:
 
 def train_ldlp_for_head(hcfg, head_params, tparams, data_dir: str, out_dir: str, lc: LDLPTrainConfig, *,
                         pad_id: int, deadline: float | None = None, split: str | None = None, log=print) -> dict:
-    """Collect labels, fit, evaluate on the evaluation answers, save them (by default in the head's jspec/ subfolder).
+    """Collect labels, fit, save (by default in the head's jspec/ subfolder), then evaluate on the evaluation answers.
     `split`: the one `label_split` chose, if the caller already asked it."""
     split = split or label_split(data_dir)
     if split == "train":
@@ -249,15 +249,19 @@ def train_ldlp_for_head(hcfg, head_params, tparams, data_dir: str, out_dir: str,
     data = collect(hcfg, head_params, tparams, data_dir, split, lc, limit=lc.max_positions, pad_id=pad_id,
                    deadline=collect_deadline, log=log)
     params, metrics = fit(data, lc, log)
-    if S.shard_files(S.read_meta(data_dir), "eval"):
-        ev = collect(hcfg, head_params, tparams, data_dir, "eval", lc, limit=lc.eval_positions, pad_id=pad_id, log=log)
-        metrics["eval_answers"] = evaluate(params, ev, lc.k_max, lc.under_weight)
     config = {"d_model": int(hcfg.hidden_size), "hidden": lc.hidden, "num_layers": lc.num_layers,
               "k_max": lc.k_max, "under_weight": lc.under_weight, "head_kind": hcfg.kind,
               "alignment": "e = embed[x_{t+1}] (raw row), f = final-normed target hidden at t; x_{t+1} = the token "
                            "verification just emitted (jspec.speculative.policies.ldlp)",
               "labels_from": split, "train_config": dataclasses.asdict(lc), "metrics": metrics}
+    # saved before the optional evaluation on the evaluation answers, which labels another split
+    # (other prompt lengths, new compilations): a time limit then costs its metrics, not the fit
     L.save_ldlp(out_dir, params, config)
+    if S.shard_files(S.read_meta(data_dir), "eval") and (deadline is None or time.perf_counter() < deadline):
+        ev = collect(hcfg, head_params, tparams, data_dir, "eval", lc, limit=lc.eval_positions, pad_id=pad_id,
+                     deadline=deadline, log=log)
+        metrics["eval_answers"] = evaluate(params, ev, lc.k_max, lc.under_weight)
+        L.save_ldlp(out_dir, params, config)
     v = metrics["val"]
     if v:
         log(f"ldlp: validation MAE {v['mae']:.3f} (best constant {v['mae_best_constant']:.3f}), "
