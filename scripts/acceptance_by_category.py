@@ -26,6 +26,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from jspec.bench.acceptance import chain_calls  # noqa: E402
+from jspec.cards import card_name  # noqa: E402
 from jspec.bench.prompts import encode_questions  # noqa: E402
 from jspec.generate import SpeculativeConfig, generate  # noqa: E402
 from jspec.presets import list_presets, load_preset, resolve_model  # noqa: E402
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
     chat = load_preset(a.model).chat if a.model in list_presets() else None
     k_max = max(ks)
     report = {"model": a.model, "drafter": a.drafter, "dtype": a.dtype, "max_new_tokens": a.max_new_tokens,
-              "device": jax.devices()[0].device_kind, "k": ks, "tasks": {}}
+              "device": card_name(), "k": ks, "tasks": {}}
     t0 = time.perf_counter()
     for task in [t for t in a.tasks.split(",") if t]:
         questions = load_task(task, a.n_prompts or None)

@@ -91,7 +91,7 @@ def main(argv=None):
 
     from jspec import model as M
     from jspec.bench import round_cost as RC
-    from jspec.bench.device import card_name
+    from jspec.cards import card_name
     from jspec.decode import bucket, generate_ar_jit, plan_cache_len
     from jspec.heads import dlm as D
     from jspec.presets import list_presets, load_preset, resolve_model

@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from jspec.cards import card_name
 from jspec.checkpoint.hf import CONFIG_FILE, INDEX_FILE, hf_config_dict
 from jspec.checkpoint.synthetic import llama31_8b_target, write_sharded_target
 
@@ -91,7 +92,7 @@ def load_and_measure(path: Path, shape: str, dtype: str, mesh_spec: str | None) 
         got = np.asarray(params["layers"][leaf][where])
         if not np.array_equal(got.astype(np.float32), want.astype(np.float32)):
             raise AssertionError(f"loaded {leaf} differs from {name} in the files")
-    return dict(shape=shape, card=jax.devices()[0].device_kind, method="load",
+    return dict(shape=shape, card=card_name(), method="load",
                 devices=1 if mesh is None else mesh.size, mesh=mesh_label(mesh) or None, dtype=dtype,
                 shards=len(set(index.values())), weight_bytes=weight_bytes, seconds=round(seconds, 2),
                 peak_host_bytes=peak, baseline_host_bytes=baseline, peak_over_weights=round(peak / weight_bytes, 3))

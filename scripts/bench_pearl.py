@@ -87,6 +87,7 @@ def main(argv=None):
     import numpy as np
 
     from jspec import model as M
+    from jspec.cards import card_name
     from jspec.decode import bucket, plan_cache_len
     from jspec.decode import generate_ar_jit
     from jspec.speculative.engines.chain import speculative_generate
@@ -268,7 +269,7 @@ def main(argv=None):
                 "method": m.rstrip("1"), "variant": m,
                 "devices": 2 if m in ("pearl", "ppsd", "specbranch") else 1, "dtype": dt_name,
                 "kernels": kernels_of.get(m) or os.environ.get("JSPEC_KERNELS", "default"),
-                "device": str(devices[0].device_kind), "prompts": a["prompts"], "tokens": a["tokens"],
+                "device": card_name(), "prompts": a["prompts"], "tokens": a["tokens"],
                 "time_s": a["time_s"], "tok_per_s": a["tokens"] / max(a["time_s"], 1e-9),
                 "speedup_vs_ar": (base["ar"] / spt) if "ar" in base and a["tokens"] else None,
                 # PPSD's own drafter is the exit head, not the draft model of the spec row

@@ -66,6 +66,7 @@ import numpy as np
 from jspec import decode as D
 from jspec import model as M
 from jspec import sharding as S
+from jspec.cards import card_name
 from jspec.checkpoint import eagle_format, synthetic
 from jspec.config import ModelConfig
 from jspec.heads import eagle as H
@@ -95,12 +96,8 @@ PROMPT, NEW = 64, 256
 INTERPRET = jax.default_backend() != "gpu"  # the matvec kernel off a GPU: Pallas interpret mode (checks, not timings)
 
 
-def card() -> str:
-    return jax.devices()[0].device_kind
-
-
 def bandwidth() -> float | None:
-    kind = card()
+    kind = card_name()
     return next((bw for name, bw in BANDWIDTH.items() if name in kind), None)
 
 
@@ -145,7 +142,7 @@ def base_row(shape, cfg, wbytes, method, batch, T, seconds_per_step, tokens_per_
     floor = bw / (device_bytes or wbytes) * batch if bw else None  # every row of a batch rides one pass over the weights
     if os.environ.get("XLA_FLAGS"):  # A/B runs of XLA flags (one process each) say which they ran
         extra = {"xla_flags": os.environ["XLA_FLAGS"], **extra}
-    return dict(shape=shape, card=card(), method=method, batch=batch, devices=devices, mesh=mesh, T=T,
+    return dict(shape=shape, card=card_name(), method=method, batch=batch, devices=devices, mesh=mesh, T=T,
                 tokens_per_s=round(tps, 1), ms_per_step=round(1000 * seconds_per_step, 4),
                 hbm_floor_tokens_per_s=None if floor is None else round(floor, 1),
                 floor_fraction=None if floor is None else round(tps / floor, 3), weight_bytes=wbytes, **extra)
@@ -340,19 +337,19 @@ def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tu
                 rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
             except Exception as e:  # noqa: BLE001
                 rel = repr(e)[:300]
-            rows_out.add(shape=shape, card=card(), method="gemm_check", product=name, rows=m, rel_err_vs_xla=rel)
+            rows_out.add(shape=shape, card=card_name(), method="gemm_check", product=name, rows=m, rel_err_vs_xla=rel)
             results = {}
             for vname, (fn, opts) in variants.items():
                 try:
                     t, spread = product_timer(x, ws, fn, n_iter, opts)
                     results[vname] = t
-                    rows_out.add(shape=shape, card=card(), method="gemm", variant=vname, product=name, K=K, N=N,
+                    rows_out.add(shape=shape, card=card_name(), method="gemm", variant=vname, product=name, K=K, N=N,
                                  transposed=tr, rows=m, us=round(1e6 * t, 2), spread_us=round(1e6 * spread, 2),
                                  gbps=round(nbytes / t / 1e9, 1),
                                  bw_fraction=None if not bw else round(nbytes / t / bw, 3),
                                  blocks=list(blocks) if vname == "matvec" else None)
                 except Exception as e:  # noqa: BLE001 - record and go on
-                    rows_out.add(shape=shape, card=card(), method="gemm", variant=vname, product=name, rows=m,
+                    rows_out.add(shape=shape, card=card_name(), method="gemm", variant=vname, product=name, rows=m,
                                  error=repr(e)[:300])
             # stacked: a static layer slice inside the jit (what a loop over stacked weights does)
             if not tr and not (tune and wide):  # (diagnostic rows: a wide tuning run skips them)
@@ -369,11 +366,11 @@ def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tu
                             return jax.lax.fori_loop(0, n_iter, body, x)
                         t, spread = median_time(jax.jit(run), x, stacked)
                         t /= n_iter * R
-                        rows_out.add(shape=shape, card=card(), method="gemm", variant=vname, product=name, K=K, N=N,
+                        rows_out.add(shape=shape, card=card_name(), method="gemm", variant=vname, product=name, K=K, N=N,
                                      transposed=tr, rows=m, us=round(1e6 * t, 2), gbps=round(nbytes / t / 1e9, 1),
                                      bw_fraction=None if not bw else round(nbytes / t / bw, 3))
                     except Exception as e:  # noqa: BLE001
-                        rows_out.add(shape=shape, card=card(), method="gemm", variant=vname, product=name, rows=m,
+                        rows_out.add(shape=shape, card=card_name(), method="gemm", variant=vname, product=name, rows=m,
                                      error=repr(e)[:300])
             if tune and m in tune_rows:
                 # wo's and w_down's results meet the residual and the next RMSNorm in an XLA fusion:
@@ -419,7 +416,7 @@ def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tu
                 tuning[MV.tuning_key(m, K, N, tr, dtype)] = entry
                 if write:  # entry by entry, so a run cut off by a time limit keeps what it tuned
                     write_tuning({MV.tuning_key(m, K, N, tr, dtype): entry})
-                rows_out.add(shape=shape, card=card(), method="tune", product=name, K=K, N=N, transposed=tr, rows=m,
+                rows_out.add(shape=shape, card=card_name(), method="tune", product=name, K=K, N=N, transposed=tr, rows=m,
                              best_blocks=list(best_b), matvec_us=round(1e6 * best_t, 2), searched=searched,
                              xla_us=None if best_xla is None else round(1e6 * best_xla, 2),
                              bw_fraction=None if not bw else round(nbytes / best_t / bw, 3),
@@ -459,7 +456,7 @@ def ar_part(shape, cfg, params, rows_out: Rows, batches, variants):
                                         note="whole generation: prompt 64 + 256 new tokens; ms_per_step = time / 256"))
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
-                rows_out.add(shape=shape, card=card(), method="ar", variant=variant, batch=b, error=repr(e)[:300])
+                rows_out.add(shape=shape, card=card_name(), method="ar", variant=variant, batch=b, error=repr(e)[:300])
     with_matmul("auto")
     os.environ["JSPEC_FUSE_PRODUCTS"] = "0"
 
@@ -509,7 +506,7 @@ def tp_part(shape, cfg, params, rows_out: Rows, batches, mesh_spec: str):
                                                  "ms_per_step = time / 256", **extra))
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
-                    rows_out.add(shape=shape, card=card(), method="ar", part="tp", batch=b, devices=devices,
+                    rows_out.add(shape=shape, card=card_name(), method="ar", part="tp", batch=b, devices=devices,
                                  mesh=mesh_name, error=repr(e)[:300])
     del placed
 
@@ -610,7 +607,7 @@ def published_part(shape, cfg, params, rows_out: Rows, workdir: Path):
         head = jax.device_put(head)
         jax.block_until_ready(head)
         t2 = time.perf_counter()
-        rows_out.add(shape=shape, card=card(), method="published_head_load", write_s=round(t1 - t0, 1),
+        rows_out.add(shape=shape, card=card_name(), method="published_head_load", write_s=round(t1 - t0, 1),
                      load_s=round(t2 - t1, 1), head_rope_theta=hcfg.rope_theta if hasattr(hcfg, "rope_theta") else None,
                      capture_layers=list(hcfg.capture_layers))
         draft_part(shape, cfg, params, rows_out, head_and_config=(hcfg, head), variant="published")
@@ -633,7 +630,7 @@ def memory_part(shape, cfg, params, rows_out: Rows, batch=64, context=4096):
     jax.block_until_ready(run())
     t = time.perf_counter() - t0
     stats = jax.devices()[0].memory_stats() or {}
-    rows_out.add(shape=shape, card=card(), method="memory", batch=batch, context=context, weight_bytes=wbytes,
+    rows_out.add(shape=shape, card=card_name(), method="memory", batch=batch, context=context, weight_bytes=wbytes,
                  peak_bytes=stats.get("peak_bytes_in_use"), bytes_limit=stats.get("bytes_limit"),
                  seconds=round(t, 2), tokens_per_s=round(batch * NEW / t, 1),
                  note=f"prompt {prompt} + {NEW} new tokens per row in a {context}-slot cache; time includes the prefill")
@@ -652,7 +649,7 @@ def peer_part(shape, cfg, peer: str, batches, rows_out: Rows, out_dir: Path):
     print(proc.stdout[-3000:], proc.stderr[-2000:], flush=True)
     js = out_dir / f"torch_fast_peer_{name}.json"
     if not js.exists():
-        rows_out.add(shape=shape, card=card(), method="torch_compile", error=(proc.stderr or proc.stdout)[-300:])
+        rows_out.add(shape=shape, card=card_name(), method="torch_compile", error=(proc.stderr or proc.stdout)[-300:])
         return
     wbytes = weight_bytes(jax.eval_shape(lambda k: M.init_params(cfg, k, jnp.bfloat16), jax.random.PRNGKey(0)))
     for r in json.loads(js.read_text()):
@@ -664,10 +661,10 @@ def write_tuning(tuning: dict, path: Path = MV.TUNING_FILE):
     """Merge this card's tuned entries into the kernel's table (other cards' and other products'
     entries kept); the programs traced next read it."""
     table = json.loads(path.read_text()) if path.exists() else {}
-    table.setdefault(card(), {}).update(tuning)
+    table.setdefault(card_name(), {}).update(tuning)
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     MV._tuning_table.cache_clear()
-    print(f"merged {len(tuning)} entries for {card()} into {path}", flush=True)
+    print(f"merged {len(tuning)} entries for {card_name()} into {path}", flush=True)
 
 
 def main(argv=None):
@@ -731,11 +728,11 @@ def main(argv=None):
                 ap.error(f"{s}: {e}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tag = card().replace(" ", "_")
+    tag = card_name().replace(" ", "_")
     rows = Rows(out_dir / f"shapes_{tag}.json")
     batches = [int(b) for b in args.batches.split(",")]
     tuning: dict = {}
-    print(f"card {card()}  jax {jax.__version__}  bandwidth {bandwidth()}", flush=True)
+    print(f"card {card_name()}  jax {jax.__version__}  bandwidth {bandwidth()}", flush=True)
     for shape in args.shapes.split(","):
         cfg = SHAPES[shape]
         if parts & {"gemm", "tune"}:
@@ -744,7 +741,7 @@ def main(argv=None):
                       row_counts=tune_rows if args.wide else (1, 16, 64), tune="tune" in parts, tuning=tuning,
                       wide=args.wide, products=products, tune_rows=tune_rows, write=args.write_tuning)
             if tuning:
-                (out_dir / "matvec_tuning.json").write_text(json.dumps({card(): tuning}, indent=1, sort_keys=True))
+                (out_dir / "matvec_tuning.json").write_text(json.dumps({card_name(): tuning}, indent=1, sort_keys=True))
         if parts & {"ar", "verify", "draft", "memory", "published", "tp"}:
             params = random_params(cfg)
             jax.block_until_ready(params)
@@ -760,7 +757,7 @@ def main(argv=None):
                             fn()
                     except Exception as e:  # noqa: BLE001 - one part's failure must not lose the others
                         traceback.print_exc()
-                        rows.add(shape=shape, card=card(), method=part, error=repr(e)[:300])
+                        rows.add(shape=shape, card=card_name(), method=part, error=repr(e)[:300])
             del params
         if "peer" in parts and args.peer:
             peer_part(shape, cfg, args.peer, [b for b in batches if b <= 16], rows, out_dir)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import model as M
+from jspec.cards import card_name
 from jspec.config import ModelConfig
 
 SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -264,7 +265,7 @@ def main():
     impls, sections = a.impls.split(","), a.sections.split(",")
     batches = [int(b) for b in a.batches.split(",")]
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    card = jax.devices()[0].device_kind
+    card = card_name()
     cfg = SMOLLM2
     if a.shape:
         from bench_shapes import SHAPES  # this script's folder is on sys.path

@@ -41,6 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jspec import model as M  # noqa: E402
 from jspec.bench import round_cost as RC  # noqa: E402
+from jspec.cards import card_name  # noqa: E402
 from jspec.heads import eagle as H  # noqa: E402
 from jspec.kernels import top_k as TK  # noqa: E402
 from jspec.speculative.drafters.eagle import EagleDrafter  # noqa: E402
@@ -178,7 +179,7 @@ def main(argv=None) -> None:
     cache_len = prompt_len + max_new + 128
     policy = resolve_policy("static", K)
     state = RC._start(tparams, SMOLLM2, drafter, dparams, policy, None, K, B, prompt_len, max_new, cache_len)
-    print(f"{jax.devices()[0].device_kind}, batch {B}, K/depth {K}, n {n}, kernels {M.default_kernels()}", flush=True)
+    print(f"{card_name()}, batch {B}, K/depth {K}, n {n}, kernels {M.default_kernels()}", flush=True)
 
     def chain(drafter, k_max, loop="policy"):
         pol = WhileLoopStatic(k_max=k_max) if loop == "while" else resolve_policy("static", k_max)
@@ -222,7 +223,7 @@ def main(argv=None) -> None:
         prepare = None if stacked else (lambda k: (M.loop_params(k[0], SMOLLM2, unroll=args.unroll), *k[1:]))
         return traced(body, consts, (jnp.zeros((B, T), jnp.int32), jnp.zeros((B,), jnp.float32)), n, prepare)
 
-    report = {"card": jax.devices()[0].device_kind, "batch": B, "k": K, "n": n, "kernels": M.default_kernels(),
+    report = {"card": card_name(), "batch": B, "k": K, "n": n, "kernels": M.default_kernels(),
               "xla_options": XLA_OPTIONS, "head_attention": {}}
     sections = set(args.sections.split(","))
     cases = [(T, m, st) for st in (False, True) for T, m in ((1, False), (60, True))] if "verify" in sections else []

@@ -291,7 +291,7 @@ def test_load_costs_skips_tables_of_another_version(tmp_path, monkeypatch):
     from jspec.speculative.policies import auto as A
 
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(A, "card_name", lambda: "TEST_CARD")
+    monkeypatch.setattr(A, "card_key", lambda: "TEST_CARD")
     (tmp_path / "m" / "p").mkdir(parents=True)
     committed = tmp_path / "m" / "p" / "round_cost_TEST_CARD.json"
     committed.write_text(json.dumps({"card": "old", "verify_us": {"8": {"1": 5.0}}}))  # no version: an old jspec's

@@ -78,10 +78,10 @@ def test_calibration_fits_every_policy_and_specs_find_it(setup, tmp_path):
         resolve_policy_spec("svip:calibrated", spec, None, K)
     assert resolve_policy_spec("svip", spec, None, K) == "svip"  # nothing calibrated: the paper's, built later
     entry = {"k_max": K, "policies": fits["policies"]}
-    from jspec.speculative.policies.auto import card_name
+    from jspec.cards import card_key
     from jspec.speculative.policies.calibration import save_calibration
 
-    assert save_calibration(head, card_name(), entry) == calibration_path(head) == head / "jspec" / "calibration.json"
+    assert save_calibration(head, card_key(), entry) == calibration_path(head) == head / "jspec" / "calibration.json"
     svip = resolve_policy_spec("svip", spec, None, K)
     assert svip.threshold == fits["policies"]["svip"]["constants"]["threshold"] and svip.k_max == K
     assert resolve_policy_spec("svip:paper", spec, None, K) == make_policy("svip", k_max=K)
@@ -95,10 +95,10 @@ def test_calibration_fits_every_policy_and_specs_find_it(setup, tmp_path):
     own = head_fingerprint(head)
     assert own is not None and len(own) == 16
     stale = {"k_max": K, "policies": {"svip": {**fits["policies"]["svip"], "head": "0" * 16}}}
-    save_calibration(head, card_name(), stale)
+    save_calibration(head, card_key(), stale)
     with pytest.warns(UserWarning, match="other head weights"):
         assert resolve_policy_spec("svip", spec, None, K) == "svip"
-    save_calibration(head, card_name(), {"k_max": K, "policies": {"svip": {**fits["policies"]["svip"], "head": own}}})
+    save_calibration(head, card_key(), {"k_max": K, "policies": {"svip": {**fits["policies"]["svip"], "head": own}}})
     assert resolve_policy_spec("svip", spec, None, K) == svip
     ar = generate(target, CFG, prompts, max_new_tokens=16)
     for policy, params in ((tapout, None), (ldlp_policy, ldlp), (resolve_policy_spec("adaedl", spec, None, K), None)):
@@ -151,3 +151,19 @@ def test_calibration_prompts_from_a_questions_file(tmp_path):
         C.calibration_prompts(args(prompt_file=path, n_prompts=9))
     with pytest.raises(C.UsageError, match="does not exist"):
         C.calibration_prompts(args(prompt_file=tmp_path / "none.jsonl"))
+
+def test_one_card_name_for_rows_and_one_key_for_files(monkeypatch):
+    """Rows and the matvec table name the card as JAX does; files and calibration entries use the
+    same name with underscores (jspec.cards), so a fit and its cost table find each other."""
+    from jspec import cards
+
+    class H200:
+        platform, device_kind = "gpu", "NVIDIA H200"
+
+    monkeypatch.setattr(cards.jax, "devices", lambda: [H200()])
+    assert cards.card_name() == "NVIDIA H200" and cards.card_key() == "NVIDIA_H200"
+    from jspec.speculative.policies.auto import cost_table_path
+
+    assert cost_table_path("smollm2-135m-instruct").name == "round_cost_NVIDIA_H200.json"
+    monkeypatch.undo()
+    assert cards.card_name() == cards.card_key() == "cpu"

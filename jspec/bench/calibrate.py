@@ -19,10 +19,10 @@ from jspec import presets
 from jspec.bench.cli import preset_name
 from jspec.bench.prompts import encode_questions
 from jspec.bench.round_cost import ensure_costs
+from jspec.cards import card_key
 from jspec.errors import UsageError
 from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, head_dir
-from jspec.speculative.policies.auto import card_name
 from jspec.speculative.policies.calibration import (CALIBRATED_POLICIES, Records, RecordingPolicy, RoundCost, fit_all,
                                                     head_fingerprint, save_calibration)
 from jspec.speculative.policies.ldlp import load_ldlp
@@ -144,7 +144,7 @@ def run_calibrate(a) -> int:
     fingerprint = head_fingerprint(head_dir(a.drafter, a.model))  # the weights recorded, whichever folder is written
     for fit in entry["policies"].values():
         fit["head"] = fingerprint
-    path = save_calibration(head, card_name(), entry)
+    path = save_calibration(head, card_key(), entry)
     print("\n".join(report_lines(entry)))
     print(f"calibration: {path}")
     return 0

@@ -1,13 +1,8 @@
-"""Which card the run is on, and how much device memory it used."""
+"""How much device memory a run used (which card it ran on: jspec.cards)."""
 
 from __future__ import annotations
 
 import jax
-
-
-def card_name() -> str:
-    device = jax.devices()[0]
-    return "cpu" if device.platform == "cpu" else str(device.device_kind)
 
 
 def jax_peak_memory_bytes() -> int | None:

@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 from jspec.bench import metrics
-from jspec.bench.device import card_name, jax_peak_memory_bytes
+from jspec.bench.device import jax_peak_memory_bytes
+from jspec.cards import card_name
 from jspec.bench.metrics import TimedBatch
 from jspec.bench.protocol import Method, RowResult
 

@@ -41,12 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import model as M
+from jspec.cards import card_key
 from jspec.sampling import GREEDY
 from jspec.speculative.engines import ssd as SSD
 from jspec.speculative.engines.chain import draft_autoregressive, spec_round, start_spec
 from jspec.speculative.engines.tree import TreeConfig, draft_tree, tree_round
 from jspec.speculative.policies import resolve_policy
-from jspec.speculative.policies.auto import (COST_TABLE_VERSION, REFERENCE_COSTS, card_name, cost_table_path,
+from jspec.speculative.policies.auto import (COST_TABLE_VERSION, REFERENCE_COSTS, cost_table_path,
                                              cost_table_paths, row_value)
 
 VERIFY_TS = (1, 2, 4, 8, 16, 32, 64)
@@ -318,7 +319,7 @@ def measure_batch_costs(costs: dict, tparams, tcfg, drafter=None, dparams=None, 
     `reps` timed loops; spread[B] records the largest relative spread among them."""
     b = str(batch)
     costs["version"] = COST_TABLE_VERSION
-    costs.setdefault("card", card_name())
+    costs.setdefault("card", card_key())
     costs.setdefault("dtype", str(tparams["embed"].dtype))
     spreads: dict[str, float] = {}
     v = costs.setdefault("verify_us", {})[b] = verify_us(tparams, tcfg, batch, Ts, tree_nodes if tree is not None else (), n=n,
@@ -410,7 +411,7 @@ def ensure_costs(tparams, tcfg, drafter, dparams, *, batch: int, preset: str | N
         path = cost_table_path(preset, models_dir, committed=False)
         costs = next((t for t in reversed(tables) if t.get("version") == COST_TABLE_VERSION), {})
         costs = copy.deepcopy(costs)  # the committed table is only read
-        print(f"round_cost: measuring batch {batch} on {card_name()} for the auto policy -> {path}")
+        print(f"round_cost: measuring batch {batch} on {card_key()} for the auto policy -> {path}")
         b = str(batch)
         measure_batch_costs(costs, tparams, tcfg, drafter, dparams, batch=batch, tree=TreeConfig() if tree else None,
                             reps=ROBUST_REPS)

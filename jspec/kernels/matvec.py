@@ -52,6 +52,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ..cards import card_name
+
 MAX_ROWS = 64  # rows (batch x tokens) in one tile; more rows go to XLA's GEMMs (compute starts to matter)
 MIN_ELEMENTS = 1 << 20  # smaller matrices are launch-bound, not bandwidth-bound: XLA's dot serves them
 # $JSPEC_MATMUL (read when a program is traced): "auto" (the tuning table, else the rule), "matvec"
@@ -423,13 +425,6 @@ def tuning_key(M: int, K: int, N: int, transposed: bool, dtype) -> str:
     """Rows bucket (1, or the padded tile of 16 / 32 / 64), K, N, layout and dtype."""
     rows = 1 if M == 1 else _pad_rows(M)
     return f"{rows}x{K}x{N}{'t' if transposed else ''}:{jnp.dtype(dtype).name}"
-
-
-def card_name() -> str:
-    try:
-        return jax.devices()[0].device_kind
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 def fuse_products() -> bool:

@@ -34,6 +34,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..cards import card_key
 from ..checkpoint.draft_format import exit_layer_of, is_draft_model_dir, load_draft_model
 from ..checkpoint.eagle_format import CONFIG_FILE as HEAD_CONFIG, EXTRAS_DIR, WEIGHTS_FILE as HEAD_WEIGHTS, load_eagle_head
 from ..config import ModelConfig
@@ -47,7 +48,6 @@ from .drafters.early_exit import EarlyExitDrafter
 from .drafters.model import ModelDrafter
 from .drafters.ngram import NgramDrafter
 from .policies import POLICY_NAMES, make_policy
-from .policies.auto import card_name
 from .policies.calibration import CALIBRATED_POLICIES, calibrated_constants, calibration_path, policy_from_constants
 from .policies.ldlp import WEIGHTS_FILE as LDLP_WEIGHTS_FILE
 
@@ -331,7 +331,7 @@ def resolve_policy_spec(text: str, drafter_spec: str | None, model_name: str | N
     if which == "paper":
         return make_policy(name, k_max=k_max)
     path = calibration_for(drafter_spec, model_name) if name in CALIBRATED_POLICIES else None
-    found = None if path is None else calibrated_constants(path.parent.parent, name, card_name())
+    found = None if path is None else calibrated_constants(path.parent.parent, name, card_key())
     if found is None:
         if which == "calibrated":
             raise DrafterError(f"policy {text!r}: no calibration for {name} at {path or 'this drafter (no EAGLE head)'}: "

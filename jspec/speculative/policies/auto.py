@@ -82,6 +82,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from ...cards import card_key
+
 from ..drafters.hybrid import MAX_NGRAM_BRANCH
 from ..drafters.ngram import replay_lookup
 from .base import Policy, clip_limit, count_rounds
@@ -548,17 +550,12 @@ class AutoPolicy(Policy):
 # ---- the per-card cost table and the host-side budget --------------------------------------------
 
 
-def card_name() -> str:
-    d = jax.devices()[0]
-    return getattr(d, "device_kind", d.platform).replace(" ", "_")
-
-
 def cost_table_path(preset: str | None = None, models_dir: str = "models", *, committed: bool = True) -> Path:
     """Where this card's cost table lives: models/<preset>/round_cost_<card>.json (the project's
     committed tables, written by scripts/measure_card_costs.py) when `committed` and that preset
     directory exists, else the user cache ($JSPEC_CACHE, default ~/.cache/jspec), where tables
     measured on the fly by a user's run go, so a run never writes into the repository."""
-    name = f"round_cost_{card_name()}.json"
+    name = f"round_cost_{card_key()}.json"
     if committed and preset and (Path(models_dir) / preset).is_dir():
         return Path(models_dir) / preset / name
     root = Path(os.environ.get("JSPEC_CACHE", Path.home() / ".cache" / "jspec"))
