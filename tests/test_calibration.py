@@ -132,6 +132,13 @@ def test_calibrate_command_writes_beside_the_head(setup, tmp_path, monkeypatch, 
     from jspec.speculative.policies.calibration import head_fingerprint
 
     assert {fit["head"] for fit in entry["policies"].values()} == {head_fingerprint(head)}
+    # without --policy a head with no LDLP predictor yet (freshly trained) gets every other fit
+    bare = tmp_path / "bare"
+    save_eagle_head(str(bare), drafter.head, dparams)
+    assert cli.main(["calibrate", "--model", "tiny", "--drafter", f"eagle3:{bare}", *argv[7:]]) == 0
+    assert "ldlp is not fit" in capsys.readouterr().out
+    (entry,) = json.loads(calibration_path(bare).read_text())["cards"].values()
+    assert set(entry["policies"]) == set(CALIBRATED_POLICIES) - {"ldlp"}
     assert cli.main(["calibrate", "--policy", "static"]) == 2
     assert "calibrate fits confidence, svip" in capsys.readouterr().err
 
@@ -151,6 +158,7 @@ def test_calibration_prompts_from_a_questions_file(tmp_path):
         C.calibration_prompts(args(prompt_file=path, n_prompts=9))
     with pytest.raises(C.UsageError, match="does not exist"):
         C.calibration_prompts(args(prompt_file=tmp_path / "none.jsonl"))
+
 
 def test_one_card_name_for_rows_and_one_key_for_files(monkeypatch):
     """Rows and the matvec table name the card as JAX does; files and calibration entries use the

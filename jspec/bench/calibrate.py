@@ -22,6 +22,7 @@ from jspec.bench.round_cost import ensure_costs
 from jspec.cards import card_key
 from jspec.errors import UsageError
 from jspec.generate import SpeculativeConfig, generate
+from jspec.speculative.drafters.base import DrafterError
 from jspec.speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, head_dir
 from jspec.speculative.policies.calibration import (CALIBRATED_POLICIES, Records, RecordingPolicy, RoundCost, fit_all,
                                                     head_fingerprint, save_calibration)
@@ -34,8 +35,9 @@ STATIC_REFERENCE = 6  # the static chain the issue's bars compare against
 def add_calibrate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m-instruct", help="preset name or checkpoint path")
     p.add_argument("--drafter", default="eagle3", help="an EAGLE head: eagle3[:PATH] or eagle[:PATH] (default: the preset's)")
-    p.add_argument("--policy", default=",".join(CALIBRATED_POLICIES),
-                   help=f"comma list of policies to fit (default all: {', '.join(CALIBRATED_POLICIES)})")
+    p.add_argument("--policy", default=None,
+                   help=f"comma list of policies to fit (default: all of {', '.join(CALIBRATED_POLICIES)}; ldlp only "
+                        "when the head ships its predictor weights)")
     p.add_argument("--k-max", type=int, default=8, help="the chain's maximum draft length the constants are fit for")
     p.add_argument("--batch", type=int, default=1, help="batch size of the cost model the fit optimises for")
     p.add_argument("--record-batch", type=int, default=16, help="rows per generate call while recording")
@@ -54,10 +56,6 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def check_calibrate_args(a) -> list[str]:
     """Every check that needs no model; returns the policy names."""
-    names = [n.strip() for n in a.policy.split(",") if n.strip()]
-    bad = [n for n in names if n not in CALIBRATED_POLICIES]
-    if not names or bad:
-        raise UsageError(f"--policy {a.policy!r}: calibrate fits {', '.join(CALIBRATED_POLICIES)}")
     for flag, value in (("--k-max", a.k_max), ("--batch", a.batch), ("--record-batch", a.record_batch),
                         ("--n-prompts", a.n_prompts), ("--max-new-tokens", a.max_new_tokens)):
         if value is not None and value < 1:
@@ -66,7 +64,24 @@ def check_calibrate_args(a) -> list[str]:
         raise UsageError(f"--k-max {a.k_max}: a policy can only choose a draft length when k_max >= 2")
     if not check_drafter_spec(a.drafter).__name__.startswith("Eagle"):
         raise UsageError(f"--drafter {a.drafter!r}: calibration fits policies to an EAGLE head (eagle3[:PATH], eagle[:PATH])")
+    if a.policy is None:
+        return default_policies(a.drafter, a.model)
+    names = [n.strip() for n in a.policy.split(",") if n.strip()]
+    bad = [n for n in names if n not in CALIBRATED_POLICIES]
+    if not names or bad:
+        raise UsageError(f"--policy {a.policy!r}: calibrate fits {', '.join(CALIBRATED_POLICIES)}")
     return names
+
+
+def default_policies(drafter: str, model: str) -> list[str]:
+    """Every calibrated policy, ldlp only where the head ships predictor weights: a freshly trained
+    head has none until `jspec train-ldlp` runs, and its other fits should not wait for that."""
+    try:
+        find_ldlp_weights(drafter, model)
+        return list(CALIBRATED_POLICIES)
+    except DrafterError:
+        print("calibrate: this head has no LDLP predictor (jspec train-ldlp writes one), so ldlp is not fit")
+        return [n for n in CALIBRATED_POLICIES if n != "ldlp"]
 
 
 def calibration_prompts(a) -> tuple[list[str], str]:
