@@ -175,3 +175,22 @@ def test_one_card_name_for_rows_and_one_key_for_files(monkeypatch):
     assert cost_table_path("smollm2-135m-instruct").name == "round_cost_NVIDIA_H200.json"
     monkeypatch.undo()
     assert cards.card_name() == cards.card_key() == "cpu"
+
+
+def test_replay_charges_the_draft_step_a_stop_drops():
+    """AdaEDL's dropped token was computed: its draft forward is paid for (it used not to be,
+    which flattered the paper rule's fit); kept, the same forward buys a token that may be accepted."""
+    N, R = 2, 3
+    stats = np.zeros((N, R, K, 4), np.float32)
+    stats[..., 0] = 2.0  # every step's entropy high: AdaEDL (lambda 1.5) stops at step 1, the first it checks
+    rec = Records(stats=stats, drafted=np.full((N, R), K, np.int32), accepted=np.full((N, R), K, np.int32),
+                  rounds=np.full((N,), R, np.int32), predicted=None)
+    cost = RoundCost(fixed_us=100.0, step_us=10.0, verify_us=tuple(1000.0 + k for k in range(K + 1)))
+    from jspec.speculative.policies.calibration import replay
+
+    for keep, drafted in ((False, 1), (True, 2)):
+        pol = make_policy("adaedl", k_max=K, lambda_init=1.5, step=0.0, keep_checked_token=keep)
+        out = {k: float(v) for k, v in replay(pol, rec, K, cost).items()}
+        assert out["drafted"] == N * R * drafted and out["tokens"] == N * R * (drafted + 1)
+        assert out["us"] == N * R * (100.0 + 2 * 10.0 + 1000.0 + K)  # two draft forwards either way
+

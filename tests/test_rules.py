@@ -77,6 +77,14 @@ def test_adaedl_stopping_token_is_not_drafted(target, eagle):
     for b in range(len(prompts)):
         assert tree.row(b) == ar.row(b)
         assert (_calls(tree, b)[1] <= 2).all()
+    # keep_checked_token: the checked token's forward ran and the padded verify block has room, so
+    # it is drafted after all, then the draft stops: 2 a round, the same outputs
+    keep = _run(target, eagle, prompts, policy=make_policy("adaedl", k_max=K, lambda_init=1.5, step=0.0,
+                                                            keep_checked_token=True), k_max=K)
+    for b in range(len(prompts)):
+        assert keep.row(b) == ar.row(b)
+        drafted, _ = _calls(keep, b)
+        assert (drafted == 2).all(), drafted
 
 
 def test_tapout_adaedl_arm_skips_its_stopping_token():
@@ -85,6 +93,8 @@ def test_tapout_adaedl_arm_skips_its_stopping_token():
     np.testing.assert_array_equal(policy.stop_skips_token(state), [False, False, False, True, False])
     flat = jnp.zeros((5, 4))  # H = ln 4: the AdaEDL arm (lambda 0.5) stops, but never at step 0
     assert not bool(policy.stop(state, jnp.int32(0), flat)[3]) and bool(policy.stop(state, jnp.int32(1), flat)[3])
+    keeping = make_policy("tapout", k_max=8, adaedl=make_policy("adaedl", k_max=8, keep_checked_token=True))
+    assert not np.asarray(keeping.stop_skips_token(state)).any()
 
 
 # -- heuristic: an empty round --------------------------------------------------------------------

@@ -34,6 +34,12 @@ class AdaEDLPolicy(Policy):
     round are drafted unchecked (reimplementation A: a round with no draft would make the
     acceptance rate 0/0).
 
+    [I] ``keep_checked_token=True`` (jspec's option, not the paper's; `jspec calibrate` fits it per
+    head and card): draft that token after all, then stop. Its distribution came from a draft
+    forward that already ran, and a chain verifies its padded block of k_max + 1 whatever the
+    draft's length, so the token costs nothing more and may be accepted; it then counts in
+    lambda's update like any drafted token. False (the default) drops it as the paper does.
+
     [I] reconstruction. Source: docs/methods.md §3.5 (no primary text; three independent
     reimplementations agree on the stop rule and gamma = 0.2). After each round, with
     ``n_drafted`` drafted and ``n_acc`` accepted::
@@ -65,6 +71,7 @@ class AdaEDLPolicy(Policy):
     ar_init: float | None = None
     lambda_rule: str = "A"
     min_draft: int = 1
+    keep_checked_token: bool = False
 
     def __post_init__(self):
         if self.lambda_rule not in ("A", "B"):
@@ -107,6 +114,11 @@ class AdaEDLPolicy(Policy):
     def stop_from_stats(self, state, step, stats):
         """Stop before drafting token ``step`` (never before the first ``min_draft``)."""
         return adaedl_stop(stats.entropy, state.lam, self.gamma) & (step >= self.min_draft)
+
+    def stop_skips_token(self, state):
+        """The token that fired the stop is dropped unless ``keep_checked_token`` (a float 0/1 while
+        calibration replays constants vmapped)."""
+        return jnp.broadcast_to(jnp.asarray(self.keep_checked_token) == 0, state.rounds.shape)
 
     def update(self, state, n_drafted, n_accepted, active):
         lam, acc_rate = self.next_thresholds(

@@ -11,8 +11,9 @@ in other places, and SVIP with its paper constants drafts 1.35 tokens a round wi
 2. Replay (`replay`): run a policy's own rules (start_round, stop_from_stats, stop_skips_token,
    update) over the recorded rounds. A round the policy ends after L drafts accepts min(n, L) of
    them, n the recorded accepted count (greedy drafts do not depend on where the round stops), and
-   costs first + L * step + verify(k_max + 1) + overhead µs from the card's cost table (the chain
-   engine verifies its padded block whatever L is). Stateful rules (AdaEDL's lambda, TapOut's
+   costs first + S * step + verify(k_max + 1) + overhead µs from the card's cost table (the chain
+   engine verifies its padded block whatever L is), S the draft forwards run: L, or L + 1 where the
+   stop dropped the token it checked (AdaEDL: its forward ran all the same). Stateful rules (AdaEDL's lambda, TapOut's
    bandit) follow each row's rounds in order.
 3. Fit (`fit_policy`): grid search over CALIBRATION_GRIDS for the most tokens per µs, every grid
    point replayed at once (`jax.vmap` over the constants). TapOut's arms take the SVIP, max-
@@ -56,7 +57,8 @@ CALIBRATION_FORMAT = "jspec-calibration-1"
 CALIBRATION_GRIDS: dict[str, dict[str, tuple]] = {
     "confidence": {"threshold": tuple(np.round(np.arange(0.05, 0.951, 0.05), 2).tolist())},
     "svip": {"threshold": tuple(np.round(np.arange(0.05, 1.251, 0.05), 2).tolist())},
-    "adaedl": {"gamma": (0.05, 0.1, 0.2, 0.4), "target_rate": (0.5, 0.6, 0.7, 0.8, 0.9), "lambda_init": (0.2, 0.5)},
+    "adaedl": {"gamma": (0.05, 0.1, 0.2, 0.4), "target_rate": (0.5, 0.6, 0.7, 0.8, 0.9), "lambda_init": (0.2, 0.5),
+               "keep_checked_token": (False, True)},
     "tapout": {"max_conf_threshold": (0.2, 0.3, 0.4, 0.5, 0.6, 0.7), "exploration": (0.1, 0.3, 1.0)},
     "ldlp": {"length_offset": tuple(np.arange(-2.0, 3.01, 0.5).tolist())},
 }
@@ -204,17 +206,20 @@ def replay(policy: Policy, rec: Records, k_max: int, cost: RoundCost, limits: ja
         stat = [DraftStats(s[:, i, 0], s[:, i, 1], s[:, i, 2], s[:, i, 3]) for i in range(k_max)]
         # the chain engine's draft loop (engines.chain.draft_autoregressive), on recorded statistics
         n_drafted = jnp.ones((N,), jnp.int32)
+        n_steps = jnp.ones((N,), jnp.int32)  # draft forwards run: a token a stop drops was computed too
         active = (limit > 1) & ~policy.stop_from_stats(state, 0, stat[0])
         for i in range(1, k_max):
             stop = policy.stop_from_stats(state, i, stat[i])
             now = active & ~(stop & policy.stop_skips_token(state))
+            n_steps = n_steps + active.astype(jnp.int32)
             n_drafted = n_drafted + now.astype(jnp.int32)
             active = now & (i + 1 < limit) & ~stop
-        n_drafted = jnp.minimum(n_drafted, jnp.maximum(drafted[:, r], 1))  # a recorded EOS ended the draft
+        cap = jnp.maximum(drafted[:, r], 1)  # a recorded EOS ended the draft
+        n_drafted, n_steps = jnp.minimum(n_drafted, cap), jnp.minimum(n_steps, cap)
         n_acc = jnp.minimum(accepted[:, r], n_drafted)
         live = r < rounds
         state = policy.update(state, n_drafted, n_acc, live)
-        us = cost.fixed_us + n_drafted * cost.step_us + cost.verify_us[k_max]
+        us = cost.fixed_us + n_steps * cost.step_us + cost.verify_us[k_max]
         return state, (jnp.where(live, n_acc + 1, 0), jnp.where(live, n_drafted, 0), jnp.where(live, us, 0.0))
 
     state = policy.init(N, jax.random.PRNGKey(0))
@@ -292,7 +297,7 @@ def fit_policy(name: str, rec: Records, k_max: int, cost: RoundCost, base_consta
     totals = jax.jit(jax.vmap(run))(values)
     rate = np.asarray(totals["tokens"], np.float64) / np.maximum(np.asarray(totals["us"], np.float64), 1e-9)
     best = int(np.argmax(rate))  # ties: the first in grid order
-    constants = {k: float(grid[best][k]) for k in keys}
+    constants = {k: grid[best][k] if isinstance(grid[best][k], bool) else float(grid[best][k]) for k in keys}
     calibrated = summary({k: v[best] for k, v in totals.items()}, cost)
     return {"constants": {**base_constants, **constants}, "calibrated": calibrated, "paper": paper}
 

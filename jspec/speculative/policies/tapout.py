@@ -144,10 +144,11 @@ class TapOutPolicy(Policy):
         return jnp.take_along_axis(flags, state.arm[:, None], axis=-1)[:, 0]
 
     def stop_skips_token(self, state):
-        """Rows playing the AdaEDL arm stop before drafting; the other arms keep the token."""
+        """Rows playing the AdaEDL arm stop before drafting (unless that arm keeps the checked
+        token, ``AdaEDLPolicy.keep_checked_token``); the other arms keep the token."""
         if "adaedl" not in self.arms:
             return jnp.zeros(state.arm.shape, bool)
-        return state.arm == self.arms.index("adaedl")
+        return (state.arm == self.arms.index("adaedl")) & self.adaedl.stop_skips_token(state)
 
     def reward(self, n_drafted: jax.Array, n_accepted: jax.Array, k_max: int) -> jax.Array:
         n_acc = n_accepted.astype(jnp.float32)
