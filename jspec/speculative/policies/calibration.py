@@ -13,8 +13,8 @@ in other places, and SVIP with its paper constants drafts 1.35 tokens a round wi
    them, n the recorded accepted count (greedy drafts do not depend on where the round stops), and
    costs first + S * step + verify(k_max + 1) + overhead µs from the card's cost table (the chain
    engine verifies its padded block whatever L is), S the draft forwards run: L, or L + 1 where the
-   stop dropped the token it checked (AdaEDL: its forward ran all the same). Stateful rules (AdaEDL's lambda, TapOut's
-   bandit) follow each row's rounds in order.
+   stop dropped the token it checked (AdaEDL: its forward ran all the same). Stateful rules
+   (AdaEDL's lambda, TapOut's bandit) follow each row's rounds in order.
 3. Fit (`fit_policy`): grid search over CALIBRATION_GRIDS for the most tokens per µs, every grid
    point replayed at once (`jax.vmap` over the constants). TapOut's arms take the SVIP, max-
    confidence and AdaEDL fits of the same run; LDLP fits an offset added to its prediction.
