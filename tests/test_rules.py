@@ -85,6 +85,15 @@ def test_adaedl_stopping_token_is_not_drafted(target, eagle):
         assert keep.row(b) == ar.row(b)
         drafted, _ = _calls(keep, b)
         assert (drafted == 2).all(), drafted
+    # the tree keeps the level it stopped at: both levels' 3 + 9 nodes are verified (3 without)
+    keep_tree = _run(target, eagle, prompts, policy=make_policy("adaedl", k_max=4, lambda_init=1.5, step=0.0,
+                                                                 keep_checked_token=True),
+                     tree=TreeConfig(top_k=3, depth=4, num_nodes=12))
+    for b in range(len(prompts)):
+        assert keep_tree.row(b) == ar.row(b)
+        nodes, emitted = _calls(keep_tree, b)
+        assert (nodes == 12).all() and (emitted <= 3).all(), (nodes, emitted)
+        assert (_calls(tree, b)[0] == 3).all()
 
 
 def test_tapout_adaedl_arm_skips_its_stopping_token():
