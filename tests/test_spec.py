@@ -127,16 +127,3 @@ def test_device_loops_only_where_a_rule_stops_mid_round(monkeypatch):
     assert chain.generation_program(static) is chain.speculative_generate_jit  # (CPU: XLA's default)
 
 
-def test_trees_take_device_loops_only_when_asked(monkeypatch):
-    from jspec.speculative.engines import tree as T
-
-    cfg = T.TreeConfig()
-    monkeypatch.setattr(T.jax, "default_backend", lambda: "gpu")
-    for mode, device_loops in (("auto", False), ("off", False), ("all", True)):
-        monkeypatch.setenv("JSPEC_DEVICE_LOOPS", mode)
-        assert (T.tree_program() is T._tree_generate_device_loops_jit) is device_loops
-        assert cfg.skips_levels is device_loops  # a level's branch is cheap only on the device
-    assert T.TreeConfig(skip_levels=False).skips_levels is False
-    monkeypatch.setattr(T.jax, "default_backend", lambda: "tpu")
-    monkeypatch.setenv("JSPEC_DEVICE_LOOPS", "off")
-    assert T.tree_program() is T.tree_generate_jit and cfg.skips_levels

@@ -234,15 +234,10 @@ _speculative_generate_device_loops_jit = jax.jit(_speculative_generate, compiler
 def generation_program(policy):
     """The jitted whole generation for this policy: with DEVICE_LOOPS on a GPU where its rule may
     stop a draft mid-round ($JSPEC_DEVICE_LOOPS: "auto", the default; "off": never; "all": every
-    policy, and trees too, `tree.tree_program`), else the default compilation."""
-    return _speculative_generate_device_loops_jit if device_loops_on(policy.stops_in_round) else speculative_generate_jit
-
-
-def device_loops_on(stops_in_round: bool) -> bool:
-    """Whether a generation compiles with DEVICE_LOOPS: only on a GPU; with JSPEC_DEVICE_LOOPS=all
-    always, with auto where a rule may stop a draft mid-round, with off never."""
+    chain policy), else the default compilation."""
     mode = device_loops_mode()
-    return jax.default_backend() == "gpu" and (mode == "all" or (mode == "auto" and stops_in_round))
+    on = jax.default_backend() == "gpu" and (mode == "all" or (mode == "auto" and policy.stops_in_round))
+    return _speculative_generate_device_loops_jit if on else speculative_generate_jit
 
 
 def device_loops_mode() -> str:

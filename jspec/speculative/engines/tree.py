@@ -28,9 +28,8 @@ ends its branch: nodes below it are not verified. A cut saves work, with static 
   * verification: the target reads the smallest of a few compiled block sizes
     (`TreeConfig.verify_sizes` below num_nodes, then num_nodes) that holds every row's last valid
     node, picked per round by `lax.switch`;
-  * levels (`TreeConfig.skip_levels`; by default on TPU and CPU, off on GPUs unless
-    JSPEC_DEVICE_LOOPS=all compiles the tree's branches onto the device, `tree_program`): each
-    level runs inside a `lax.cond` and is skipped once every row's depth cap is above it.
+  * levels (`TreeConfig.skip_levels`; by default on TPU and CPU, off on GPUs): each level runs
+    inside a `lax.cond` and is skipped once every row's depth cap is above it.
 Every data-dependent branch costs: on GPUs XLA reads its predicate back to the host and waits for
 it. On an H200 at batch 1 with SmolLM2-135M, the same 59-node trees took 270-294 µs more per round
 (of ~1.55 ms) with the five level conds and the verify switch than without them, about 45 µs a
@@ -38,7 +37,10 @@ branch, while a level costs 74 µs and is rarely skipped by every row. So on GPU
 skipped only where the user turns it on (a level costing several branches: big heads, large
 batches); on TPUs, whose control flow runs on the device without a host round trip, by default. A policy
 whose cuts cannot pay (static; `auto`, whose plan already sized the tree for this batch and card)
-compiles none of this: its rounds are the static tree's program.
+compiles none of this: its rounds are the static tree's program. Compiling a cutting tree with its
+branches on the device instead (the chain engine's DEVICE_LOOPS, with level skipping) was timed on
+an H200 and did not help: 0.85-0.87x the static tree, against 0.86-0.90x without (BENCHMARKS.md,
+eleventh run).
 
 Hybrid drafters (drafters.hybrid) may look up first (`TreeConfig.lookup_first`): one `lax.cond` a
 round runs either the n-gram branch alone (a block of ngram + 1, no head levels) when every row's
@@ -67,7 +69,7 @@ from ..drafters.hybrid import MAX_NGRAM_BRANCH, HybridDrafter
 from ..policies import resolve_policy
 from ..state import SpecState, outputs_of, record_call, result_from_device, round_features, take_row
 from ..verify.tree import Tree, path_of, verify_tree_greedy, verify_tree_sampling
-from .chain import DEVICE_LOOPS, check_compatible, device_loops_on, start_spec
+from .chain import check_compatible, start_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,17 +89,14 @@ class TreeConfig:
     # head's tree ("lookup first"); 0: never. One lax.cond a round picks the program (module doc).
     lookup_first: int = 0
     # cutting policies: run each level under a lax.cond, skipped once no row keeps it. None: where
-    # branches are decided on the device (TPU, CPU; GPUs with JSPEC_DEVICE_LOOPS=all) but not on
-    # GPUs otherwise, where XLA reads each predicate back to the host (module doc: ~45 µs a branch on
-    # an H200, against 74 µs a level)
+    # branches are decided on the device (TPU, CPU) but not on GPUs, where XLA reads each predicate
+    # back to the host (module doc: ~45 µs a branch on an H200, against 74 µs a level)
     skip_levels: bool | None = None
 
     @property
     def skips_levels(self) -> bool:
         """`skip_levels` resolved for the backend the program is traced for."""
-        if self.skip_levels is not None:
-            return self.skip_levels
-        return jax.default_backend() != "gpu" or device_loops_on(stops_in_round=False)
+        return jax.default_backend() != "gpu" if self.skip_levels is None else self.skip_levels
 
     def __post_init__(self):
         cands = self.top_k + (self.depth - 1) * self.top_k**2
@@ -433,7 +432,8 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
 _STATIC = ("tcfg", "drafter", "policy", "tree", "max_new", "cache_len", "sampling", "unroll")
 
 
-def _tree_generate(tparams, dparams, policy_params, tokens, lens, key, policy_state=None, *, tcfg, drafter, policy, tree, max_new, cache_len, sampling, unroll, with_policy_state=False, rows=None, refill=None):
+@functools.partial(jax.jit, static_argnames=_STATIC + ("with_policy_state", "rows", "refill"))
+def tree_generate_jit(tparams, dparams, policy_params, tokens, lens, key, policy_state=None, *, tcfg, drafter, policy, tree, max_new, cache_len, sampling, unroll, with_policy_state=False, rows=None, refill=None):
     """As chain.speculative_generate_jit, with a tree per round."""
     def start(t, l, k, policy_state=None):
         return start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, tree.depth, max_new, cache_len, sampling, unroll,
@@ -446,26 +446,12 @@ def _tree_generate(tparams, dparams, policy_params, tokens, lens, key, policy_st
     return outputs + (state.pstate,) if with_policy_state else outputs
 
 
-_JIT_ARGS = dict(static_argnames=_STATIC + ("with_policy_state", "rows", "refill"))
-tree_generate_jit = jax.jit(_tree_generate, **_JIT_ARGS)
-_tree_generate_device_loops_jit = jax.jit(_tree_generate, compiler_options=DEVICE_LOOPS, **_JIT_ARGS)
-
-
-def tree_program():
-    """The jitted whole tree generation: with chain.DEVICE_LOOPS (branches and loops on the device)
-    on a GPU only with JSPEC_DEVICE_LOOPS=all, else the default compilation. Timed on an H200
-    (BENCHMARKS.md, eleventh run): cutting trees with device loops and level skipping ran 0.87×
-    the static tree, 0.86-0.90× without, so `auto` does not turn it on for trees."""
-    # (stops_in_round=False: under auto no tree compiles so)
-    return _tree_generate_device_loops_jit if device_loops_on(stops_in_round=False) else tree_generate_jit
-
-
 def tree_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, tree: TreeConfig, max_new, cache_len, sampling, unroll, policy_state=None, rows=None, refill=None) -> GenerationResult:
     if not isinstance(drafter, (EagleDrafter, HybridDrafter)):
         raise ValueError(f"tree drafting needs an EAGLE head drafter (or eagle3+ngram), got {getattr(drafter, 'name', drafter)!r}")
     policy = resolve_policy(policy, tree.depth)
     check_compatible(drafter, policy, tcfg, tree.depth, "lossless")
-    return result_from_device(tree_program()(
+    return result_from_device(tree_generate_jit(
         tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key, policy_state,
         tcfg=tcfg, drafter=drafter, policy=policy, tree=tree, max_new=max_new, cache_len=cache_len,
         sampling=sampling, unroll=unroll, with_policy_state=True, rows=rows, refill=refill,
