@@ -60,7 +60,6 @@ class AdaEDLPolicy(Policy):
 
     name = "adaedl"
     needs_draft_logits = True
-    stops_before_drafting = True
 
     gamma: float = 0.2
     lambda_init: float = 0.5
@@ -115,10 +114,10 @@ class AdaEDLPolicy(Policy):
         """Stop before drafting token ``step`` (never before the first ``min_draft``)."""
         return adaedl_stop(stats.entropy, state.lam, self.gamma) & (step >= self.min_draft)
 
-    def stop_skips_token(self, state):
-        """The token that fired the stop is dropped unless ``keep_checked_token`` (a float 0/1 while
-        calibration replays constants vmapped)."""
-        return jnp.broadcast_to(jnp.asarray(self.keep_checked_token) == 0, state.rounds.shape)
+    @property
+    def stops_before_drafting(self) -> jax.Array:
+        """Unless ``keep_checked_token`` (a float 0/1 while calibration replays constants vmapped)."""
+        return jnp.asarray(self.keep_checked_token) == 0
 
     def update(self, state, n_drafted, n_accepted, active):
         lam, acc_rate = self.next_thresholds(

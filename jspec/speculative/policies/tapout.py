@@ -148,7 +148,7 @@ class TapOutPolicy(Policy):
         token, ``AdaEDLPolicy.keep_checked_token``); the other arms keep the token."""
         if "adaedl" not in self.arms:
             return jnp.zeros(state.arm.shape, bool)
-        return (state.arm == self.arms.index("adaedl")) & self.adaedl.stop_skips_token(state)
+        return (state.arm == self.arms.index("adaedl")) & self.adaedl.stops_before_drafting
 
     def reward(self, n_drafted: jax.Array, n_accepted: jax.Array, k_max: int) -> jax.Array:
         n_acc = n_accepted.astype(jnp.float32)
