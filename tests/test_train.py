@@ -17,7 +17,7 @@ from jspec.train import step as S
 from jspec.train.config import RunConfig, TrainConfig, load_recipe
 from jspec.train.data import ShardedLoader, token_counts, write_dataset
 from jspec.train.testing import numpy_params, tiny_target_config
-from jspec.train.trainer import train
+from jspec.train.trainer import refit_steps, train
 
 TARGET = tiny_target_config()
 SEQ, BATCH, STEPS, KILL = 16, 8, 16, 10
@@ -294,6 +294,49 @@ def test_export_dir_of_finished_and_stopped_runs(tmp_path):
     assert export_dir(args("--export", "x"), "run", done) == "x"
     assert export_dir(args(), "run", stopped) is None
     assert export_dir(args("--export-when-stopped"), "run", stopped) == "run/eagle-step37"
+
+
+def test_refit_shrinks_a_fitted_run_to_its_budget_and_never_grows_it():
+    """The fit counts bare steps; evaluations and checkpoints cost more (a Gemma run fitted 863 steps
+    at 0.271 s and stopped, unexported, at 808): the refit ends the run where the time runs out."""
+    # 597 steps took 0.30 s each with the overheads; 70 s left: 70 / (0.30 * 1.04) = 224 more steps
+    assert refit_steps(863, 600, 597, 597 * 0.30, 70.0) == 824
+    assert refit_steps(863, 600, 597, 597 * 0.30, 1e6) == 863  # room to spare: the schedule stays
+    assert refit_steps(863, 600, 597, 597 * 0.30, 0.0) == 600  # no room: end at the step just taken
+    assert refit_steps(863, 600, 597, 597 * 0.30, -5.0) == 600
+
+
+def test_a_fitted_run_whose_steps_slow_down_still_finishes_in_its_budget(data_dir, tmp_path, monkeypatch):
+    """On a fake clock: the fit measures bare steps (about 0.01 s), then every fifth step costs 2 s
+    more, as checkpoints and evaluations do. The run refits, finishes inside the budget (so it
+    exports), and ends with its learning-rate schedule."""
+    import dataclasses
+    import time as time_module
+
+    clock = {"t": 1000.0}
+
+    def perf_counter():
+        clock["t"] += 0.001
+        return clock["t"]
+
+    step_fn = S.train_step
+
+    def slow_step(hcfg, tc, mesh, state, *rest):
+        if int(state["step"]) >= 30 and int(state["step"]) % 5 == 0:
+            clock["t"] += 2.0
+        return step_fn(hcfg, tc, mesh, state, *rest)
+
+    slow_step.lower = step_fn.lower
+    monkeypatch.setattr(time_module, "perf_counter", perf_counter)
+    monkeypatch.setattr(S, "train_step", slow_step)
+    said = []
+    res = train(HCFG3, dataclasses.replace(TC3, steps=100_000), _target(), data_dir, str(tmp_path), run=RUN,
+                mesh=_mesh1(), head_params=_head(HCFG3), progress=False, deadline=perf_counter() + 120.0,
+                fit_to_deadline=True, log_fn=said.append)
+    assert any(line.startswith("fitted the run") for line in said), said
+    assert any(line.startswith("refitted the run") for line in said), said
+    assert res.finished and not res.stopped_by_budget and 30 < res.last_step < 100_000, (res.last_step, said)
+    assert clock["t"] < 1000.0 + 120.0
 
 
 def test_seq_len_override_cuts_the_recipes_length_buckets():

@@ -66,7 +66,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "head, to OUT/eagle-step<N> (the schedule has not ended: an intermediate head)")
     budget.add_argument("--fit-steps-to-budget", action="store_true",
                         help="on a fresh run, set the total steps (and the schedule's end) to what fits the "
-                             "budget after measuring the step time (at most the recipe's steps)")
+                             "budget after measuring the step time (at most the recipe's steps); when "
+                             "evaluations and checkpoints then cost more than the fit counted, the run is "
+                             "shortened as it goes, so it still ends, and exports, within the budget")
     return parser
 
 

@@ -173,6 +173,19 @@ def holdout_evaluator(hcfg: H.HeadConfig, tc: TrainConfig, run: RunConfig, mesh:
     return evaluate
 
 
+def refit_steps(total: int, step: int, steps_timed: int, seconds: float, seconds_left: float,
+                margin: float = 1.04) -> int:
+    """A budget-fitted run's step count, shrunk so that it ends in seconds_left.
+
+    The fit sizes the run from the mean of a few bare steps; held-out evaluations and checkpoints
+    then cost time it did not count, and the run overran its budget and stopped unexported.
+    seconds: the wall time the last steps_timed steps took, evaluations and checkpoints included.
+    Never grows the run (the learning-rate schedule was set for `total`) and never ends it before
+    `step`, the step just taken."""
+    per_step = margin * seconds / max(steps_timed, 1)
+    return int(min(total, max(step, step + int(seconds_left / per_step))))
+
+
 def train(
     hcfg: H.HeadConfig,
     tc: TrainConfig,
@@ -299,7 +312,16 @@ def train(
                         bar.refresh()
                         log_fn(f"fitted the run to the time budget: {total} steps at {step_seconds:.3f} s/step")
             if step % run.log_every == 0 or step == total:
-                log.flush()
+                log.flush()  # reads the metrics back: the device has caught up
+                if fitted and deadline is not None and t_measure is not None and step > measure_to:
+                    refit = refit_steps(total, step, step - measure_from, time.perf_counter() - t_measure,
+                                        deadline - time.perf_counter() - reserve)
+                    if refit < total:
+                        total = refit
+                        state["total_steps"] = jax.device_put(jnp.asarray(total, jnp.int32), state["total_steps"].sharding)
+                        bar.total = total
+                        log_fn(f"refitted the run to the time budget: {total} steps (evaluations and checkpoints "
+                               f"took more than the fit counted)")
             if evaluate is not None and (step % run.eval_every == 0 or step == total):
                 evaluate(step, state, fixed, target_params)
             ckpt_due = step % run.ckpt_every == 0 or step == total  # stop_at acts like a kill
