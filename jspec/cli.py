@@ -585,17 +585,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
+def report_user_errors(run, prog: str = "jspec") -> int:
+    """The exit code of run() (0 when it returns anything but an int: some mains return their rows),
+    with what a user can get wrong printed as one line, `PROG: error: ...`, and exit code 2 (no
+    traceback); `jspec` and the scripts under scripts/ both end here."""
     try:
-        ensure_cpu_devices(getattr(a, "mesh", None))
-        return run_command(a)
+        code = run()
+        return code if isinstance(code, int) else 0
     except USER_ERRORS as e:
-        print(f"jspec: error: {' '.join(str(e).split())}", file=sys.stderr)  # one line, no traceback
+        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `jspec ... | head` closed the pipe: stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+
+    def run():
+        ensure_cpu_devices(getattr(a, "mesh", None))
+        return run_command(a)
+
+    return report_user_errors(run)
 
 
 def mesh_device_count(spec: str) -> int:

@@ -98,4 +98,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from jspec.cli import report_user_errors
+
+    raise SystemExit(report_user_errors(main, "acceptance_by_category.py"))

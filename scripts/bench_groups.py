@@ -84,4 +84,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jspec.cli import report_user_errors
+
+    raise SystemExit(report_user_errors(main, "bench_groups.py"))

@@ -7,4 +7,6 @@
 from jspec.bench.parallel import main
 
 if __name__ == "__main__":
-    main()
+    from jspec.cli import report_user_errors
+
+    raise SystemExit(report_user_errors(main, "bench_parallel.py"))

@@ -17,4 +17,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jspec.cli import report_user_errors
+
+    raise SystemExit(report_user_errors(main, "convert_checkpoint.py"))

@@ -8,4 +8,6 @@ import sys
 from jspec.train.cli import main
 
 if __name__ == "__main__":
-    main([*sys.argv[1:], "--distill-only"])
+    from jspec.cli import report_user_errors
+
+    raise SystemExit(report_user_errors(lambda: main([*sys.argv[1:], "--distill-only"]), "distill_data.py"))

@@ -153,4 +153,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jspec.cli import report_user_errors
+
+    raise SystemExit(report_user_errors(main, "gpu_pipeline.py"))

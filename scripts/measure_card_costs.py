@@ -160,4 +160,6 @@ def spread(args) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from jspec.cli import report_user_errors
+
+    raise SystemExit(report_user_errors(main, "measure_card_costs.py"))

@@ -319,4 +319,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from jspec.cli import report_user_errors
+
+    raise SystemExit(report_user_errors(main, "profile_decode.py"))

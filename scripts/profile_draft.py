@@ -287,4 +287,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from jspec.cli import report_user_errors
+
+    raise SystemExit(report_user_errors(main, "profile_draft.py"))

@@ -88,4 +88,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from jspec.cli import report_user_errors
+
+    raise SystemExit(report_user_errors(main, "train_dlm.py"))

@@ -6,4 +6,6 @@
 from jspec.train.cli import main
 
 if __name__ == "__main__":
-    main()
+    from jspec.cli import report_user_errors
+
+    raise SystemExit(report_user_errors(main, "train_head.py"))

@@ -3,6 +3,9 @@ exit code 2, caught before the model loads; the limits are named; the stats line
 steady-state tok/s; `jspec bench` checks every method before running any."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -378,3 +381,29 @@ def test_stop_reason_names_eos_or_the_budget():
     assert cli.stop_reason([5, 6], None, cfg, 2) == "--max-new-tokens 2 reached"
     assert cli.stop_reason([5, 6], "x", cfg, 2) == "stop string 'x'"
     assert cli.cut_at_stop("ab. cd. ef", [" cd", "."]) == ("ab.", ".")
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("acceptance_by_category.py", ["--model", "no-such-model", "--out", "{tmp}/a.json"], "neither an existing path nor a preset"),
+    ("bench_dlm.py", ["--target", "no-such-model", "--dlm", "/nonexistent.safetensors", "--out", "{tmp}"], "no such file"),
+])
+def test_scripts_print_user_errors_as_one_line(script, argv, message, tmp_path):
+    """The scripts end in the command line's handler: a bad argument is one line naming the script,
+    exit code 2, no traceback."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", script), *[a.format(tmp=tmp_path) for a in argv]],
+                          capture_output=True, text=True, cwd=root, timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and last.startswith(f"{script}: error: ") and message in last, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_report_user_errors_keeps_int_codes_and_maps_rows_to_zero(capsys):
+    assert cli.report_user_errors(lambda: 3) == 3
+    assert cli.report_user_errors(lambda: [{"row": 1}]) == 0 and cli.report_user_errors(lambda: None) == 0
+
+    def bad():
+        raise cli.UsageError("--thing must be >= 1,\n got 0")
+
+    assert cli.report_user_errors(bad, "x.py") == 2
+    assert capsys.readouterr().err == "x.py: error: --thing must be >= 1, got 0\n"
