@@ -132,13 +132,17 @@ def test_calibrate_command_writes_beside_the_head(setup, tmp_path, monkeypatch, 
     from jspec.speculative.policies.calibration import head_fingerprint
 
     assert {fit["head"] for fit in entry["policies"].values()} == {head_fingerprint(head)}
+    rc = entry["round_cost"]  # timed here unless the CPU's timings gave no positive draft step
+    assert rc["source"].startswith("timed here") or "timing too noisy" in rc["source"], rc
+    assert "round cost: " in out
     # without --policy a head with no LDLP predictor yet (freshly trained) gets every other fit
     bare = tmp_path / "bare"
     save_eagle_head(str(bare), drafter.head, dparams)
-    assert cli.main(["calibrate", "--model", "tiny", "--drafter", f"eagle3:{bare}", *argv[7:]]) == 0
+    assert cli.main(["calibrate", "--model", "tiny", "--drafter", f"eagle3:{bare}", *argv[7:], "--round-cost", "table"]) == 0
     assert "ldlp is not fit" in capsys.readouterr().out
     (entry,) = json.loads(calibration_path(bare).read_text())["cards"].values()
     assert set(entry["policies"]) == set(CALIBRATED_POLICIES) - {"ldlp"}
+    assert entry["round_cost"]["source"].startswith("cost table")
     assert cli.main(["calibrate", "--policy", "static"]) == 2
     assert "calibrate fits confidence, svip" in capsys.readouterr().err
 
@@ -193,4 +197,20 @@ def test_replay_charges_the_draft_step_a_stop_drops():
         out = {k: float(v) for k, v in replay(pol, rec, K, cost).items()}
         assert out["drafted"] == N * R * drafted and out["tokens"] == N * R * (drafted + 1)
         assert out["us"] == N * R * (100.0 + 2 * 10.0 + 1000.0 + K)  # two draft forwards either way
+
+
+def test_timed_round_cost_takes_the_draft_step_from_the_timed_chains():
+    """Static chains drafting 2 and 8 of one block, timed at 1,065 and 1,233 µs a round: a 28 µs draft
+    step, whatever the table says the step costs alone, and the rest of the round such that the
+    replay reproduces both timings; plain decoding's timed step becomes the AR reference."""
+    from jspec.speculative.policies.calibration import RoundCost
+
+    table = RoundCost(40.0, 62.0, tuple(900.0 + 2 * k for k in range(9)))
+    cost = RoundCost.timed(table, 8, {2: 1065.0, 8: 1233.0}, ar_us=990.0)
+    assert cost.step_us == pytest.approx(28.0) and cost.ar_us == 990.0
+    for L, us in ((2, 1065.0), (8, 1233.0)):
+        assert cost.fixed_us + L * cost.step_us + cost.verify_us[8] == pytest.approx(us)
+    assert cost.verify_us[1:] == table.verify_us[1:]
+    with pytest.raises(ValueError, match="draft step"):
+        RoundCost.timed(table, 8, {2: 1100.0, 8: 1090.0}, ar_us=990.0)
 

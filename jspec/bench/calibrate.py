@@ -4,8 +4,9 @@
 
 records rounds of a static K = --k-max chain on training-side prompts (chitchat's training split,
 `jspec.tasks.training_prompts`; never an evaluation set), replays them through each policy's rules
-over a grid of its constants, keeps the constants with the most tokens per µs under this card's
-cost table at --batch, and writes them beside the head (<head>/jspec/calibration.json, one entry
+over a grid of its constants, keeps the constants with the most tokens per µs at --batch on this
+card (the draft step and the rest of a round timed here on static chains, the verify sizes from
+the card's cost table; `--round-cost table` for the table alone), and writes them beside the head (<head>/jspec/calibration.json, one entry
 per card), where a policy spec without a suffix finds them (`svip`; `svip:paper` keeps the
 paper's). The method is in jspec.speculative.policies.calibration.
 """
@@ -13,7 +14,10 @@ paper's). The method is in jspec.speculative.policies.calibration.
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
+
+import numpy as np
 
 from jspec import presets
 from jspec.bench.cli import preset_name
@@ -24,12 +28,16 @@ from jspec.errors import UsageError
 from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.drafters.base import DrafterError
 from jspec.speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, head_dir
+from jspec.speculative.policies import make_policy
 from jspec.speculative.policies.calibration import (CALIBRATED_POLICIES, Records, RecordingPolicy, RoundCost, fit_all,
                                                     head_fingerprint, save_calibration)
 from jspec.speculative.policies.ldlp import load_ldlp
 from jspec.tasks import Question, TaskDataError, load_questions_file, training_prompts
 
 STATIC_REFERENCE = 6  # the static chain the issue's bars compare against
+TIMED_LENGTHS = 2  # static chains drafting this many and k_max tokens are timed for the round's cost
+TIMED_PROMPTS = 16  # prompts each timed program generates for (after one warm-up batch that compiles it)
+ROUND_COSTS = ("timed", "table")
 
 
 def add_calibrate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -47,6 +55,10 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="calibrate on your own workload instead of chitchat's training split: questions in the "
                         "format `jspec bench --questions` takes (one JSON object a line with `turns`; the first "
                         "turn is the prompt). Never an evaluation set you report on")
+    p.add_argument("--round-cost", choices=ROUND_COSTS, default="timed",
+                   help="timed (default): time plain decoding and static chains drafting 2 and --k-max tokens on "
+                        "these prompts, and replay on the draft step and round cost they show; table: the card's "
+                        "cost table alone (its parts timed one by one)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0, help="which training prompts")
     p.add_argument("--out-dir", default=None, help="head directory to write jspec/calibration.json into (default: the head's)")
@@ -112,21 +124,66 @@ def record_rounds(params, cfg, drafter, dparams, prompts: list[list[int]], *, k_
     return Records.concat(parts)
 
 
+def time_rounds(params, cfg, drafter, dparams, prompts: list[list[int]], *, k_max: int, batch: int,
+                max_new: int) -> tuple[dict[int, float], float]:
+    """µs a round of static chains drafting TIMED_LENGTHS and k_max tokens of a k_max block, and µs a
+    token of plain decoding, each program compiled on the first `batch` prompts and then timed over
+    the next TIMED_PROMPTS (all of them when there are fewer). A round's time is its generate call's
+    wall time over its rounds (the prefill counts as one, as in `rounds`)."""
+    warm, timed = prompts[:batch], prompts[batch : batch + TIMED_PROMPTS] or prompts[:batch]
+
+    def per_round(spec) -> float:
+        generate(params, cfg, warm, max_new_tokens=max_new, speculative=spec)  # compiles
+        seconds, rounds = 0.0, 0
+        for i in range(0, len(timed), batch):
+            t0 = time.perf_counter()
+            res = generate(params, cfg, timed[i : i + batch], max_new_tokens=max_new, speculative=spec)
+            seconds += time.perf_counter() - t0
+            rounds += int(np.max(res.rounds))
+        return 1e6 * seconds / max(rounds, 1)
+
+    chains = {L: per_round(SpeculativeConfig(drafter=drafter, drafter_params=dparams, k_max=k_max,
+                                             policy=make_policy("static", k=L)))
+              for L in sorted({min(TIMED_LENGTHS, k_max), k_max})}
+    return chains, per_round(None)
+
+
+def round_cost(costs: dict, batch: int, k_max: int, timed: tuple[dict[int, float], float] | None) -> tuple[RoundCost, dict]:
+    """The replay's RoundCost and what the entry records of it: timed on this card when `timed`
+    (time_rounds) gives a positive draft step, else the cost table's."""
+    table = RoundCost.from_table(costs, batch, k_max)
+    note = {"source": f"cost table {costs.get('card', 'reference')}", "table_step_us": table.step_us}
+    if timed is not None:
+        chains, ar_us = timed
+        try:
+            cost = RoundCost.timed(table, k_max, chains, ar_us)
+            return cost, {**note, "source": "timed here (static chains and plain decoding)", "step_us": cost.step_us,
+                          "fixed_us": cost.fixed_us, "chain_round_us": {str(k): v for k, v in chains.items()},
+                          "ar_us": ar_us}
+        except ValueError as e:
+            note["source"] += f" ({e}: timing too noisy, the table replays)"
+    return table, {**note, "step_us": table.step_us, "fixed_us": table.fixed_us}
+
+
 def calibrate(params, cfg, drafter, dparams, prompts, names, *, costs: dict, k_max: int, batch: int, record_batch: int,
-              max_new: int, ldlp_params=None) -> dict:
+              max_new: int, ldlp_params=None, timed: tuple[dict[int, float], float] | None = None) -> dict:
     """Record, then fit every named policy: the calibration entry of one card (save_calibration)."""
     records = record_rounds(params, cfg, drafter, dparams, prompts, k_max=k_max, batch=record_batch, max_new=max_new,
                             ldlp_params=ldlp_params)
-    cost = RoundCost.from_table(costs, batch, k_max)
+    cost, cost_note = round_cost(costs, batch, k_max, timed)
     fits = fit_all(names, records, k_max, cost)
     return {"k_max": k_max, "batch": batch, "rounds": records.n_rounds, "max_new_tokens": max_new,
-            "cost_table": costs.get("card", "reference"), **fits}
+            "cost_table": costs.get("card", "reference"), "round_cost": cost_note, **fits}
 
 
 def report_lines(entry: dict) -> list[str]:
     """One line per policy: its constants (paper -> calibrated) and the replayed rates."""
     static = entry["static"].get(str(STATIC_REFERENCE))
     lines = [f"{entry['rounds']} rounds recorded at K = {entry['k_max']}; costs at batch {entry['batch']} ({entry['cost_table']})"]
+    rc = entry.get("round_cost")
+    if rc:
+        lines.append(f"  round cost: {rc['source']}: draft step {rc['step_us']:.0f} µs (the table's {rc['table_step_us']:.0f}), "
+                     f"the rest of a round {rc['fixed_us']:.0f} µs besides the verify")
     for k, s in sorted(entry["static"].items(), key=lambda kv: int(kv[0])):
         lines.append(f"  static K={k}: {s['tokens_per_round']:.2f} tokens/round, {s['speedup_vs_ar']:.2f}x AR")
     oracle = entry.get("oracle")
@@ -153,8 +210,11 @@ def run_calibrate(a) -> int:
     ldlp_params = load_ldlp(str(find_ldlp_weights(a.drafter, a.model)))[0] if "ldlp" in names else None
     prompts = encode_questions(tokenizer, [Question(i, "train", [t]) for i, t in enumerate(texts)])
     costs = ensure_costs(params, cfg, drafter, dparams, batch=a.batch, preset=preset_name(a.model), models_dir=a.models_dir)
+    timed = None
+    if a.round_cost == "timed":
+        timed = time_rounds(params, cfg, drafter, dparams, prompts, k_max=a.k_max, batch=a.batch, max_new=a.max_new_tokens)
     entry = calibrate(params, cfg, drafter, dparams, prompts, names, costs=costs, k_max=a.k_max, batch=a.batch,
-                      record_batch=a.record_batch, max_new=a.max_new_tokens, ldlp_params=ldlp_params)
+                      record_batch=a.record_batch, max_new=a.max_new_tokens, ldlp_params=ldlp_params, timed=timed)
     entry["prompts"] = source
     fingerprint = head_fingerprint(head_dir(a.drafter, a.model))  # the weights recorded, whichever folder is written
     for fit in entry["policies"].values():
@@ -162,6 +222,7 @@ def run_calibrate(a) -> int:
     path = save_calibration(head, card_key(), entry)
     print("\n".join(report_lines(entry)))
     print(f"calibration: {path}")
-    print("(replayed rounds, not timed runs: time the fitted rules on your own prompts with `jspec bench --tasks '' "
-          "--questions FILE`; on MT-Bench the timed gains have run 5-10% below the replayed ones)")
+    print("(replayed rounds, not timed runs of the fitted rules: time them on your own prompts with `jspec bench "
+          "--tasks '' --questions FILE`; with the cost table's parts, MT-Bench's timed gains ran 5-15% below the "
+          "replayed ones)")
     return 0

@@ -11,10 +11,12 @@ in other places, and SVIP with its paper constants drafts 1.35 tokens a round wi
 2. Replay (`replay`): run a policy's own rules (start_round, stop_from_stats, stop_skips_token,
    update) over the recorded rounds. A round the policy ends after L drafts accepts min(n, L) of
    them, n the recorded accepted count (greedy drafts do not depend on where the round stops), and
-   costs first + S * step + verify(k_max + 1) + overhead µs from the card's cost table (the chain
-   engine verifies its padded block whatever L is), S the draft forwards run: L, or L + 1 where the
-   stop dropped the token it checked (AdaEDL: its forward ran all the same). Stateful rules
-   (AdaEDL's lambda, TapOut's bandit) follow each row's rounds in order.
+   costs fixed + S * step + verify(k_max + 1) µs (the chain engine verifies its padded block whatever
+   L is), S the draft forwards run: L, or L + 1 where the stop dropped the token it checked (AdaEDL:
+   its forward ran all the same). `jspec calibrate` times fixed and step on this card, from static
+   chains drafting 2 and k_max of the same block (`RoundCost.timed`); the cost table gives the
+   verify sizes (and everything with `--round-cost table`). Stateful rules (AdaEDL's lambda,
+   TapOut's bandit) follow each row's rounds in order.
 3. Fit (`fit_policy`): grid search over CALIBRATION_GRIDS for the most tokens per µs, every grid
    point replayed at once (`jax.vmap` over the constants). TapOut's arms take the SVIP, max-
    confidence and AdaEDL fits of the same run; LDLP fits an offset added to its prediction.
@@ -171,9 +173,9 @@ class Records:
 
 @dataclasses.dataclass(frozen=True)
 class RoundCost:
-    """µs of a chain round's parts at one batch size (from a card's cost table)."""
+    """µs of a chain round's parts at one batch size (a card's cost table, or timed: `timed`)."""
 
-    fixed_us: float  # draft start + round overhead
+    fixed_us: float  # draft start + round overhead (timed: everything but the draft steps and the verify)
     step_us: float  # one draft step
     verify_us: tuple[float, ...]  # verify_us[k] = the target's forward over k + 1 tokens
 
@@ -181,6 +183,20 @@ class RoundCost:
     def from_table(cls, costs: dict, batch: int, k_max: int) -> "RoundCost":
         cm = CostModel(costs, batch)
         return cls(cm.draft_first() + cm.overhead(False), cm.draft_step(), tuple(cm.verify(k + 1) for k in range(k_max + 1)))
+
+    @classmethod
+    def timed(cls, table: "RoundCost", k_max: int, round_us: dict[int, float], ar_us: float) -> "RoundCost":
+        """The table's verify shape with the round's other parts from timed chain programs:
+        round_us {L: µs} of static chains drafting L of a k_max block (two lengths or more) and ar_us
+        (µs a token of plain decoding). A part timed alone in a loop can cost far more than it adds
+        inside the compiled round (H200, head v8: the table's 62 µs draft step against 27-29 µs in
+        the timed chains), and the fit then stops too early; the slope between the lengths is the
+        draft step as the engine runs it. Raises ValueError on a slope that is not positive."""
+        (lo, r_lo), (hi, r_hi) = min(round_us.items()), max(round_us.items())
+        step = (r_hi - r_lo) / max(hi - lo, 1)
+        if not step > 0:
+            raise ValueError(f"timed rounds {round_us} give a draft step of {step:.1f} µs")
+        return cls(r_hi - hi * step - table.verify_us[k_max], step, (ar_us, *table.verify_us[1:]))
 
     @property
     def ar_us(self) -> float:
