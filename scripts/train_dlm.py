@@ -5,7 +5,8 @@
 
 --init ends (default) starts from the target's first and last layers (half each); --init prefix
 from its first --layers layers, the target cut at that depth (DiffuSpec's drafters are the AR
-model itself adapted to denoise; `--layers` = the target's depth adapts all of it). Either way the
+model itself adapted to denoise; `--layers` = the target's depth adapts all of it); --init-dlm
+PATH trains a DLM written by this script on, on new data (its layers, mask token and blocks). Either way the
 network and the file format are the same (jspec.heads.dlm): the layers and final norm, the
 embeddings and LM head read from the target at load time. --resume continues the Orbax checkpoint
 in OUT/checkpoints (saved every --ckpt-every steps and at the end).
@@ -35,6 +36,8 @@ def main(argv=None):
     ap.add_argument("--init", choices=("ends", "prefix"), default="ends",
                     help="ends: the target's first and last layers (default); prefix: its first --layers layers")
     ap.add_argument("--init-layers", default=None, help="comma-separated target layer ids to start from")
+    ap.add_argument("--init-dlm", default=None, metavar="DLM.safetensors",
+                    help="train this DLM on (a fresh schedule over --data) instead of starting from target layers")
     ap.add_argument("--block-size", type=int, default=32, help="inference block (longest draft), default 32")
     ap.add_argument("--time-budget-s", type=float, default=None, help="whole run, evaluation and export included")
     ap.add_argument("--steps", type=int, default=None, help="step cap (default: 100000 with a budget, else 500)")
@@ -55,9 +58,15 @@ def main(argv=None):
 
     if args.init_layers and args.init != "ends":
         raise SystemExit("train_dlm: error: --init-layers names the layers itself; leave --init at its default")
+    if args.init_dlm and not os.path.isfile(args.init_dlm):
+        raise SystemExit(f"train_dlm: error: --init-dlm {args.init_dlm}: no such file")
+    if args.init_dlm and (args.init_layers or args.init != "ends" or args.resume):
+        raise SystemExit("train_dlm: error: --init-dlm takes its layers from the file: drop --init, --init-layers "
+                         "and --resume")
 
     import jax
 
+    from jspec.heads.dlm import load_dlm
     from jspec.presets import resolve_config, resolve_model
     from jspec.train.dlm import DLMTrainConfig, train_dlm
 
@@ -69,6 +78,14 @@ def main(argv=None):
     if args.init == "prefix":
         init_layers = tuple(range(args.layers))
     n_layers = len(init_layers) if init_layers else args.layers
+    init_own, mask_id, blocks = None, args.mask_token_id, tuple(sorted({8, args.block_size}))
+    if args.init_dlm:
+        try:
+            dcfg, init_own = load_dlm(args.init_dlm, tcfg)
+        except ValueError as e:
+            raise SystemExit(f"train_dlm: error: --init-dlm {e}") from None
+        n_layers, init_layers, mask_id = dcfg.num_layers, dcfg.init_layers, dcfg.mask_token_id
+        blocks, args.block_size = tuple(dcfg.train_block_sizes), dcfg.block_size
     per_layer = sum(int(v[0].size) for v in tparams["layers"].values())
     mb = (n_layers * per_layer + tcfg.hidden_size) * 2 / 1e6
     if mb > args.max_mb:
@@ -77,10 +94,11 @@ def main(argv=None):
     tc = DLMTrainConfig(
         num_layers=n_layers, init_layers=init_layers, block_size=args.block_size, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, steps=args.steps or (100_000 if args.time_budget_s else 500),
-        time_budget_s=args.time_budget_s, compute_dtype=dtype, mask_token_id=args.mask_token_id,
-        train_block_sizes=tuple(sorted({8, args.block_size})), ckpt_every=args.ckpt_every,
+        time_budget_s=args.time_budget_s, compute_dtype=dtype, mask_token_id=mask_id,
+        train_block_sizes=blocks, ckpt_every=args.ckpt_every,
     )
-    summary = train_dlm(tcfg, tparams, args.data, args.out, tc, resume=args.resume, progress=not args.no_progress)
+    summary = train_dlm(tcfg, tparams, args.data, args.out, tc, resume=args.resume, progress=not args.no_progress,
+                        init_own=init_own)
     keys = ("steps", "epochs", "train_s", "weights_bytes", "shipped_params")
     print(json.dumps({k: summary.get(k) for k in keys}, indent=1))
     full = summary.get("held_out_full_mask") or {}

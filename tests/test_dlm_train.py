@@ -93,6 +93,19 @@ def test_kill_and_resume_reproduces_the_run(straight, target, data_dir, tmp_path
         np.testing.assert_array_equal(x, y)
 
 
+def test_init_dlm_trains_a_trained_dlm_on(straight, target, data_dir, tmp_path):
+    """--init-dlm: training starts from the trained DLM's weights (its first loss is below the
+    target-initialised run's first loss) and writes the same kind of file."""
+    ref_out, _ = straight
+    dcfg, own = D.load_dlm(str(ref_out / "dlm.safetensors"), TARGET)
+    summary = train_dlm(TARGET, target, data_dir, str(tmp_path), dataclasses.replace(TC, steps=2), progress=False,
+                        init_own=own)
+    assert summary["steps"] == 2
+    assert _losses(tmp_path)[1] < _losses(ref_out)[1]
+    again, _ = D.load_dlm(str(tmp_path / "dlm.safetensors"), TARGET)
+    assert again.layer_ids == dcfg.layer_ids and again.mask_token_id == dcfg.mask_token_id
+
+
 def test_adapted_dlm_drafts_losslessly(straight, target):
     """`dlm:PATH` loads the trained file; DiffuSpec with CPS + ADL over it is greedy-identical to
     AR in float32."""

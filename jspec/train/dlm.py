@@ -239,12 +239,15 @@ def evaluate(own, tparams, dcfg: D.DLMConfig, rows: dict, batch: int, mask_ratio
 
 def train_dlm(tcfg: ModelConfig, tparams: dict, data_dir: str, out_dir: str, tc: DLMTrainConfig, *,
               mesh: Mesh | None = None, resume: bool = False, progress: bool = True,
-              stop_at: int | None = None) -> dict:
+              stop_at: int | None = None, init_own: dict | None = None) -> dict:
     """Train, export OUT/dlm.safetensors, write OUT/dlm_metrics.json; returns the summary.
 
     Checkpoints (Orbax, OUT/checkpoints) every tc.ckpt_every steps and at the end; `resume`
     continues from the latest one. `stop_at` ends the run after that step as a kill would (no
-    final checkpoint, no export; returns {"steps": stop_at}): how the tests stop a run midway."""
+    final checkpoint, no export; returns {"steps": stop_at}): how the tests stop a run midway.
+    init_own: a trained DLM's own parameters (load_dlm) to train on instead of the target's layers
+    (a new schedule and optimizer over new data; tc must describe that DLM: layers, mask token,
+    blocks)."""
     t_start = time.perf_counter()
     deadline = t_start + tc.time_budget_s if tc.time_budget_s else math.inf
     mesh = mesh or S.make_mesh(1)
@@ -259,7 +262,8 @@ def train_dlm(tcfg: ModelConfig, tparams: dict, data_dir: str, out_dir: str, tc:
                        init_layers=tc.init_layers, train_block_sizes=tuple(tc.train_block_sizes))
     compute = jnp.dtype(tc.compute_dtype)
     tparams_c = S.place_replicated(mesh, M.cast_params({k: v for k, v in tparams.items() if k != "layers"}, compute))
-    own0 = jax.tree.map(lambda a: jnp.array(a, jnp.float32, copy=True), D.init_dlm(dcfg, tparams))
+    own0 = jax.tree.map(lambda a: jnp.array(a, jnp.float32, copy=True),
+                        D.init_dlm(dcfg, tparams) if init_own is None else init_own)
     state = S.place(mesh, {"step": jnp.zeros((), jnp.int32), "params": own0, "opt_state": make_optimizer(tc).init(own0)})
     ckpt = Checkpointer(os.path.join(out_dir, "checkpoints"), 2)
     if resume and ckpt.latest_step() is not None:
