@@ -6,9 +6,10 @@ records rounds of a static K = --k-max chain on training-side prompts (chitchat'
 `jspec.tasks.training_prompts`; never an evaluation set), replays them through each policy's rules
 over a grid of its constants, keeps the constants with the most tokens per µs at --batch on this
 card (the draft step and the rest of a round timed here on static chains, the verify sizes from
-the card's cost table; `--round-cost table` for the table alone), and writes them beside the head (<head>/jspec/calibration.json, one entry
-per card), where a policy spec without a suffix finds them (`svip`; `svip:paper` keeps the
-paper's). The method is in jspec.speculative.policies.calibration.
+the card's cost table; `--round-cost table` for the table alone), and writes them beside the
+head (<head>/jspec/calibration.json, one entry per card), where a policy spec without a suffix
+finds them (`svip`; `svip:paper` keeps the paper's). The method is in
+jspec.speculative.policies.calibration.
 """
 
 from __future__ import annotations
