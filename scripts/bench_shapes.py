@@ -66,7 +66,7 @@ import numpy as np
 from jspec import decode as D
 from jspec import model as M
 from jspec import sharding as S
-from jspec.cards import card_name
+from jspec.cards import card_key, card_name
 from jspec.checkpoint import eagle_format, synthetic
 from jspec.config import ModelConfig
 from jspec.heads import eagle as H
@@ -728,7 +728,7 @@ def main(argv=None):
                 ap.error(f"{s}: {e}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tag = card_name().replace(" ", "_")
+    tag = card_key()
     rows = Rows(out_dir / f"shapes_{tag}.json")
     batches = [int(b) for b in args.batches.split(",")]
     tuning: dict = {}

@@ -145,7 +145,7 @@ def time_rounds(params, cfg, drafter, dparams, prompts: list[list[int]], *, k_ma
 
     chains = {L: per_round(SpeculativeConfig(drafter=drafter, drafter_params=dparams, k_max=k_max,
                                              policy=make_policy("static", k=L)))
-              for L in sorted({min(TIMED_LENGTHS, k_max), k_max})}
+              for L in sorted({min(TIMED_LENGTHS, k_max - 1), k_max})}  # two lengths even at k_max 2
     return chains, per_round(None)
 
 
