@@ -457,3 +457,15 @@ def test_export_records_the_estimated_acceptance(tmp_path):
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["jspec"]["kind"] == "eagle3" and "step 400" in cfg["jspec"]["acceptance"]["from"]
     assert head_acceptance(export) == 0.6
+
+
+def test_training_steps_compile_with_cublas_products_on_gpus_only():
+    assert S.training_compiler_options("gpu", env={}) == {"xla_gpu_enable_triton_gemm": False}
+    assert S.training_compiler_options("gpu", env={"JSPEC_TRAIN_TRITON_GEMM": "1"}) is None
+    assert S.training_compiler_options("cpu", env={}) is None and S.training_compiler_options("tpu", env={}) is None
+    # XLA refuses a compile option it does not know, on every backend: a misspelt name would fail each GPU run
+    square = jax.jit(lambda x: x @ x, compiler_options=S.GPU_TRAINING_COMPILER_OPTIONS)
+    assert float(square(np.eye(2, dtype=np.float32)).sum()) == 2.0
+    scaled = S.training_jit(lambda x, n: x * n, static_argnums=(1,))
+    assert float(scaled(np.float32(2.0), 3)) == 6.0
+    assert "mul" in scaled.lower(np.float32(2.0), 3).as_text()

@@ -200,7 +200,7 @@ def _train_step(dcfg, tc, mesh, state, tparams, lr, batch):
     return new, metrics
 
 
-train_step = jax.jit(_train_step, static_argnums=(0, 1, 2), donate_argnums=(3,))
+train_step = S.training_jit(_train_step, static_argnums=(0, 1, 2), donate_argnums=(3,))
 
 
 def evaluate(own, tparams, dcfg: D.DLMConfig, rows: dict, batch: int, mask_ratio: float) -> dict:

@@ -215,7 +215,7 @@ def _train_step(tcfg, dcfg, tc, mesh, state, tparams, lr, batch):
     return new, metrics
 
 
-train_step = jax.jit(_train_step, static_argnums=(0, 1, 2, 3), donate_argnums=(4,))
+train_step = S.training_jit(_train_step, static_argnums=(0, 1, 2, 3), donate_argnums=(4,))
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "chunk", "exit_layer"))

@@ -12,6 +12,7 @@ Precision: the optimizer holds float32 master weights; the step casts them to th
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -71,6 +72,46 @@ def use_compile_cache(path: str | None) -> str | None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     compilation_cache.reset_cache()  # a process that compiled before reads the new directory from now on
     return path
+
+
+# XLA's GPU compiler times several Triton tilings of every matrix product in a program and keeps the
+# fastest. A head's packed training step (64 rows of 768 tokens, SmolLM2-135M's target) has enough
+# distinct products that this took over four minutes on a fresh H200; with the products on cuBLAS
+# the same step reached its first update in 38 s and then ran at the same speed (0.572 s a step,
+# against 0.577 with Triton). Turning autotuning off instead compiled fast but ran 3.9 s a step.
+# So training steps compile with Triton GEMMs off on GPUs; JSPEC_TRAIN_TRITON_GEMM=1 keeps XLA's
+# default. Other backends get no options.
+GPU_TRAINING_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def training_compiler_options(backend: str, env=None) -> dict | None:
+    """XLA compile options for a training step on `backend` ("gpu", "cpu", "tpu")."""
+    env = os.environ if env is None else env
+    if backend != "gpu" or env.get("JSPEC_TRAIN_TRITON_GEMM") == "1":
+        return None
+    return dict(GPU_TRAINING_COMPILER_OPTIONS)
+
+
+class training_jit:
+    """`jax.jit(fun, **jit_kwargs)` for a training step, compiled with `training_compiler_options`
+    of the backend it first runs on. The jit is built at the first call or `lower`, when the
+    backend is up, so importing a trainer initialises no backend."""
+
+    def __init__(self, fun, **jit_kwargs):
+        functools.update_wrapper(self, fun)
+        self._fun, self._jit_kwargs, self._jitted = fun, jit_kwargs, None
+
+    def jitted(self):
+        if self._jitted is None:
+            options = training_compiler_options(jax.default_backend())
+            self._jitted = jax.jit(self._fun, compiler_options=options, **self._jit_kwargs)
+        return self._jitted
+
+    def __call__(self, *args, **kwargs):
+        return self.jitted()(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self.jitted().lower(*args, **kwargs)
 
 
 def add_compile_cache_arg(parser) -> None:
@@ -217,8 +258,8 @@ def _eval_step(hcfg: H.HeadConfig, tc: TrainConfig, state: dict, fixed: dict, ta
     return metrics
 
 
-train_step = jax.jit(_train_step, static_argnums=(0, 1, 2), donate_argnums=(3,))
-eval_step = jax.jit(_eval_step, static_argnums=(0, 1))
+train_step = training_jit(_train_step, static_argnums=(0, 1, 2), donate_argnums=(3,))
+eval_step = training_jit(_eval_step, static_argnums=(0, 1))
 train_step.__doc__ = """train_step(hcfg, tc, mesh, state, fixed, target_params, batch) -> (state, metrics).
 
 state: init_state(...) placed with `place`; fixed: the head's integer leaves (d2t, t2d);
