@@ -469,3 +469,12 @@ def test_training_steps_compile_with_cublas_products_on_gpus_only():
     scaled = S.training_jit(lambda x, n: x * n, static_argnums=(1,))
     assert float(scaled(np.float32(2.0), 3)) == 6.0
     assert "mul" in scaled.lower(np.float32(2.0), 3).as_text()
+
+
+def test_training_jit_compiles_with_the_gpu_options_static_and_donated_arguments(monkeypatch):
+    monkeypatch.setattr(S, "training_compiler_options", lambda backend: dict(S.GPU_TRAINING_COMPILER_OPTIONS))
+    step = S.training_jit(lambda n, state, x: (state + n * x, x.sum()), static_argnums=(0,), donate_argnums=(1,))
+    state, total = step(2, jax.numpy.ones(3), jax.numpy.arange(3.0))
+    np.testing.assert_allclose(np.asarray(state), [1.0, 3.0, 5.0])
+    assert float(total) == 3.0
+    step.lower(2, jax.numpy.ones(3), jax.numpy.arange(3.0)).compile()

@@ -276,11 +276,18 @@ def train(
     # Compile the step for every batch shape now (each length bucket, else seq_len), so none compiles
     # inside the timed window, and `--stop-at 0` is a compile-only run that fills the compilation cache.
     first_batch = loader.batch(start) if start < total else None
-    for T in (tc.length_buckets or (tc.seq_len,)) if first_batch is not None else ():
+    t_compile = time.perf_counter()
+    shapes = (tc.length_buckets or (tc.seq_len,)) if first_batch is not None else ()
+    for T in shapes:
         shaped = {k: np.resize(v, (v.shape[0], T)) if v.ndim == 2 else v for k, v in first_batch.items()}
         S.train_step.lower(hcfg, tc, mesh, state, fixed, target_params, S.global_batch(mesh, shaped)).compile()
     if evaluate is not None:
         evaluate.compile_all(state, fixed, target_params)
+    if shapes:
+        options = S.training_compiler_options(jax.default_backend())
+        log_fn(f"compiled the step for {len(shapes)} batch shape(s){' and the held-out step' if evaluate is not None else ''} in "
+               f"{time.perf_counter() - t_compile:.1f} s (or loaded them from the compilation cache)"
+               + (f"; XLA options {options}" if options else ""))
     t_measure = step_seconds = None
     t_ckpt = time.perf_counter()
     stopped = False
