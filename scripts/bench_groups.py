@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from jspec.errors import UsageError  # noqa: E402
 from jspec.local_gpus import gpu_ids  # noqa: E402
 
 
@@ -27,10 +28,10 @@ def parse_group(text: str) -> tuple[str, list[str]]:
     """"NAME=ARGS" -> (NAME, the bench arguments)."""
     name, sep, args = text.partition("=")
     if not sep or not name.isidentifier() or not args.strip():
-        raise SystemExit(f"bench_groups: error: --group {text!r}: expected NAME=ARGS (NAME a plain identifier)")
+        raise UsageError(f"--group {text!r}: expected NAME=ARGS (NAME a plain identifier)")
     argv = shlex.split(args)
     if any(a.startswith(("--out", "--timing-barrier")) for a in argv):
-        raise SystemExit(f"bench_groups: error: --group {name}: --out and --timing-barrier are set by this script")
+        raise UsageError(f"--group {name}: --out and --timing-barrier are set by this script")
     return name, argv
 
 
@@ -53,14 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", action="append", default=[], metavar="NAME=ARGS", help="one jspec bench group (repeat)")
     args = ap.parse_args(argv)
     if args.gpus < 1 or not args.group:
-        raise SystemExit("bench_groups: error: need --gpus >= 1 and at least one --group")
+        raise UsageError("need --gpus >= 1 and at least one --group")
     groups = [parse_group(g) for g in args.group]
     if len({n for n, _ in groups}) != len(groups):
-        raise SystemExit("bench_groups: error: group names must be unique")
+        raise UsageError("group names must be unique")
     try:
         gpus = gpu_ids(args.gpus)
     except ValueError as e:
-        raise SystemExit(f"bench_groups: error: --gpus {args.gpus}: {e}")
+        raise UsageError(f"--gpus {args.gpus}: {e}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     failed = []

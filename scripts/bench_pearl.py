@@ -37,6 +37,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from jspec.errors import UsageError  # noqa: E402
 
 
 def _args(argv):
@@ -71,14 +72,14 @@ def main(argv=None):
     known = ("ar", "spec", "pearl", "pearl1", "specbranch", "specbranch1", "ppsd", "ppsd1", "spec_ee")
     bad = [m for m in methods if m not in known]
     if bad:
-        raise SystemExit(f"unknown methods {bad}; choose from {', '.join(known)}")
+        raise UsageError(f"unknown methods {bad}; choose from {', '.join(known)}")
     cut = args.cut or ("hrad" if args.hrad else "confidence")
     if (cut == "hrad") != (args.hrad is not None):
-        raise SystemExit("--cut hrad and --hrad DIR go together")
+        raise UsageError("--cut hrad and --hrad DIR go together")
     if args.drafter is None and {"spec", "pearl", "pearl1", "specbranch", "specbranch1"} & set(methods):
-        raise SystemExit("--drafter is needed for the spec and pearl rows")
+        raise UsageError("--drafter is needed for the spec and pearl rows")
     if args.exit_head is None and {"ppsd", "ppsd1", "spec_ee"} & set(methods):
-        raise SystemExit("--exit-head is needed for the ppsd rows (an exit-head dir, or `cut`)")
+        raise UsageError("--exit-head is needed for the ppsd rows (an exit-head dir, or `cut`)")
     import jax
 
     if args.kernels or jax.default_backend() == "gpu":

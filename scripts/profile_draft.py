@@ -35,6 +35,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from jspec.errors import UsageError  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -120,7 +121,7 @@ def set_top_k(variant: str) -> None:
     elif variant != "default":
         kind, width = variant[:4], variant[4:]
         if kind not in ("sort", "rank") or not width.isdigit():
-            raise SystemExit(f"--top-k {variant!r}: expected default, lax, sort<BLOCK> or rank<BLOCK>")
+            raise UsageError(f"--top-k {variant!r}: expected default, lax, sort<BLOCK> or rank<BLOCK>")
         block, rank_compares = int(width), (1 << 62 if kind == "rank" else 0)
     TK.BLOCK, TK.RANK_COMPARES = block, rank_compares
     tree_engine.top_k = fn

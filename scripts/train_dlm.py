@@ -25,6 +25,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from jspec.errors import UsageError  # noqa: E402
 
 
 def main(argv=None):
@@ -52,16 +53,16 @@ def main(argv=None):
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if args.layers < 1:
-        raise SystemExit(f"train_dlm: error: --layers must be >= 1, got {args.layers}")
+        raise UsageError(f"--layers must be >= 1, got {args.layers}")
     if not os.path.isfile(os.path.join(args.data, "meta.json")):
-        raise SystemExit(f"train_dlm: error: {args.data}: no meta.json (not a distilled dataset)")
+        raise UsageError(f"{args.data}: no meta.json (not a distilled dataset)")
 
     if args.init_layers and args.init != "ends":
-        raise SystemExit("train_dlm: error: --init-layers names the layers itself; leave --init at its default")
+        raise UsageError("--init-layers names the layers itself; leave --init at its default")
     if args.init_dlm and not os.path.isfile(args.init_dlm):
-        raise SystemExit(f"train_dlm: error: --init-dlm {args.init_dlm}: no such file")
+        raise UsageError(f"--init-dlm {args.init_dlm}: no such file")
     if args.init_dlm and (args.init_layers or args.init != "ends" or args.resume):
-        raise SystemExit("train_dlm: error: --init-dlm takes its layers from the file: drop --init, --init-layers "
+        raise UsageError("--init-dlm takes its layers from the file: drop --init, --init-layers "
                          "and --resume")
 
     import jax
@@ -72,7 +73,7 @@ def main(argv=None):
 
     depth = resolve_config(args.target).num_layers
     if args.init == "prefix" and args.layers > depth:
-        raise SystemExit(f"train_dlm: error: --init prefix --layers {args.layers}: the target has {depth} layers")
+        raise UsageError(f"--init prefix --layers {args.layers}: the target has {depth} layers")
     tcfg, tparams, _ = resolve_model(args.target, dtype="float32", tokenizer=False)
     init_layers = tuple(int(x) for x in args.init_layers.split(",")) if args.init_layers else None
     if args.init == "prefix":
@@ -83,13 +84,13 @@ def main(argv=None):
         try:
             dcfg, init_own = load_dlm(args.init_dlm, tcfg)
         except ValueError as e:
-            raise SystemExit(f"train_dlm: error: --init-dlm {e}") from None
+            raise UsageError(f"--init-dlm {e}") from None
         n_layers, init_layers, mask_id = dcfg.num_layers, dcfg.init_layers, dcfg.mask_token_id
         blocks, args.block_size = tuple(dcfg.train_block_sizes), dcfg.block_size
     per_layer = sum(int(v[0].size) for v in tparams["layers"].values())
     mb = (n_layers * per_layer + tcfg.hidden_size) * 2 / 1e6
     if mb > args.max_mb:
-        raise SystemExit(f"train_dlm: error: {n_layers} layers are {mb:.1f} MB in bf16, over --max-mb {args.max_mb}")
+        raise UsageError(f"{n_layers} layers are {mb:.1f} MB in bf16, over --max-mb {args.max_mb}")
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     tc = DLMTrainConfig(
         num_layers=n_layers, init_layers=init_layers, block_size=args.block_size, batch_size=args.batch_size,

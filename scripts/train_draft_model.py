@@ -24,6 +24,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from jspec.errors import UsageError  # noqa: E402
 
 
 def main(argv=None):
@@ -47,9 +48,9 @@ def main(argv=None):
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if args.layers < 1:
-        raise SystemExit(f"--layers must be >= 1, got {args.layers}")
+        raise UsageError(f"--layers must be >= 1, got {args.layers}")
     if not os.path.isfile(os.path.join(args.data, "meta.json")):
-        raise SystemExit(f"{args.data}: no meta.json (not a distilled dataset)")
+        raise UsageError(f"{args.data}: no meta.json (not a distilled dataset)")
 
     import jax
 
@@ -58,10 +59,10 @@ def main(argv=None):
 
     tcfg, tparams, _ = resolve_model(args.target, dtype="float32", tokenizer=False)
     if args.layers > tcfg.num_layers:
-        raise SystemExit(f"--layers {args.layers} exceeds the target's {tcfg.num_layers} layers")
+        raise UsageError(f"--layers {args.layers} exceeds the target's {tcfg.num_layers} layers")
     layers_from = tuple(int(x) for x in args.layers_from.split(",")) if args.layers_from else None
     if args.exit_layer is not None and not 1 <= args.exit_layer < tcfg.num_layers:
-        raise SystemExit(f"--exit-layer must be in [1, {tcfg.num_layers - 1}], got {args.exit_layer}")
+        raise UsageError(f"--exit-layer must be in [1, {tcfg.num_layers - 1}], got {args.exit_layer}")
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     tc = DraftTrainConfig(
         num_layers=len(layers_from) if layers_from else args.layers, layers_from=layers_from,

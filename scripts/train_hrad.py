@@ -16,6 +16,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from jspec.errors import UsageError  # noqa: E402
 
 
 def main(argv=None):
@@ -32,9 +33,9 @@ def main(argv=None):
     ap.add_argument("--dtype", default=None, help="compute dtype (default bfloat16 on GPU, float32 on CPU)")
     args = ap.parse_args(argv)
     if not args.drafter.startswith("model"):
-        raise SystemExit(f"--drafter must be a draft model (model:PATH), got {args.drafter!r}")
+        raise UsageError(f"--drafter must be a draft model (model:PATH), got {args.drafter!r}")
     if not os.path.isfile(os.path.join(args.data, "meta.json")):
-        raise SystemExit(f"{args.data}: no meta.json (not a distilled dataset)")
+        raise UsageError(f"{args.data}: no meta.json (not a distilled dataset)")
 
     import jax
 

@@ -405,7 +405,7 @@ def test_bench_groups_plans_waves_with_one_barrier_each(tmp_path):
     assert first[first.index("--timing-barrier") + 1].endswith(":2") and last[last.index("--timing-barrier") + 1].endswith(":1")
     assert first[first.index("--out") + 1] == str(tmp_path / "g0")
     for bad in ("noname", "a b=--model m", "x=", "x=--model m --out elsewhere"):
-        with pytest.raises(SystemExit, match="bench_groups: error"):
+        with pytest.raises(UsageError, match="--group"):
             bg.parse_group(bad)
 
 

@@ -3,6 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jspec.errors import UsageError
+
 from jspec.speculative.policies.ldlp import (
     asymmetric_l1,
     init_ldlp,
@@ -84,3 +86,9 @@ def test_train_ldlp_rejects_a_dataset_without_greedy_rows_before_loading_the_tar
         T.run_train_ldlp(args)
     greedy = write_patterned_shards(str(tmp_path / "greedy"), 64)
     assert T.label_split(greedy) == "holdout"
+    for head_dir, data_dir, problem in ((tmp_path / "none", greedy, "no head directory"),
+                                        (head, tmp_path / "none", "no distilled dataset")):
+        args = T.add_ldlp_args(__import__("argparse").ArgumentParser()).parse_args(
+            ["--target", "smollm2-135m-instruct", "--head", str(head_dir), "--data", str(data_dir)])
+        with pytest.raises(UsageError, match=problem):
+            T.run_train_ldlp(args)

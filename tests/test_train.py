@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from jspec.errors import UsageError
 from jspec.heads import eagle as H
 from jspec.model import init_params
 from jspec.train import step as S
@@ -267,13 +268,13 @@ def test_init_head_must_exist_and_match_the_recipe(tmp_path):
     from jspec.checkpoint.eagle_format import save_eagle_head
     from jspec.train.cli import _warm_start
 
-    with pytest.raises(SystemExit, match="no exported head"):
+    with pytest.raises(UsageError, match="no exported head"):
         _warm_start(str(tmp_path), HCFG3, TARGET)
     save_eagle_head(str(tmp_path / "h"), HCFG3, _head(HCFG3) | dict(zip(("d2t", "t2d"), H.draft_vocab_maps(
         np.arange(HCFG3.draft_vocab_size), TARGET.vocab_size))), dtype="float32")
     hcfg, params = _warm_start(str(tmp_path / "h"), HCFG3, TARGET)
     assert hcfg.draft_vocab == HCFG3.draft_vocab and params["fc"].dtype == np.float32
-    with pytest.raises(SystemExit, match="differ from the recipe"):
+    with pytest.raises(UsageError, match="differ from the recipe"):
         _warm_start(str(tmp_path / "h"), HCFG3.replace(draft_vocab_size=40), TARGET)
 
 
@@ -478,3 +479,11 @@ def test_training_jit_compiles_with_the_gpu_options_static_and_donated_arguments
     np.testing.assert_allclose(np.asarray(state), [1.0, 3.0, 5.0])
     assert float(total) == 3.0
     step.lower(2, jax.numpy.ones(3), jax.numpy.arange(3.0)).compile()
+
+
+def test_a_missing_or_broken_recipe_is_one_line(tmp_path):
+    with pytest.raises(UsageError, match="no recipe at"):
+        load_recipe(str(tmp_path / "none.json"))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(UsageError, match="is not JSON"):
+        load_recipe(str(tmp_path / "bad.json"))

@@ -30,6 +30,7 @@ from typing import Any
 import jax
 
 from jspec import model as M
+from jspec.errors import UsageError
 from jspec import presets
 from jspec.bench.harness import RunContext, make_row, run_method
 from jspec.bench.methods import JspecMethod
@@ -68,7 +69,7 @@ def _groups(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
     """(dtype, mesh spec, with the speculative method) in run order."""
     axes = [a.strip() for a in args.meshes.split(",") if a.strip()]
     if not set(axes) <= {"data", "model"}:
-        raise SystemExit(f"--meshes {args.meshes!r}: expected data and/or model")
+        raise UsageError(f"--meshes {args.meshes!r}: expected data and/or model")
     groups = [(args.dtype, "", True)] + [(args.dtype, f"data={args.devices}", True)] * ("data" in axes)
     if not args.no_fp32_tp_check:  # before the bf16 model group: the identity check matters more
         groups += [("float32", "", False), ("float32", f"model={args.devices}", False)]
@@ -84,7 +85,7 @@ def _pick_spec(candidates: str, cfg, params, model: str):
             return spec, build_drafter(spec.drafter, cfg, params, model_name=model)
         except Exception as e:  # noqa: BLE001 - any failure means "try the next method"
             errors.append(f"{text}: {e}")
-    raise SystemExit("no speculative method could be built: " + "; ".join(errors))
+    raise UsageError("no speculative method could be built: " + "; ".join(errors))
 
 
 def _kernels(mesh=None) -> str:

@@ -108,14 +108,14 @@ def _warm_start(head_dir: str, recipe_hcfg, target_cfg):
     from ..checkpoint.eagle_format import load_eagle_head
 
     if not os.path.isfile(os.path.join(head_dir, "config.json")):
-        raise SystemExit(f"--init-head {head_dir}: no exported head there (config.json + model.safetensors)")
+        raise UsageError(f"--init-head {head_dir}: no exported head there (config.json + model.safetensors)")
     import jax.numpy as jnp
 
     hcfg, params = load_eagle_head(head_dir, target_cfg, dtype=jnp.float32)
     want = (recipe_hcfg.kind, recipe_hcfg.capture_layers, recipe_hcfg.draft_vocab, recipe_hcfg.mlp_size)
     got = (hcfg.kind, hcfg.capture_layers, hcfg.draft_vocab, hcfg.mlp_size)
     if got != want:
-        raise SystemExit(f"--init-head {head_dir}: (kind, capture layers, draft vocab, MLP width) {got} differ from "
+        raise UsageError(f"--init-head {head_dir}: (kind, capture layers, draft vocab, MLP width) {got} differ from "
                          f"the recipe's {want}")
     return hcfg, params
 
@@ -156,10 +156,10 @@ def _ensure_data(data_dir: str, recipe, cfg, params, tokenizer, progress: bool) 
         if "seq_len" not in meta:  # jspec-distill-v2 (jspec distill): rows are packed to the recipe's seq_len
             return
         if meta["seq_len"] != recipe.train.seq_len:
-            raise SystemExit(f"{data_dir} holds seq_len {meta['seq_len']}, the recipe asks {recipe.train.seq_len}")
+            raise UsageError(f"{data_dir} holds seq_len {meta['seq_len']}, the recipe asks {recipe.train.seq_len}")
         return
     if jax.process_count() > 1:
-        raise SystemExit(f"{data_dir} has no dataset: distil it first with one process (--distill-only)")
+        raise UsageError(f"{data_dir} has no dataset: distil it first with one process (--distill-only)")
     gen_dtype = jax.numpy.float32 if jax.default_backend() == "cpu" else jax.numpy.bfloat16
     meta = distill_dataset(cast_params(params, gen_dtype), cfg, tokenizer, data_dir,
                            data_cfg=recipe.data, seq_len=recipe.train.seq_len, progress=progress)

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
+
+from ..errors import UsageError
 
 from .shards import LoopCut, check_length_buckets
 
@@ -162,9 +165,22 @@ def recipe_from_dict(d: dict) -> Recipe:
     )
 
 
+def recipe_json(path: str) -> dict:
+    """A recipe file's JSON object; UsageError (one line) when there is none or it is not JSON."""
+    if not os.path.isfile(path):
+        raise UsageError(f"no recipe at {path} (the shipped recipes are training/*.json)")
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"recipe {path} is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"recipe {path} must hold one JSON object (sections head, data, train, run, distill)")
+    return data
+
+
 def load_recipe(path: str) -> Recipe:
-    with open(path) as fh:
-        return recipe_from_dict(json.load(fh))
+    return recipe_from_dict(recipe_json(path))
 
 
 def recipe_to_dict(r: Recipe) -> dict:

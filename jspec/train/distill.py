@@ -58,6 +58,7 @@ from ..config import ModelConfig
 from ..decode import bucket, emit, prefill
 from ..presets import list_presets, load_preset, resolve_model
 from . import corpus as C
+from .config import recipe_json
 from .shards import LoopCut, RowWriter, load_rows, read_meta, row_tokens, shard_files
 from .step import add_compile_cache_arg, use_compile_cache
 
@@ -794,8 +795,7 @@ def config_from_args(args) -> DistillConfig:
     """The recipe's "distill" section (if any), then the command line's flags."""
     base = {}
     if getattr(args, "recipe", None):
-        with open(args.recipe) as fh:
-            base = json.load(fh).get("distill", {})
+        base = recipe_json(args.recipe).get("distill", {})
         names = {f.name for f in dataclasses.fields(DistillConfig)}
         unknown = sorted(set(base) - names)
         if unknown:

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..checkpoint.eagle_format import EXTRAS_DIR, load_eagle_head
+from ..errors import UsageError
 from ..heads import eagle as H
 from ..model import cast_params
 from ..presets import resolve_model
@@ -130,7 +131,7 @@ def label_split(data_dir: str) -> str:
     for split in ("holdout", "train"):
         if next(_greedy_rows(data_dir, split), None) is not None:
             return split
-    raise ValueError(f"{data_dir}: no greedy rows to label (LDLP needs answers distilled at temperature 0; "
+    raise UsageError(f"{data_dir}: no greedy rows to label (LDLP needs answers distilled at temperature 0; "
                      f"this dataset's are all sampled: distil with --sample-share below 1.0)")
 
 
@@ -293,9 +294,11 @@ def run_train_ldlp(args) -> int:
     over = {f.name: getattr(args, f.name) for f in dataclasses.fields(LDLPTrainConfig) if getattr(args, f.name) is not None}
     lc = LDLPTrainConfig(**over)
     if lc.k_max < 1 or lc.seq_len < lc.k_max + 2:
-        raise ValueError(f"--k-max {lc.k_max} must be >= 1 and --seq-len {lc.seq_len} >= k_max + 2")
+        raise UsageError(f"--k-max {lc.k_max} must be >= 1 and --seq-len {lc.seq_len} >= k_max + 2")
     if not os.path.isdir(args.head):
-        raise FileNotFoundError(f"no head directory at {args.head}")
+        raise UsageError(f"--head {args.head}: no head directory there (`jspec train-head` exports one)")
+    if not os.path.isfile(os.path.join(args.data, "meta.json")):
+        raise UsageError(f"--data {args.data}: no distilled dataset there (`jspec distill` writes one)")
     split = label_split(args.data)  # a dataset with nothing to label fails here, before the target loads
     dtype = jnp.float32 if args.dtype == "auto" and jax.default_backend() == "cpu" else (
         jnp.bfloat16 if args.dtype == "auto" else jnp.dtype(args.dtype))
