@@ -30,12 +30,12 @@ from typing import Any
 import jax
 
 from jspec import model as M
-from jspec.errors import UsageError
 from jspec import presets
 from jspec.bench.harness import RunContext, make_row, run_method
 from jspec.bench.methods import JspecMethod
 from jspec.bench.prompts import encode_questions
 from jspec.bench.protocol import parse_method_spec
+from jspec.errors import UsageError
 from jspec.model import cast_params
 from jspec.sharding import axis_size, check_tensor_parallel, mesh_label, parse_mesh
 from jspec.speculative.factory import build_drafter

@@ -21,7 +21,6 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
-
 from .shards import LoopCut, check_length_buckets
 
 
