@@ -49,8 +49,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.layers < 1:
         raise UsageError(f"--layers must be >= 1, got {args.layers}")
-    if not os.path.isfile(os.path.join(args.data, "meta.json")):
-        raise UsageError(f"{args.data}: no meta.json (not a distilled dataset)")
+    from jspec.train.shards import require_dataset
+
+    require_dataset(args.data)
 
     import jax
 

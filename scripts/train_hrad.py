@@ -34,8 +34,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not args.drafter.startswith("model"):
         raise UsageError(f"--drafter must be a draft model (model:PATH), got {args.drafter!r}")
-    if not os.path.isfile(os.path.join(args.data, "meta.json")):
-        raise UsageError(f"{args.data}: no meta.json (not a distilled dataset)")
+    from jspec.train.shards import require_dataset
+
+    require_dataset(args.data)
 
     import jax
 

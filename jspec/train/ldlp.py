@@ -297,8 +297,7 @@ def run_train_ldlp(args) -> int:
         raise UsageError(f"--k-max {lc.k_max} must be >= 1 and --seq-len {lc.seq_len} >= k_max + 2")
     if not os.path.isdir(args.head):
         raise UsageError(f"--head {args.head}: no head directory there (`jspec train-head` exports one)")
-    if not os.path.isfile(os.path.join(args.data, "meta.json")):
-        raise UsageError(f"--data {args.data}: no distilled dataset there (`jspec distill` writes one)")
+    S.require_dataset(args.data)
     split = label_split(args.data)  # a dataset with nothing to label fails here, before the target loads
     dtype = jnp.float32 if args.dtype == "auto" and jax.default_backend() == "cpu" else (
         jnp.bfloat16 if args.dtype == "auto" else jnp.dtype(args.dtype))

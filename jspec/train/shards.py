@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import UsageError
+
 FORMAT = "jspec-distill-v2"
 META_FILE = "meta.json"
 
@@ -53,6 +55,13 @@ def _atomic_json(path: str, obj) -> None:
     with open(tmp, "w") as fh:
         json.dump(obj, fh, indent=1)
     os.replace(tmp, path)
+
+
+def require_dataset(data_dir: str) -> None:
+    """UsageError (one line) unless `data_dir` holds a distilled dataset: what a trainer checks
+    before it loads a model."""
+    if not os.path.isfile(os.path.join(data_dir, META_FILE)):
+        raise UsageError(f"--data {data_dir}: no distilled dataset there (no {META_FILE}; `jspec distill` writes one)")
 
 
 def read_meta(data_dir: str) -> dict:
