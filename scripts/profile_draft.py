@@ -30,6 +30,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -53,24 +54,33 @@ from jspec.speculative.policies.static import StaticPolicy  # noqa: E402
 from measure_card_costs import SMOLLM2  # noqa: E402
 
 
-def device_kernels(trace_dir: str) -> tuple[dict[str, float], int]:
-    """(total µs per kernel name, number of kernel launches) on the first GPU's tracks of the
-    Perfetto trace in trace_dir."""
+def kernel_table(trace_dir: str) -> dict[int, dict[str, list[float]]]:
+    """{GPU index: {kernel name: [total µs, launches]}} from the Perfetto trace in trace_dir (each
+    GPU's tracks; an empty dict off a GPU)."""
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
     with gzip.open(path) as fh:
         events = json.load(fh)["traceEvents"]
-    names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu_pids = {pid for pid, name in names.items() if "GPU:0" in name or "gpu:0" in name.lower()}
-    if not gpu_pids and jax.default_backend() == "gpu":
-        print(f"no GPU:0 track among the trace's processes: {sorted(set(names.values()))}", flush=True)
-    total: dict[str, float] = collections.defaultdict(float)
-    launches = 0
+    gpu_of = {}
     for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu_pids:
-            total[e["name"]] += float(e.get("dur", 0.0))
-            launches += 1
-    return dict(total), launches
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            found = re.search(r"GPU:(\d+)", str(e.get("args", {}).get("name", "")), re.IGNORECASE)
+            if found:
+                gpu_of[e["pid"]] = int(found.group(1))
+    if not gpu_of and jax.default_backend() == "gpu":
+        print("no GPU track among the trace's processes", flush=True)
+    table: dict[int, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0]))
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu_of:
+            entry = table[gpu_of[e["pid"]]][e["name"]]
+            entry[0] += float(e.get("dur", 0.0))
+            entry[1] += 1
+    return {gpu: dict(kernels) for gpu, kernels in table.items()}
+
+
+def device_kernels(trace_dir: str) -> tuple[dict[str, float], int]:
+    """(total µs per kernel name, number of kernel launches) on the first GPU's tracks."""
+    kernels = kernel_table(trace_dir).get(0, {})
+    return {name: us for name, (us, _) in kernels.items()}, sum(n for _, n in kernels.values())
 
 
 XLA_OPTIONS: dict = {}  # compiler options of every timed program (--xla-option)
