@@ -76,15 +76,18 @@ def step_profile(long, short, steps: int, top: int) -> dict:
     wall_us = 1e6 * (wl - ws) / steps
     gpus = {}
     for gpu in sorted(kl):
-        names = set(kl[gpu]) | set(ks.get(gpu, {}))
-        per = {n: [(kl[gpu].get(n, [0.0, 0])[0] - ks.get(gpu, {}).get(n, [0.0, 0])[0]) / steps,
-                   (kl[gpu].get(n, [0.0, 0])[1] - ks.get(gpu, {}).get(n, [0.0, 0])[1]) / steps] for n in names}
+        long_k, short_k = kl[gpu], ks.get(gpu, {})
+        per = {}  # kernel name -> [µs, launches] per step
+        for n in set(long_k) | set(short_k):
+            (lu, ln), (su, sn) = long_k.get(n, (0.0, 0)), short_k.get(n, (0.0, 0))
+            per[n] = [(lu - su) / steps, (ln - sn) / steps]
         busy = sum(us for us, _ in per.values())
         by_kind = {kind: 0.0 for kind, _ in KINDS} | {"other": 0.0}
         coll_n = 0.0
         for name, (us, count) in per.items():
-            by_kind[kind_of(name)] += us
-            coll_n += count if kind_of(name) == "collective" else 0.0
+            kind = kind_of(name)
+            by_kind[kind] += us
+            coll_n += count if kind == "collective" else 0.0
         ranked = sorted(per.items(), key=lambda kv: -kv[1][0])[:top]
         gpus[str(gpu)] = dict(
             busy_ms=round(busy / 1e3, 4), idle_ms=round((wall_us - busy) / 1e3, 4),

@@ -122,8 +122,7 @@ def write_dataset(out_dir: str, examples: Iterable[tuple[Sequence[int], Sequence
 
 def read_meta(data_dir: str) -> dict:
     """meta.json of a jspec-distill-v1 (fixed-length rows) or -v2 (jspec.train.shards) dataset."""
-    with open(os.path.join(data_dir, META_FILE)) as fh:
-        meta = json.load(fh)
+    meta = shards_v2.read_meta(data_dir)
     if meta.get("format") not in (FORMAT, shards_v2.FORMAT):
         raise ValueError(f"{data_dir}: not a {FORMAT} or {shards_v2.FORMAT} dataset")
     return meta

@@ -57,19 +57,18 @@ def _atomic_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
-def require_dataset(data_dir: str) -> None:
-    """UsageError (one line) unless `data_dir` holds a distilled dataset: what a trainer checks
-    before it loads a model."""
-    if not os.path.isfile(os.path.join(data_dir, META_FILE)):
-        raise UsageError(f"--data {data_dir}: no distilled dataset there (no {META_FILE}; `jspec distill` writes one)")
-
-
 def read_meta(data_dir: str) -> dict:
+    """The dataset's meta.json; UsageError (one line) when `data_dir` holds no distilled dataset."""
     path = os.path.join(data_dir, META_FILE)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{data_dir}: no {META_FILE}")
+        raise UsageError(f"{data_dir}: no distilled dataset there (no {META_FILE}; `jspec distill` writes one)")
     with open(path) as fh:
         return json.load(fh)
+
+
+def require_dataset(data_dir: str) -> None:
+    """What a trainer checks before it loads a model: `data_dir` holds a distilled dataset."""
+    read_meta(data_dir)
 
 
 def load_rows(data_dir: str, name: str) -> dict[str, np.ndarray]:
