@@ -63,6 +63,14 @@ def parse(argv=None):
     ap.add_argument("--ssd-nodes", type=int, default=4)
     ap.add_argument("--fp32-prompts", type=int, default=8)
     ap.add_argument("--dtype", default=None, help="default: the preset's (bfloat16 on GPU)")
+    ap.add_argument("--lams", default=None,
+                    help="CPS's lambda for the CPS + ADL rows, comma-separated: one row each (default: the library's "
+                         "0.5); choose lambda on --prompts-from-data prompts, never on the benchmark tasks")
+    ap.add_argument("--cps-search", default="xla", choices=("xla", "pallas"),
+                    help="CPS's beam search: the portable jnp ops or the one-kernel GPU search (kernels/cps_search.py)")
+    ap.add_argument("--save-proxy", default=None,
+                    help="also write the fitted 3-gram proxy to this .npz (next to a dlm.safetensors, `jspec` "
+                         "drafts with CPS: speculative/factory.py)")
     ap.add_argument("--paper", action="store_true", help="add the paper-settings DiffuSpec row (k in [20, 30])")
     ap.add_argument("--rows", default="diffuspec,ssd,fp32",
                     help="row groups: diffuspec (with AR), ssd (with stepwise), fp32 (greedy identity), profile "
@@ -71,6 +79,12 @@ def parse(argv=None):
     if args.batch < 1 or args.max_new_tokens < 1:
         ap.error("--batch and --max-new-tokens must be >= 1")
     args.rows = [r for r in args.rows.split(",") if r]
+    try:
+        args.lams = [float(x) for x in args.lams.split(",")] if args.lams else None
+    except ValueError:
+        ap.error(f"--lams {args.lams}: expected comma-separated numbers in [0, 1]")
+    if args.lams is not None and not all(0.0 <= x <= 1.0 for x in args.lams):
+        ap.error(f"--lams {','.join(map(str, args.lams))}: each lambda must be in [0, 1]")
     if not args.rows or set(args.rows) - {"diffuspec", "ssd", "fp32", "profile"}:
         ap.error(f"--rows {','.join(args.rows)}: choose from diffuspec, ssd, fp32, profile")
     if args.n_prompts < 0:
@@ -96,7 +110,7 @@ def main(argv=None):
     from jspec.heads import dlm as D
     from jspec.presets import list_presets, load_preset, resolve_model
     from jspec.sampling import GREEDY
-    from jspec.speculative.drafters.diffusion import PAPER_CPS, DiffuSpecDrafter, fit_trigram_proxy
+    from jspec.speculative.drafters.diffusion import LIBRARY_CPS, PAPER_CPS, DiffuSpecDrafter, fit_trigram_proxy, save_proxy
     from jspec.speculative.engines import ssd as SSD
     from jspec.speculative.engines.chain import check_compatible, speculative_generate_jit
     from jspec.speculative.policies import make_policy
@@ -112,7 +126,10 @@ def main(argv=None):
     for s in SH.shard_files(meta, "train") if set(args.rows) - {"ssd"} else []:  # SSD needs no proxy
         rows = SH.load_rows(args.data, s["file"])
         seqs += [SH.row_tokens(rows, r) for r in range(len(rows["prompt_lens"]))]
-    proxy = jax.tree.map(jnp.asarray, fit_trigram_proxy(seqs, tcfg.vocab_size)) if seqs else None
+    proxy = fit_trigram_proxy(seqs, tcfg.vocab_size) if seqs else None
+    if proxy is not None and args.save_proxy:
+        save_proxy(args.save_proxy, proxy)
+    proxy = jax.tree.map(jnp.asarray, proxy) if proxy is not None else None
     print(f"loaded target, DLM ({dcfg.num_layers} layers) and a 3-gram proxy of {len(seqs)} rows "
           f"in {time.perf_counter() - t0:.1f}s", flush=True)
 
@@ -183,12 +200,14 @@ def main(argv=None):
     lib = dict(k_min=max(1, k_lib // 4), delta=max(1, k_lib // 4))
     methods = [] if "diffuspec" not in args.rows else [
         ("ar", "ar", None, None, ar_fn(tparams)),
-        ("diffuspec", "diffuspec:cps:adl", "diffuspec", "adl",
-         spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib), ADLPolicy(k_max=k_lib, **lib), k_lib, tparams, dparams)),
+        *[("diffuspec", "diffuspec:cps:adl" + ("" if lam == LIBRARY_CPS["lam"] else f":lam={lam:g}"), "diffuspec", "adl",
+           spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, lam=lam, cps_search=args.cps_search), ADLPolicy(k_max=k_lib, **lib), k_lib, tparams,
+                   dparams))
+          for lam in (args.lams or [LIBRARY_CPS["lam"]])],
         ("diffuspec", "diffuspec:nocps:adl", "diffuspec-nocps", "adl",
          spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, cps=False), ADLPolicy(k_max=k_lib, **lib), k_lib, tparams, dparams)),
         ("diffuspec", f"diffuspec:cps:static:k={k_lib}", "diffuspec", "static",
-         spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib), make_policy("static", k_max=k_lib), k_lib, tparams, dparams)),
+         spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, cps_search=args.cps_search), make_policy("static", k_max=k_lib), k_lib, tparams, dparams)),
     ]
     if k_paper and "diffuspec" in args.rows:
         methods.append(("diffuspec", "diffuspec:paper:adl", "diffuspec-paper", "adl-paper",
@@ -258,7 +277,9 @@ def main(argv=None):
                 "mean_new_tokens": new / max(len(rows), 1), "peak_mem_bytes": None, "compile_s": compiled[name],
                 "timestamp": stamp, "timed_s": r["secs"],
                 "settings": {"k_max": k_paper if "paper" in name else k_lib, "ssd_block": args.ssd_block,
-                             "ssd_nodes": args.ssd_nodes, "dlm_layers": dcfg.num_layers, "dlm_block": dcfg.block_size},
+                             "ssd_nodes": args.ssd_nodes, "dlm_layers": dcfg.num_layers, "dlm_block": dcfg.block_size,
+                             **({"cps_lam": float(name.split("lam=")[1]) if "lam=" in name else LIBRARY_CPS["lam"],
+                                 "cps_search": args.cps_search} if ":cps:" in name else {})},
             }
             if method == "ssd":
                 same = lambda ref: float(np.mean([a[0] == b[0] for a, b in zip(rows, ref["rows"])]))  # noqa: E731
@@ -278,7 +299,7 @@ def main(argv=None):
         dp32 = {"dlm": M.cast_params(own, jnp.float32), "proxy": proxy}
         with jax.default_matmul_precision("highest"):
             ar32 = ar_fn(tp32)
-            ds32 = spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib), ADLPolicy(k_max=k_lib, **lib), k_lib, tp32, dp32)
+            ds32 = spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, cps_search=args.cps_search), ADLPolicy(k_max=k_lib, **lib), k_lib, tp32, dp32)
             a, d = [], []
             for bi in range(len(tokens) // B):
                 t, l = jnp.asarray(tokens[bi * B : (bi + 1) * B]), jnp.asarray(lens[bi * B : (bi + 1) * B])
@@ -298,7 +319,7 @@ def main(argv=None):
 
     # ---- the round's cost breakdown ---------------------------------------------------------
     if "profile" in args.rows:
-        prof_rows = [("diffuspec:cps:adl", DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib), ADLPolicy(k_max=k_lib, **lib)),
+        prof_rows = [("diffuspec:cps:adl", DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, cps_search=args.cps_search), ADLPolicy(k_max=k_lib, **lib)),
                      ("diffuspec:nocps:adl", DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, cps=False), ADLPolicy(k_max=k_lib, **lib))]
         for name, drafter, policy in prof_rows if proxy is not None else prof_rows[1:]:
             prof = RC.profile_method(tparams, tcfg, drafter, dparams, batch=B, policy=policy, k_max=k_lib, prompt_len=P,

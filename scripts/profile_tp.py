@@ -18,7 +18,10 @@ that do not shrink with the shard). Together with the per-device weight bytes
 (`device_bytes`) this says how far a step is from streaming its shard at the card's bandwidth.
 
     python scripts/profile_tp.py --out OUT [--shape llama-3.1-8b] [--mesh model=2] [--batches 1,16]
-        [--new 256] [--top 40]
+        [--new 256] [--top 40] [--variants default,one_shot,...]
+
+--variants compiles the tensor-parallel program with each named XLA option set (VARIANTS) and
+profiles each beside the one-device row; a set that does not compile or run is recorded as an error.
 
 Writes OUT/profile_tp.json (a row per device count and batch) and prints each row as measured.
 """
@@ -51,6 +54,20 @@ from profile_draft import kernel_table  # noqa: E402
 KINDS = (("collective", re.compile(r"nccl|psum|all.?reduce|all.?gather|reduce.?scatter|collective", re.IGNORECASE)),
          ("products", re.compile(r"matvec|gemm|cublas|dot", re.IGNORECASE)),
          ("attention", re.compile(r"attention|fmha|flash", re.IGNORECASE)))
+
+
+# XLA option sets the tensor-parallel program can be compiled with (--variants): the layer's two
+# all-reduces are 8-128 KB at decode, where a collective's fixed cost is several µs a call. On a
+# 2xH200 host none of these moved the 8B step (3.74-3.77 ms at batch 1; BENCHMARKS.md, fifteenth run).
+ALL_REDUCE_ONE_SHOT = {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}
+COMMAND_BUFFER_COLLECTIVES = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,COLLECTIVES"}
+VARIANTS = {
+    "default": {},
+    "one_shot": ALL_REDUCE_ONE_SHOT,
+    "cmdbuf_collectives": COMMAND_BUFFER_COLLECTIVES,
+    "one_shot_cmdbuf": {**ALL_REDUCE_ONE_SHOT, **COMMAND_BUFFER_COLLECTIVES},
+    "sync_all_reduce": {"xla_gpu_disable_async_collectives": "ALLREDUCE"},
+}
 
 
 def kind_of(kernel: str) -> str:
@@ -105,7 +122,13 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--new", type=int, default=256, help="new tokens of the long run (the short one runs a quarter)")
     ap.add_argument("--top", type=int, default=40, help="kernels listed per GPU")
+    ap.add_argument("--variants", default="default",
+                    help=f"XLA option sets of the tensor-parallel program, comma-separated: {', '.join(VARIANTS)}")
     args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise UsageError(f"--variants {','.join(unknown)}: expected names from {', '.join(VARIANTS)}")
     if args.shape not in SHAPES:
         raise UsageError(f"--shape {args.shape!r}: expected one of {', '.join(SHAPES)}")
     try:
@@ -140,28 +163,36 @@ def main(argv=None) -> None:
         for b in batches:
             toks = jax.random.randint(jax.random.PRNGKey(b), (b, PROMPT), 0, cfg.vocab_size).astype(jnp.int32)
             lens = jnp.full((b,), PROMPT, jnp.int32)
-            for devices in (1, n):
+            for devices, variant in [(1, None)] + [(n, v) for v in variants]:
                 traces = []
-                for new in (args.new, args.new // 4):
-                    common = dict(max_new=new, cache_len=D.plan_cache_len(D.bucket(PROMPT), args.new),
-                                  sampling=Sampling())
-                    if devices == 1:
-                        run = lambda c=common: D.generate_ar_jit(params, cfg, toks, lens, jax.random.PRNGKey(0), **c)
-                    else:
-                        tp = S.tensor_parallel_map(D.generate_ar_jit, mesh, "params", specs,
-                                                   tuple(sorted(dict(cfg=local, **common).items())))
-                        run = lambda tp=tp: tp(placed, dict(tokens=toks, lens=lens, key=jax.random.PRNGKey(0)))
-                    traces.append(traced_run(run))
+                try:
+                    for new in (args.new, args.new // 4):
+                        common = dict(max_new=new, cache_len=D.plan_cache_len(D.bucket(PROMPT), args.new),
+                                      sampling=Sampling())
+                        if devices == 1:
+                            run = lambda c=common: D.generate_ar_jit(params, cfg, toks, lens, jax.random.PRNGKey(0), **c)
+                        else:
+                            tp = S.tensor_parallel_map(D.generate_ar_jit, mesh, "params", specs,
+                                                       tuple(sorted(dict(cfg=local, **common).items())),
+                                                       compiler_options=tuple(sorted(VARIANTS[variant].items())))
+                            run = lambda tp=tp: tp(placed, dict(tokens=toks, lens=lens, key=jax.random.PRNGKey(0)))
+                        traces.append(traced_run(run))
+                except Exception as e:  # an option set this XLA build cannot compile or run: say so, go on
+                    print(f"batch {b} variant {variant}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    rows.append(dict(shape=args.shape, card=card_name(), batch=b, devices=devices, mesh=args.mesh,
+                                     variant=variant, options=VARIANTS[variant], error=str(e)[:300]))
+                    continue
                 prof = step_profile(traces[0], traces[1], args.new - args.new // 4, args.top)
                 streamed = wbytes if devices == 1 else device_bytes
                 row = dict(shape=args.shape, card=card_name(), batch=b, devices=devices,
-                           mesh=None if devices == 1 else args.mesh, device_bytes=streamed,
+                           mesh=None if devices == 1 else args.mesh, variant=variant,
+                           options=None if variant is None else VARIANTS[variant], device_bytes=streamed,
                            stream_floor_ms=round(1e3 * streamed / bw, 4) if bw else None, **prof)
                 rows.append(row)
                 with open(path, "w") as fh:
                     json.dump(rows, fh, indent=1)
                 short = {g: {k: v for k, v in d.items() if k != "top"} for g, d in row["gpus"].items()}
-                print(json.dumps(dict(batch=b, devices=devices, wall_ms=row["wall_ms"],
+                print(json.dumps(dict(batch=b, devices=devices, variant=variant, wall_ms=row["wall_ms"],
                                       stream_floor_ms=row["stream_floor_ms"], gpus=short)), flush=True)
                 for g, d in row["gpus"].items():
                     for k in d["top"][:6]:

@@ -19,6 +19,7 @@ from jspec.sampling import GREEDY
 from jspec.speculative.drafters.diffusion import (
     DiffuSpecDrafter, cps_beam_search, cps_lattice, fit_trigram_proxy, proxy_logprob,
 )
+from jspec.speculative.drafters.base import DrafterError
 from jspec.speculative.engines import ssd as SSD
 from jspec.speculative.engines.chain import speculative_generate, start_spec
 from jspec.speculative.policies import make_policy
@@ -91,6 +92,11 @@ def test_two_stream_training_forward_matches_inference(target, dlm):
 
     logits, ref = run(dlm, target, clean, noisy)
     np.testing.assert_allclose(logits[:, 4:8], ref, atol=2e-5, rtol=1e-5)
+
+
+def test_cps_search_impl_is_checked():
+    with pytest.raises(DrafterError, match="cps_search 'cuda': choose xla or pallas"):
+        DiffuSpecDrafter(dcfg=DCFG, k_max=4, cps_search="cuda").check(CFG)
 
 
 def test_cps_finds_best_causal_path():

@@ -3,6 +3,7 @@ masked-denoising objective, resumed after a kill, loaded as `dlm:PATH` and lossl
 
 import dataclasses
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from jspec import model as M
 from jspec.decode import generate_ar_jit, pack_prompts
 from jspec.heads import dlm as D
 from jspec.sampling import GREEDY
-from jspec.speculative.drafters.diffusion import fit_trigram_proxy
+from jspec.speculative.drafters.diffusion import PROXY_FILE, fit_trigram_proxy, save_proxy
 from jspec.speculative.engines.chain import speculative_generate
 from jspec.speculative.factory import build_drafter
 from jspec.speculative.policies.adl import ADLPolicy
@@ -106,16 +107,18 @@ def test_init_dlm_trains_a_trained_dlm_on(straight, target, data_dir, tmp_path):
     assert again.layer_ids == dcfg.layer_ids and again.mask_token_id == dcfg.mask_token_id
 
 
-def test_adapted_dlm_drafts_losslessly(straight, target):
-    """`dlm:PATH` loads the trained file; DiffuSpec with CPS + ADL over it is greedy-identical to
-    AR in float32."""
+def test_adapted_dlm_drafts_losslessly(straight, target, tmp_path):
+    """`dlm:PATH` loads the trained file, without CPS, and with CPS once a proxy.npz lies beside it;
+    DiffuSpec with CPS + ADL over it is greedy-identical to AR in float32."""
     out, _ = straight
     k, max_new = 6, 20
-    drafter, dparams = build_drafter(f"dlm:{out}", TARGET, target, k_max=k)
-    drafter = dataclasses.replace(drafter, cps=True, m_max=4, beam=2, kernels="xla")
     prompts = [[7, 9, 11, 13, 9, 11], [20, 21, 22]]
-    dparams = {**dparams, "proxy": jax.tree.map(jnp.asarray, fit_trigram_proxy([p + [9, 11, 1] for p in prompts],
-                                                                               TARGET.vocab_size))}
+    assert not build_drafter(f"dlm:{out}", TARGET, target, k_max=k)[0].cps
+    shutil.copy(out / "dlm.safetensors", tmp_path / "dlm.safetensors")
+    save_proxy(str(tmp_path / PROXY_FILE), fit_trigram_proxy([p + [9, 11, 1] for p in prompts], TARGET.vocab_size))
+    drafter, dparams = build_drafter(f"dlm:{tmp_path}", TARGET, target, k_max=k)
+    assert drafter.cps and set(dparams) == {"dlm", "proxy"}
+    drafter = dataclasses.replace(drafter, m_max=4, beam=2, kernels="xla")
     tokens, lens, cache_len = pack_prompts(TARGET, prompts, max_new, extra=k)
     ar, n_ar, _ = generate_ar_jit(target, TARGET, jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(0),
                                   max_new=max_new, cache_len=cache_len, sampling=GREEDY)

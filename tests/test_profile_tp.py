@@ -67,3 +67,13 @@ def test_profile_tp_runs_under_model_2_on_the_cpu(tmp_path, capsys):
     assert rows[1]["device_bytes"] < rows[0]["device_bytes"]
     with pytest.raises(UsageError, match="model=N with N >= 2"):
         T.main(["--out", str(tmp_path), "--mesh", "data=2"])
+    with pytest.raises(UsageError, match="--variants fast: expected names from default, one_shot"):
+        T.main(["--out", str(tmp_path), "--variants", "default,fast"])
+
+
+def test_profile_tp_compiles_each_option_set_beside_one_device(tmp_path):
+    T = load("profile_tp")
+    T.main(["--out", str(tmp_path), "--shape", "tiny", "--batches", "1", "--new", "8", "--variants", "default,one_shot"])
+    rows = json.loads((tmp_path / "profile_tp.json").read_text())
+    assert [(r["devices"], r["variant"]) for r in rows] == [(1, None), (2, "default"), (2, "one_shot")]
+    assert rows[2]["options"] == T.ALL_REDUCE_ONE_SHOT and "error" not in rows[2]

@@ -29,6 +29,7 @@ another version anew, since jspec's own rounds got cheaper in between.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import os
@@ -221,7 +222,9 @@ def profile_method(tparams, tcfg, drafter, dparams, *, batch: int, policy="stati
 def block_draft_us(tparams, tcfg, drafter, dparams, state, n: int) -> dict[str, float]:
     """A block drafter's two parts, each timed alone on the state `state` reached:
     {"dlm_forward_us": drafter.denoise (the DLM's cached call, its LM head included),
-     "choose_us": drafter.choose on that call's logits (CPS lattice + beam, or the argmax)}."""
+     "choose_us": drafter.choose on that call's logits (CPS lattice + beam, or the argmax), and with
+     CPS's one-kernel search (kernels/cps_search.py) "choose_portable_us": the same with the
+     portable search}."""
     last = state.last
     limit = jnp.full(last.shape, drafter.k_max, jnp.int32)
 
@@ -236,17 +239,22 @@ def block_draft_us(tparams, tcfg, drafter, dparams, state, n: int) -> dict[str, 
         tparams, dparams, state.dstate, last)
     logits = logits[:, : drafter.k_max]
 
-    def choose(k, c):
-        dp, fixed, fixed_tok = k
-        logits, prev = c
-        path, _ = drafter.choose(dp, tcfg, logits, fixed, fixed_tok, prev, last, limit)
-        # the next call's logits depend on this one's path (never in fact changed: paths are >= 0),
-        # so nothing is hoisted out of the loop; the carried buffer is updated in place
-        logits = logits.at[:, 0, 0].set(jnp.where(path[:, 0] < 0, 0.0, logits[:, 0, 0]))
-        return logits, path[:, 0]
+    def choose_with(d):
+        def choose(k, c):
+            dp, fixed, fixed_tok = k
+            logits, prev = c
+            path, _ = d.choose(dp, tcfg, logits, fixed, fixed_tok, prev, last, limit)
+            # the next call's logits depend on this one's path (never in fact changed: paths are >= 0),
+            # so nothing is hoisted out of the loop; the carried buffer is updated in place
+            logits = logits.at[:, 0, 0].set(jnp.where(path[:, 0] < 0, 0.0, logits[:, 0, 0]))
+            return logits, path[:, 0]
+        return choose
 
-    out["choose_us"] = loop_us(choose, (dparams, fixed[:, : drafter.k_max], fixed_tok[:, : drafter.k_max]),
-                               (logits, state.dstate.prev), n)
+    consts = (dparams, fixed[:, : drafter.k_max], fixed_tok[:, : drafter.k_max])
+    out["choose_us"] = loop_us(choose_with(drafter), consts, (logits, state.dstate.prev), n)
+    if getattr(drafter, "cps", False) and drafter.cps_search == "pallas":  # beside it, the portable search
+        portable = choose_with(dataclasses.replace(drafter, cps_search="xla"))
+        out["choose_portable_us"] = loop_us(portable, consts, (logits, state.dstate.prev), n)
     return out
 
 

@@ -20,12 +20,10 @@
                        scripts/train_dlm.py or its directory (default: the DLM shipped with the
                        preset, preset.json "drafters": {"dlm": DIR}). Pair it with policy adl.
                        Drafts are the per-position argmax, verified as point masses (sampling
-                       stays exactly lossless; greedy is identical to AR). Built WITHOUT causal-
-                       consistency path search (CPS): on an H200 over MT-Bench no-CPS measured
-                       0.92x AR against 0.85x with CPS, and CPS needs a 3-gram proxy table fitted
-                       on the distilled data, which is not shipped; for CPS build
-                       DiffuSpecDrafter(dcfg, k_max) yourself and pass {"dlm": own, "proxy":
-                       fit_trigram_proxy(...)} as its params.
+                       stays exactly lossless; greedy is identical to AR). With a 3-gram proxy
+                       table beside the DLM (proxy.npz, written by `scripts/bench_dlm.py
+                       --save-proxy` from the distilled data; none ships: it is tens of MB) the
+                       draft is causal-consistency path search's (CPS) best path instead.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ from ..config import ModelConfig
 from ..heads import dlm as D
 from ..presets import list_presets, load_preset, resolve_model
 from .drafters.base import DrafterError
-from .drafters.diffusion import DiffuSpecDrafter
+from .drafters.diffusion import PROXY_FILE, DiffuSpecDrafter, load_proxy
 from .drafters.eagle import EagleDrafter
 from .drafters.hybrid import HybridDrafter
 from .drafters.early_exit import EarlyExitDrafter
@@ -249,13 +247,13 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
             dcfg, own = D.load_dlm(str(path), cfg, dtype=dtype or params["embed"].dtype)
         except ValueError as e:
             raise DrafterError(str(e)) from None
-        # No CPS: measured faster without it (0.92x vs 0.85x AR, H200, MT-Bench), and CPS needs a
-        # 3-gram proxy table that does not ship (module docstring). sampling_q="point": the argmax
-        # draft verified as a point mass keeps sampling exactly lossless (the paper's "l2r" is not).
-        drafter = DiffuSpecDrafter(dcfg=dcfg, k_max=DEFAULT_DLM_K_MAX if k_max is None else k_max, cps=False,
-                                   sampling_q="point")
+        # CPS only with a proxy table beside the DLM (none ships). sampling_q="point": the draft
+        # verified as a point mass keeps sampling exactly lossless (the paper's "l2r" is not).
+        proxy_file = Path(path).parent / PROXY_FILE
+        drafter = DiffuSpecDrafter(dcfg=dcfg, k_max=DEFAULT_DLM_K_MAX if k_max is None else k_max,
+                                   cps=proxy_file.is_file(), sampling_q="point")
         drafter.check(cfg)
-        return drafter, {"dlm": own}
+        return drafter, {"dlm": own, **({"proxy": load_proxy(str(proxy_file))} if drafter.cps else {})}
     if name == "ngram":
         n = int(arg) if arg else 3
         return NgramDrafter(max_ngram=n), None

@@ -42,6 +42,7 @@ from flax import struct
 from ... import model as M
 from ...config import ModelConfig
 from ...heads import dlm as D
+from ...kernels import cps_search
 from ...kernels.top_k import top_k
 from ...sampling import Sampling, probs
 from ..state import take_row
@@ -169,6 +170,9 @@ def proxy_logprob(proxy: dict, a: jax.Array, b: jax.Array, c: jax.Array) -> jax.
     return jnp.where(t_found, t_lp, jnp.where(b_found, BACKOFF_LOG_ALPHA + b_lp, 2 * BACKOFF_LOG_ALPHA + uni))
 
 
+PROXY_FILE = "proxy.npz"  # a proxy beside a dlm.safetensors: build_drafter("dlm:...") drafts with CPS
+
+
 def save_proxy(path: str, proxy: dict) -> None:
     np.savez(path, **{k: np.asarray(v) for k, v in proxy.items()})
 
@@ -209,7 +213,8 @@ def cps_lattice(logits: jax.Array, eos_id: int, tau: float, m_max: int):
     return tokens, logq, ok, eos_stop
 
 
-def cps_beam_search(tokens, logq, ok, limit, prev2, prev1, proxy_fn, *, beam: int, lam: float, eos_id: int):
+def cps_beam_search(tokens, logq, ok, limit, prev2, prev1, proxy_fn, *, beam: int, lam: float, eos_id: int,
+                    impl: str = "xla"):
     """Left-to-right beam search over a lattice (tokens / logq / ok [B, K, C]).
 
     Expands positions < limit[b]; a beam that takes EOS is finished and carried unchanged. Path
@@ -219,11 +224,8 @@ def cps_beam_search(tokens, logq, ok, limit, prev2, prev1, proxy_fn, *, beam: in
 
     Every proxy score a path could need is looked up once, before the search, for every
     (candidate at i-2, candidate at i-1, candidate at i) triple ([B, K, C, C, C], one vectorised
-    lookup); beams carry the lattice indices of their last two tokens, so the search itself only
-    gathers."""
+    lookup); the search itself (kernels/cps_search.py, `impl` "pallas" or "xla") only gathers."""
     B, K, C = tokens.shape
-    W = beam
-    neg = jnp.float32(-jnp.inf)
     # lattice extended by the two context tokens as positions -2 and -1 (one candidate each, index 0)
     ctx = lambda t: jnp.broadcast_to(t.astype(jnp.int32)[:, None, None], (B, 1, C))  # noqa: E731
     ext = jnp.concatenate([ctx(prev2), ctx(prev1), tokens.astype(jnp.int32)], axis=1)  # [B, K+2, C]
@@ -232,43 +234,7 @@ def cps_beam_search(tokens, logq, ok, limit, prev2, prev1, proxy_fn, *, beam: in
     c = ext[:, 2:, None, None, :]
     shape = (B, K, C, C, C)
     table = proxy_fn(jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape), jnp.broadcast_to(c, shape))
-
-    score = jnp.full((B, W), neg).at[:, 0].set(0.0)
-    paths = jnp.zeros((B, W, K), jnp.int32)
-    length = jnp.zeros((B, W), jnp.int32)
-    fin = jnp.zeros((B, W), bool)
-    i2 = jnp.zeros((B, W), jnp.int32)  # lattice index of the token two back / one back
-    i1 = jnp.zeros((B, W), jnp.int32)
-    rows = jnp.arange(B)[:, None]
-
-    def step(carry, xs):
-        score, paths, length, fin, i2, i1 = carry
-        k, tok, lq, okk, tab = xs  # tok / lq / okk [B, C]; tab [B, C, C, C]
-        live = score > neg
-        expanding = (k < limit)[:, None]
-        lp_proxy = tab[rows, i2, i1]  # [B, W, C]
-        ext_sc = score[:, :, None] + lam * lq[:, None, :] + (1.0 - lam) * lp_proxy
-        ext_ok = live[:, :, None] & ~fin[:, :, None] & okk[:, None, :] & expanding[:, :, None]
-        ext_sc = jnp.where(ext_ok, ext_sc, neg).reshape(B, W * C)
-        kept = jnp.where(live & (fin | ~expanding), score, neg)
-        new_score, idx = top_k(jnp.concatenate([ext_sc, kept], axis=1), W)
-        is_ext = idx < W * C
-        src = jnp.where(is_ext, idx // C, idx - W * C)
-        ci = jnp.where(is_ext, idx % C, 0)
-        new_tok = jnp.take_along_axis(tok, ci, axis=1)
-        g = lambda x: jnp.take_along_axis(x, src, axis=1)  # noqa: E731
-        paths_src = jnp.take_along_axis(paths, src[:, :, None], axis=1)
-        paths = jnp.where(is_ext[:, :, None] & (jnp.arange(K)[None, None] == k), new_tok[:, :, None], paths_src)
-        length = g(length) + is_ext.astype(jnp.int32)
-        fin = g(fin) | (is_ext & (new_tok == eos_id))
-        i2, i1 = jnp.where(is_ext, g(i1), g(i2)), jnp.where(is_ext, ci, g(i1))
-        return (new_score, paths, length, fin, i2, i1), None
-
-    xs = (jnp.arange(K), jnp.moveaxis(tokens, 1, 0), jnp.moveaxis(logq, 1, 0), jnp.moveaxis(ok, 1, 0),
-          jnp.moveaxis(table, 1, 0))
-    (score, paths, length, fin, _, _), _ = jax.lax.scan(step, (score, paths, length, fin, i2, i1), xs, unroll=True)
-    best = jnp.argmax(score, axis=1)
-    return take_row(paths, best), take_row(length, best), take_row(score, best)
+    return cps_search.search(tokens, logq, ok, table, limit, beam=beam, lam=lam, eos_id=eos_id, impl=impl)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,7 +264,9 @@ class DiffuSpecDrafter:
 
     tau / m_max / beam / lam: CPS (``PAPER_CPS``; ``LIBRARY_CPS`` for a small target).
     steps: denoising forwards per round (paper S = 1). sampling_q: "l2r" (paper, approximate) or
-    "point" (q = 1 on the CPS path: exactly lossless). kernels: model.forward implementation."""
+    "point" (q = 1 on the CPS path: exactly lossless). kernels: model.forward implementation.
+    cps_search: CPS's beam search, "xla" (portable jnp) or "pallas" (one GPU kernel,
+    kernels/cps_search.py: opt-in, see its docstring for what it costs and saves)."""
 
     dcfg: D.DLMConfig
     k_max: int
@@ -310,6 +278,7 @@ class DiffuSpecDrafter:
     steps: int = 1
     sampling_q: str = "l2r"
     kernels: str | None = None
+    cps_search: str = "xla"
 
     name = "diffuspec"
     parallel = True  # proposes a whole block at once: per-token stop policies do not apply
@@ -333,6 +302,8 @@ class DiffuSpecDrafter:
             raise DrafterError(f"diffuspec k_max {self.k_max} must be in [1, the DLM block size {self.dcfg.block_size}]")
         if self.steps < 1:
             raise DrafterError(f"diffuspec steps must be >= 1, got {self.steps}")
+        if self.cps_search not in cps_search.IMPLS:
+            raise DrafterError(f"diffuspec cps_search {self.cps_search!r}: choose {' or '.join(cps_search.IMPLS)}")
         if self.sampling_q not in ("l2r", "point"):
             raise DrafterError(f"diffuspec sampling_q {self.sampling_q!r}: choose l2r or point")
         if self.cps and not tcfg.eos_token_ids:
@@ -402,7 +373,7 @@ class DiffuSpecDrafter:
         proxy = dparams["proxy"]
         fn = lambda a, b, c: proxy_logprob(proxy, a, b, c)  # noqa: E731
         path, path_len, _ = cps_beam_search(cand, lq, ok, jnp.minimum(limit, eos_stop + 1), prev, last, fn,
-                                            beam=self.beam, lam=self.lam, eos_id=eos)
+                                            beam=self.beam, lam=self.lam, eos_id=eos, impl=self.cps_search)
         return path, path_len
 
     def draft_block(self, dparams, tparams, tcfg, dstate: DiffuSpecState, last, limit, sampling: Sampling, key, keep_probs):
