@@ -11,7 +11,9 @@ same prompts (`n_prompts`; all of them when the budget allows).
 
 Rows (RESULTS_DIR/dlm_bench.json, a list; bench-report fields plus extras):
   method "ar"         the target alone (the reference of speedup_vs_ar and greedy_identical_to_ar)
-  method "diffuspec"  names diffuspec:cps:adl, diffuspec:nocps:adl, diffuspec:cps:static (fixed k),
+  method "diffuspec"  names diffuspec:cps:adl (the library's CPS: expected accepted length, lambda
+                      0.7), diffuspec:cps-logprob:adl (the paper's path score and EOS stop, lambda
+                      0.5), diffuspec:nocps:adl, diffuspec:cps:static (fixed k),
                       with --paper diffuspec:paper:adl (tau 0.8, M 15, B 3, lambda 0.5, k in
                       [20, 30]); mean_accepted_tokens = tokens per target call
   method "ssd"        the DLM alone: stepwise decoding (ssd:stepwise, the fast one-block program;
@@ -204,6 +206,11 @@ def main(argv=None):
            spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, lam=lam, cps_search=args.cps_search), ADLPolicy(k_max=k_lib, **lib), k_lib, tparams,
                    dparams))
           for lam in (args.lams or [LIBRARY_CPS["lam"]])],
+        # the paper's path score (sum of log weights, EOS stop, lambda 0.5) over the library's lattice
+        ("diffuspec", "diffuspec:cps-logprob:adl", "diffuspec", "adl",
+         spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, lam=PAPER_CPS["lam"], objective=PAPER_CPS["objective"],
+                                  eos_stop=PAPER_CPS["eos_stop"], cps_search=args.cps_search),
+                 ADLPolicy(k_max=k_lib, **lib), k_lib, tparams, dparams)),
         ("diffuspec", "diffuspec:nocps:adl", "diffuspec-nocps", "adl",
          spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, cps=False), ADLPolicy(k_max=k_lib, **lib), k_lib, tparams, dparams)),
         ("diffuspec", f"diffuspec:cps:static:k={k_lib}", "diffuspec", "static",
@@ -279,7 +286,10 @@ def main(argv=None):
                 "settings": {"k_max": k_paper if "paper" in name else k_lib, "ssd_block": args.ssd_block,
                              "ssd_nodes": args.ssd_nodes, "dlm_layers": dcfg.num_layers, "dlm_block": dcfg.block_size,
                              **({"cps_lam": float(name.split("lam=")[1]) if "lam=" in name else LIBRARY_CPS["lam"],
-                                 "cps_search": args.cps_search} if ":cps:" in name else {})},
+                                 "cps_objective": LIBRARY_CPS["objective"], "cps_search": args.cps_search}
+                                if ":cps:" in name else {}),
+                             **({"cps_lam": PAPER_CPS["lam"], "cps_objective": PAPER_CPS["objective"],
+                                 "cps_search": args.cps_search} if ":cps-logprob:" in name else {})},
             }
             if method == "ssd":
                 same = lambda ref: float(np.mean([a[0] == b[0] for a, b in zip(rows, ref["rows"])]))  # noqa: E731

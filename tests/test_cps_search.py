@@ -27,12 +27,13 @@ def lattice(seed, B, K, C, *, eos_id=5, quantize=False):
     return tuple(jnp.asarray(x) for x in (tokens, logq, ok, table, limit))
 
 
-@pytest.mark.parametrize("seed,B,K,C,beam,quantize", [
-    (0, 3, 16, 7, 3, False), (1, 2, 16, 7, 3, True), (2, 2, 5, 4, 1, False), (3, 2, 9, 3, 4, True),
-    (4, 1, 30, 16, 3, False)])
-def test_pallas_search_matches_the_portable_search(seed, B, K, C, beam, quantize):
+@pytest.mark.parametrize("seed,B,K,C,beam,quantize,objective", [
+    (0, 3, 16, 7, 3, False, "logprob"), (1, 2, 16, 7, 3, True, "logprob"), (2, 2, 5, 4, 1, False, "logprob"),
+    (3, 2, 9, 3, 4, True, "logprob"), (4, 1, 30, 16, 3, False, "logprob"), (5, 3, 16, 7, 3, False, "expected"),
+    (6, 2, 9, 3, 4, True, "expected")])
+def test_pallas_search_matches_the_portable_search(seed, B, K, C, beam, quantize, objective):
     tokens, logq, ok, table, limit = lattice(seed, B, K, C, quantize=quantize)
-    kw = dict(beam=beam, lam=0.5, eos_id=5)
+    kw = dict(beam=beam, lam=0.5, eos_id=5, objective=objective)
     want = jax.jit(lambda *a: CS.search_portable(*a, **kw))(tokens, logq, ok, table, limit)
     got = CS.search_pallas(tokens, logq, ok, table, limit, interpret=True, **kw)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
@@ -46,6 +47,33 @@ def test_search_dispatches_by_impl():
     tokens, logq, ok, table, limit = lattice(5, 1, 4, 3)
     with pytest.raises(ValueError, match="impl 'cuda': expected one of xla, pallas"):
         CS.search(tokens, logq, ok, table, limit, beam=2, lam=0.5, eos_id=5, impl="cuda")
+    with pytest.raises(ValueError, match="objective 'mean': expected one of logprob, expected"):
+        CS.search(tokens, logq, ok, table, limit, beam=2, lam=0.5, eos_id=5, objective="mean")
+
+
+def test_expected_objective_scores_the_expected_accepted_length():
+    """One row, beam wide enough to keep every path: the best path's score is its sum over k of the
+    product of its first k weights, EOS adding nothing, and no other lattice path scores higher."""
+    import itertools
+    tokens, logq, ok, table, limit = lattice(7, 1, 3, 3, eos_id=5)
+    ok = jnp.ones_like(ok)
+    limit = jnp.asarray([3])
+    path, length, score = CS.search_portable(tokens, logq, ok, table, limit, beam=27, lam=0.5, eos_id=5,
+                                             objective="expected")
+    t, lq, tab = np.asarray(tokens)[0], np.asarray(logq)[0], np.asarray(table)[0]
+
+    def value(choice):  # choice: lattice indices, a path that stops at its first EOS
+        total, logw, prev2, prev1 = 0.0, 0.0, 0, 0
+        for k, c in enumerate(choice):
+            logw += 0.5 * lq[k, c] + 0.5 * tab[k, prev2, prev1, c]
+            if t[k, c] == 5:
+                return total, k + 1
+            total += np.exp(logw)
+            prev2, prev1 = prev1, c
+        return total, len(choice)
+
+    best = max(value(ch)[0] for ch in itertools.product(range(3), repeat=3))
+    np.testing.assert_allclose(float(score[0]), best, rtol=1e-5)
 
 
 def test_pallas_search_lowers_to_triton_without_a_gpu():

@@ -2,6 +2,7 @@
 greedy identity, SSD == stepwise. Tiny random models (fp32), a handful of compiles."""
 
 import dataclasses
+import functools
 import itertools
 from collections import Counter
 
@@ -94,9 +95,13 @@ def test_two_stream_training_forward_matches_inference(target, dlm):
     np.testing.assert_allclose(logits[:, 4:8], ref, atol=2e-5, rtol=1e-5)
 
 
-def test_cps_search_impl_is_checked():
+def test_cps_search_impl_and_objective_are_checked():
     with pytest.raises(DrafterError, match="cps_search 'cuda': choose xla or pallas"):
         DiffuSpecDrafter(dcfg=DCFG, k_max=4, cps_search="cuda").check(CFG)
+    with pytest.raises(DrafterError, match="objective 'mean': choose logprob or expected"):
+        DiffuSpecDrafter(dcfg=DCFG, k_max=4, objective="mean").check(CFG)
+    paper = DiffuSpecDrafter.paper(DCFG, k_max=4)
+    assert (paper.objective, paper.eos_stop, paper.lam) == ("logprob", True, 0.5)
 
 
 def test_cps_finds_best_causal_path():
@@ -173,14 +178,16 @@ def _diffuspec_params(dlm):
     return {"dlm": dlm, "proxy": jax.tree.map(jnp.asarray, fit_trigram_proxy(seqs, CFG.vocab_size))}
 
 
-@pytest.mark.parametrize("cps,policy", [(True, "adl"), (False, "static")])
-def test_diffuspec_greedy_matches_ar(target, dlm, cps, policy):
+@pytest.mark.parametrize("cps,policy,objective,eos_stop", [
+    (True, "adl", "logprob", True), (True, "adl", "expected", False), (False, "static", "logprob", True)])
+def test_diffuspec_greedy_matches_ar(target, dlm, cps, policy, objective, eos_stop):
     k = 6
     max_new = 24
     tokens, lens, cache_len = pack_prompts(CFG, PROMPTS, max_new, extra=k)
     ar, n_ar, _ = generate_ar_jit(target, CFG, jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(0),
                                   max_new=max_new, cache_len=cache_len, sampling=GREEDY)
-    drafter = DiffuSpecDrafter(dcfg=DCFG, k_max=k, cps=cps, m_max=4, beam=2, kernels="xla")
+    drafter = DiffuSpecDrafter(dcfg=DCFG, k_max=k, cps=cps, m_max=4, beam=2, kernels="xla", objective=objective,
+                               eos_stop=eos_stop)
     pol = ADLPolicy(k_max=k, k_min=2, delta=2) if policy == "adl" else make_policy("static", k_max=k)
     res = speculative_generate(target, CFG, tokens, lens, jax.random.PRNGKey(0), drafter=drafter,
                                drafter_params=_diffuspec_params(dlm), policy=pol, policy_params=None, k_max=k,
@@ -221,26 +228,41 @@ def test_diffuspec_drafts_the_cps_path_and_counts_only_its_tokens(target, dlm):
     is the path's length: the lattice ends at position 1 (its tau-set holds EOS), the path takes 6
     there, not EOS, so it is [5, 6] and the block's slots 2..5 are padding, not drafts."""
     k = 6
-    drafter = HandMarginalsDrafter(dcfg=DCFG, k_max=k, tau=0.8, m_max=4, beam=3, lam=0.5, kernels="xla")
+    drafter = HandMarginalsDrafter(dcfg=DCFG, k_max=k, tau=0.8, m_max=4, beam=3, lam=0.5, kernels="xla",
+                                   objective="logprob", eos_stop=True)
     tokens, lens, cache_len = pack_prompts(CFG, PROMPTS, 8, extra=k)
     params = _hand_drafter_params(dlm)
 
-    @jax.jit
-    def draft(params, target, tokens, lens):
+    @functools.partial(jax.jit, static_argnums=0)
+    def draft(drafter, params, target, tokens, lens):
         first = jnp.full((tokens.shape[0],), 11, jnp.int32)
         dstate = drafter.init(params, target, CFG, tokens, lens, first, None, cache_len)
         return drafter.draft_block(params, target, CFG, dstate, first, jnp.full_like(first, k), GREEDY, None, False)
 
-    drafted, valid, _, _ = draft(params, target, jnp.asarray(tokens), jnp.asarray(lens))
+    drafted, valid, _, _ = draft(drafter, params, target, jnp.asarray(tokens), jnp.asarray(lens))
     assert np.asarray(valid).sum(1).tolist() == [2, 2]
     assert np.asarray(drafted)[:, :2].tolist() == [[5, 6], [5, 6]]  # per-position argmax: [4, 6]
+
+    # without the EOS stop [I] the lattice goes on past position 1, and the summed scores favour the
+    # path that ends there at EOS over [5, 6, 7, ...] (every further token only lowers a score): one draft
+    no_stop = dataclasses.replace(drafter, eos_stop=False)
+    drafted, valid, _, _ = draft(no_stop, params, target, jnp.asarray(tokens), jnp.asarray(lens))
+    assert np.asarray(valid).sum(1).tolist() == [1, 1]
+    assert np.asarray(drafted)[:, :1].tolist() == [[5], [5]]
+
+    # the expected accepted length has no such bias (a token never lowers it): the whole block
+    expected = dataclasses.replace(no_stop, objective="expected")
+    drafted, valid, _, _ = draft(expected, params, target, jnp.asarray(tokens), jnp.asarray(lens))
+    assert np.asarray(valid).sum(1).tolist() == [k, k]
+    assert np.asarray(drafted).tolist() == [[5, 6, 7, 7, 7, 7]] * 2
 
 
 def test_adl_reads_the_cps_path_length(target, dlm):
     """Through the chain engine: every round drafts the 2-token path, so ADL's generated-length EMA
     is 2 (1 - 0.5^rounds), and the drafted count is 2 a round, however long the block."""
     k, max_new = 6, 12
-    drafter = HandMarginalsDrafter(dcfg=DCFG, k_max=k, tau=0.8, m_max=4, beam=3, lam=0.5, kernels="xla")
+    drafter = HandMarginalsDrafter(dcfg=DCFG, k_max=k, tau=0.8, m_max=4, beam=3, lam=0.5, kernels="xla",
+                                   objective="logprob", eos_stop=True)
     tokens, lens, cache_len = pack_prompts(CFG, PROMPTS, max_new, extra=k)
     res = speculative_generate(target, CFG, tokens, lens, jax.random.PRNGKey(0), drafter=drafter,
                                drafter_params=_hand_drafter_params(dlm), policy=ADLPolicy(k_max=k, k_min=2, delta=2),

@@ -36,6 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 from .top_k import top_k
 
 IMPLS = ("xla", "pallas")
+OBJECTIVES = ("logprob", "expected")
 
 
 def _next_pow2(n: int) -> int:
@@ -46,19 +47,26 @@ def _take_row(x, i):
     return jnp.take_along_axis(x, i[:, None].reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
 
 
-def search_portable(tokens, logq, ok, table, limit, *, beam: int, lam: float, eos_id: int):
+def search_portable(tokens, logq, ok, table, limit, *, beam: int, lam: float, eos_id: int, objective: str = "logprob"):
     """Left-to-right beam search over a lattice: tokens / logq / ok [B, K, C] (candidate ids,
     their DLM log-probs, which may be taken), table [B, K, C, C, C] (the proxy's log-prob of
     candidate c at position k after candidates a at k - 2 and b at k - 1; positions -2 and -1 are
     the context, candidate 0), limit [B] (positions < limit[b] are expanded).
 
-    A beam that takes EOS is finished and carried unchanged. Path score: the sum over its tokens
-    of lam * logq + (1 - lam) * proxy. Returns (path [B, K] int32, length [B] int32, score [B]):
-    the best final beam (ties: the earlier-found beam)."""
+    A beam that takes EOS is finished and carried unchanged. Each token's log weight is
+    lam * logq + (1 - lam) * proxy. Path score (`objective`): "logprob", the sum of its tokens'
+    log weights (the paper's); "expected", the expected number of its tokens the target accepts
+    if each is accepted with its weight given the ones before: sum over k of prod_{i <= k} weight_i,
+    EOS adding nothing (the draft stops before it). Returns (path [B, K] int32, length [B] int32,
+    score [B]): the best final beam (ties: the earlier-found beam)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"CPS objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
+    expected = objective == "expected"
     B, K, C = tokens.shape
     W = beam
     neg = jnp.float32(-jnp.inf)
     score = jnp.full((B, W), neg).at[:, 0].set(0.0)
+    logw = jnp.zeros((B, W), jnp.float32)  # "expected": the log product of the path's weights
     paths = jnp.zeros((B, W, K), jnp.int32)
     length = jnp.zeros((B, W), jnp.int32)
     fin = jnp.zeros((B, W), bool)
@@ -67,12 +75,17 @@ def search_portable(tokens, logq, ok, table, limit, *, beam: int, lam: float, eo
     rows = jnp.arange(B)[:, None]
 
     def step(carry, xs):
-        score, paths, length, fin, i2, i1 = carry
+        score, logw, paths, length, fin, i2, i1 = carry
         k, tok, lq, okk, tab = xs  # tok / lq / okk [B, C]; tab [B, C, C, C]
         live = score > neg
         expanding = (k < limit)[:, None]
         lp_proxy = tab[rows, i2, i1]  # [B, W, C]
-        ext_sc = score[:, :, None] + lam * lq[:, None, :] + (1.0 - lam) * lp_proxy
+        weight = lam * lq[:, None, :] + (1.0 - lam) * lp_proxy
+        ext_logw = logw[:, :, None] + weight
+        if expected:
+            ext_sc = score[:, :, None] + jnp.where((tok == eos_id)[:, None, :], 0.0, jnp.exp(ext_logw))
+        else:
+            ext_sc = score[:, :, None] + weight
         ext_ok = live[:, :, None] & ~fin[:, :, None] & okk[:, None, :] & expanding[:, :, None]
         ext_sc = jnp.where(ext_ok, ext_sc, neg).reshape(B, W * C)
         kept = jnp.where(live & (fin | ~expanding), score, neg)
@@ -86,18 +99,21 @@ def search_portable(tokens, logq, ok, table, limit, *, beam: int, lam: float, eo
         paths = jnp.where(is_ext[:, :, None] & (jnp.arange(K)[None, None] == k), new_tok[:, :, None], paths_src)
         length = g(length) + is_ext.astype(jnp.int32)
         fin = g(fin) | (is_ext & (new_tok == eos_id))
+        logw = jnp.where(is_ext, jnp.take_along_axis(ext_logw.reshape(B, W * C), jnp.minimum(idx, W * C - 1), axis=1),
+                         g(logw))
         i2, i1 = jnp.where(is_ext, g(i1), g(i2)), jnp.where(is_ext, ci, g(i1))
-        return (new_score, paths, length, fin, i2, i1), None
+        return (new_score, logw, paths, length, fin, i2, i1), None
 
     xs = (jnp.arange(K), jnp.moveaxis(tokens, 1, 0), jnp.moveaxis(logq, 1, 0), jnp.moveaxis(ok, 1, 0),
           jnp.moveaxis(table, 1, 0))
-    (score, paths, length, fin, _, _), _ = jax.lax.scan(step, (score, paths, length, fin, i2, i1), xs, unroll=True)
+    (score, _, paths, length, fin, _, _), _ = jax.lax.scan(step, (score, logw, paths, length, fin, i2, i1), xs,
+                                                           unroll=True)
     best = jnp.argmax(score, axis=1)
     return _take_row(paths, best), _take_row(length, best), _take_row(score, best)
 
 
 def _kernel(limit_ref, tok_ref, lq_ref, ok_ref, tab_ref, path_ref, len_ref, score_ref, *, K, C, W, CP, WP, KP,
-            lam, eos_id):
+            lam, eos_id, expected):
     b = pl.program_id(0)
     neg = jnp.float32(-jnp.inf)
     big = jnp.int32(1 << 30)
@@ -116,6 +132,7 @@ def _kernel(limit_ref, tok_ref, lq_ref, ok_ref, tab_ref, path_ref, len_ref, scor
     paths = jnp.zeros((WP, KP), jnp.int32)
     length = jnp.zeros((WP,), jnp.int32)
     fin = jnp.zeros((WP,), jnp.int32)
+    logw = jnp.zeros((WP,), jnp.float32)
     i2 = jnp.zeros((WP,), jnp.int32)
     i1 = jnp.zeros((WP,), jnp.int32)
 
@@ -123,7 +140,7 @@ def _kernel(limit_ref, tok_ref, lq_ref, ok_ref, tab_ref, path_ref, len_ref, scor
         return jnp.sum(jnp.where(onehot, x[None, :], 0), axis=1)
 
     def position(k, carry):  # one lattice position: a loop, not unrolled, so Triton compiles it once
-        score, paths, length, fin, i2, i1 = carry
+        score, logw, paths, length, fin, i2, i1 = carry
         tok = plgpu.load(tok_ref.at[b, k, :])  # [CP]
         lq = plgpu.load(lq_ref.at[b, k, :])
         okk = plgpu.load(ok_ref.at[b, k, :]) != 0
@@ -134,7 +151,12 @@ def _kernel(limit_ref, tok_ref, lq_ref, ok_ref, tab_ref, path_ref, len_ref, scor
         expanding = k < limit
         live = score > neg
         ext_ok = (live & (fin == 0))[:, None] & okk[None, :] & expanding & (c_row < C) & (w_col < W)
-        ext_sc = jnp.where(ext_ok, score[:, None] + lam * lq[None, :] + (1.0 - lam) * lp_proxy, neg)
+        ext_logw = logw[:, None] + lam * lq[None, :] + (1.0 - lam) * lp_proxy  # [WP, CP]
+        if expected:
+            gain = jnp.where(tok[None, :] == eos_id, 0.0, jnp.exp(ext_logw))
+        else:
+            gain = lam * lq[None, :] + (1.0 - lam) * lp_proxy
+        ext_sc = jnp.where(ext_ok, score[:, None] + gain, neg)
         kept = jnp.where(live & ((fin != 0) | ~expanding), score, neg)
         cand = jnp.where(c_row == C, kept[:, None] + jnp.zeros((WP, CP), jnp.float32), ext_sc)
         taken = order == big  # padding is never picked
@@ -156,11 +178,14 @@ def _kernel(limit_ref, tok_ref, lq_ref, ok_ref, tab_ref, path_ref, len_ref, scor
         paths = jnp.where(is_ext[:, None] & (k_ids[None, :] == k), new_tok[:, None], paths_src)
         length = gather(from_beam, length) + is_ext.astype(jnp.int32)
         fin = jnp.where(is_ext & (new_tok == eos_id), 1, gather(from_beam, fin))
+        picked = (w_col[None] == src[:, None, None]) & (c_row[None] == ci[:, None, None])  # [new, WP, CP]
+        ext_logw_new = jnp.sum(jnp.sum(jnp.where(picked, ext_logw[None], 0.0), axis=2), axis=1)
+        logw = jnp.where(is_ext, ext_logw_new, gather(from_beam, logw))
         old_i1, old_i2 = gather(from_beam, i1), gather(from_beam, i2)
         i2, i1 = jnp.where(is_ext, old_i1, old_i2), jnp.where(is_ext, ci, old_i1)
-        return new_score, paths, length, fin, i2, i1
+        return new_score, logw, paths, length, fin, i2, i1
 
-    score, paths, length, fin, _, _ = jax.lax.fori_loop(0, K, position, (score, paths, length, fin, i2, i1))
+    score, _, paths, length, fin, _, _ = jax.lax.fori_loop(0, K, position, (score, logw, paths, length, fin, i2, i1))
 
     best_score = jnp.max(jnp.where(w_ids < W, score, neg))
     best = jnp.min(jnp.where((w_ids < W) & (score == best_score), w_ids, big))
@@ -171,9 +196,12 @@ def _kernel(limit_ref, tok_ref, lq_ref, ok_ref, tab_ref, path_ref, len_ref, scor
     score_ref[b] = jnp.sum(jnp.where(is_best, score, 0.0))
 
 
-@functools.partial(jax.jit, static_argnames=("beam", "lam", "eos_id", "interpret"))
-def search_pallas(tokens, logq, ok, table, limit, *, beam: int, lam: float, eos_id: int, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("beam", "lam", "eos_id", "objective", "interpret"))
+def search_pallas(tokens, logq, ok, table, limit, *, beam: int, lam: float, eos_id: int, objective: str = "logprob",
+                  interpret: bool = False):
     """`search_portable` in one Pallas (Triton) kernel; same arguments and results."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"CPS objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
     B, K, C = tokens.shape
     W = beam
     CP, WP, KP = _next_pow2(C + 1), _next_pow2(W), _next_pow2(K)
@@ -183,7 +211,8 @@ def search_pallas(tokens, logq, ok, table, limit, *, beam: int, lam: float, eos_
     okp = jnp.pad(ok.astype(jnp.int32), pad)
     tab = jnp.pad(table.astype(jnp.float32), ((0, 0), (0, 0), (0, CP - C), (0, CP - C), (0, CP - C)))
     tab = tab.reshape(B, K, CP * CP, CP)
-    kernel = functools.partial(_kernel, K=K, C=C, W=W, CP=CP, WP=WP, KP=KP, lam=float(lam), eos_id=int(eos_id))
+    kernel = functools.partial(_kernel, K=K, C=C, W=W, CP=CP, WP=WP, KP=KP, lam=float(lam), eos_id=int(eos_id),
+                               expected=objective == "expected")
     path, length, score = pl.pallas_call(
         kernel,
         grid=(B,),
@@ -196,9 +225,10 @@ def search_pallas(tokens, logq, ok, table, limit, *, beam: int, lam: float, eos_
     return path[:, :K], length, score
 
 
-def search(tokens, logq, ok, table, limit, *, beam: int, lam: float, eos_id: int, impl: str = "xla"):
+def search(tokens, logq, ok, table, limit, *, beam: int, lam: float, eos_id: int, objective: str = "logprob",
+           impl: str = "xla"):
     """CPS's beam search by `impl`: "pallas" (GPUs, one kernel) or "xla" (portable)."""
     if impl not in IMPLS:
         raise ValueError(f"CPS search impl {impl!r}: expected one of {', '.join(IMPLS)}")
     fn = search_pallas if impl == "pallas" else search_portable
-    return fn(tokens, logq, ok, table, limit, beam=beam, lam=lam, eos_id=eos_id)
+    return fn(tokens, logq, ok, table, limit, beam=beam, lam=lam, eos_id=eos_id, objective=objective)
