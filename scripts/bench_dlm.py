@@ -9,7 +9,8 @@ number of batches every method then runs is fitted to what is left of the time b
 reserve for the compiles still to come) from AR's batch time, so all rows of a task cover the
 same prompts (`n_prompts`; all of them when the budget allows).
 
-Rows (RESULTS_DIR/dlm_bench.json, a list; bench-report fields plus extras):
+Rows (RESULTS_DIR/dlm_bench.json, a list; bench-report fields plus extras; rewritten after each task's
+rows, the fp32 row and each profile row, so a run cut short keeps what it finished):
   method "ar"         the target alone (the reference of speedup_vs_ar and greedy_identical_to_ar)
   method "diffuspec"  names diffuspec:cps:adl (the library's CPS: expected accepted length, lambda
                       0.7), diffuspec:cps-logprob:adl (the paper's path score and EOS stop, lambda
@@ -230,6 +231,12 @@ def main(argv=None):
     card = card_name()
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     all_rows = []
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "dlm_bench.json")
+
+    def save():  # after every group of rows: a run cut short keeps what it measured
+        with open(path, "w") as fh:
+            json.dump(all_rows, fh, indent=1)
     deadline = t0 + args.time_budget_s
     n_compiles = len(methods) + (2 if fp32 else 0)
 
@@ -300,6 +307,7 @@ def main(argv=None):
                 row["identical_to_stepwise_1block"] = same(step)
                 row["speedup_vs_stepwise"] = r["tps"] / step["tps"]
             all_rows.append(row)
+        save()
 
     # ---- fp32 greedy identity of DiffuSpec ------------------------------------------------------
     if fp32:
@@ -326,6 +334,7 @@ def main(argv=None):
             "greedy_identical_to_ar": float(np.mean([x[0] == y[0] for x, y in zip(d, a)])),
             "peak_mem_bytes": None, "compile_s": None, "timestamp": stamp,
         })
+        save()
 
     # ---- the round's cost breakdown ---------------------------------------------------------
     if "profile" in args.rows:
@@ -337,6 +346,7 @@ def main(argv=None):
             all_rows.append({"card": card, "jax_version": jax.__version__, "target": args.target, "method": "profile",
                              "name": name, "dtype": str(jnp.dtype(dtype)), "batch": B, "timestamp": stamp,
                              "settings": {"k_max": k_lib, "dlm_layers": dcfg.num_layers}, **prof})
+            save()
             print(f"profile {name} b={B}: DLM forward {prof['dlm_forward_us']:.0f} µs, choose {prof['choose_us']:.0f} µs, "
                   f"verify[{k_lib + 1}] {prof['verify_us'][str(k_lib + 1)]:.0f} µs (AR step {prof['verify_us']['1']:.0f}), "
                   f"round {prof['round_us']:.0f} µs", flush=True)
@@ -348,10 +358,7 @@ def main(argv=None):
         print(f"profile ssd b={B}: one-block step {prof['stepwise_step_us']:.0f} µs, {args.ssd_nodes}-node step "
               f"{prof['ssd_step_us']:.0f} µs (x{prof['ssd_over_stepwise']:.2f})", flush=True)
 
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "dlm_bench.json")
-    with open(path, "w") as fh:
-        json.dump(all_rows, fh, indent=1)
+    save()
     for r in all_rows:
         if r["method"] == "profile":
             continue
