@@ -310,30 +310,18 @@ def placed_tensor_parallel(params: dict, cfg, mesh: Mesh) -> dict:
     return placed
 
 
-# XLA options of the tensor-parallel programs on GPUs. None: on a 2xH200 host the one-shot
-# all-reduce kernel, collectives in command buffers and synchronous all-reduces each left the 8B
-# step where it was (scripts/profile_tp.py --variants times such option sets side by side).
-GPU_TENSOR_PARALLEL_OPTIONS: dict[str, Any] = {}
-
-
-def tensor_parallel_compiler_options(backend: str) -> tuple:
-    """The compile options tensor_parallel_map uses on `backend`, as sorted (name, value) items."""
-    return tuple(sorted(GPU_TENSOR_PARALLEL_OPTIONS.items())) if backend == "gpu" else ()
-
-
 def tensor_parallel_map(fn, mesh: Mesh, params_name: str, param_specs: tuple, static_items: tuple,
-                        rows: tuple[str, ...] = (), compiler_options: tuple | None = None):
+                        rows: tuple[str, ...] = (), compiler_options: tuple = ()):
     """jit(shard_map(fn)) over every mesh axis: `fn(**{params_name: params}, **kwargs, **static)`
     run whole on each device with its shard of the parameters (param_specs, from
     tensor_parallel_specs). Call it as mapped(params, kwargs). The kwargs named in `rows` are split
     over the data axis by their leading (row) dimension, as is every output, and a "key" kwarg is
     folded with the data shard's index (independent random streams per shard); the other kwargs
     are replicated. Without `rows` every output is replicated (psums make every device's values
-    the same). compiler_options: XLA options as (name, value) items (default:
-    tensor_parallel_compiler_options of the mesh's platform). Cached: one compile per (fn, mesh,
-    layout, static arguments, rows, options)."""
-    if compiler_options is None:
-        compiler_options = tensor_parallel_compiler_options(mesh.devices.flat[0].platform)
+    the same). compiler_options: XLA options as (name, value) items; none by default (on a 2xH200
+    host the one-shot all-reduce kernel, collectives in command buffers and synchronous
+    all-reduces each left the 8B step where it was: scripts/profile_tp.py --variants). Cached: one
+    compile per (fn, mesh, layout, static arguments, rows, options)."""
     return _tensor_parallel_map(fn, mesh, params_name, param_specs, static_items, tuple(rows), tuple(compiler_options))
 
 

@@ -67,8 +67,8 @@ def parse(argv=None):
     ap.add_argument("--fp32-prompts", type=int, default=8)
     ap.add_argument("--dtype", default=None, help="default: the preset's (bfloat16 on GPU)")
     ap.add_argument("--lams", default=None,
-                    help="CPS's lambda for the CPS + ADL rows, comma-separated: one row each (default: the library's "
-                         "0.5); choose lambda on --prompts-from-data prompts, never on the benchmark tasks")
+                    help="CPS's lambda for the CPS + ADL rows, comma-separated: one row each (default: the library's, "
+                         "LIBRARY_CPS); choose lambda on --prompts-from-data prompts, never on the benchmark tasks")
     ap.add_argument("--cps-search", default="xla", choices=("xla", "pallas"),
                     help="CPS's beam search: the portable jnp ops or the one-kernel GPU search (kernels/cps_search.py)")
     ap.add_argument("--save-proxy", default=None,
@@ -201,25 +201,33 @@ def main(argv=None):
         return run
 
     lib = dict(k_min=max(1, k_lib // 4), delta=max(1, k_lib // 4))
+    cps_settings: dict[str, dict] = {}  # row name -> its CPS settings, read off the drafter
+
+    def diffuspec(name, drafter_label, policy_label, drafter, policy, k):
+        if drafter.cps:
+            cps_settings[name] = {"cps_lam": drafter.lam, "cps_objective": drafter.objective,
+                                  "cps_eos_stop": drafter.eos_stop, "cps_search": drafter.cps_search}
+        return ("diffuspec", name, drafter_label, policy_label, spec_fn(drafter, policy, k, tparams, dparams))
+
+    adl = ADLPolicy(k_max=k_lib, **lib)
     methods = [] if "diffuspec" not in args.rows else [
         ("ar", "ar", None, None, ar_fn(tparams)),
-        *[("diffuspec", "diffuspec:cps:adl" + ("" if lam == LIBRARY_CPS["lam"] else f":lam={lam:g}"), "diffuspec", "adl",
-           spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, lam=lam, cps_search=args.cps_search), ADLPolicy(k_max=k_lib, **lib), k_lib, tparams,
-                   dparams))
+        *[diffuspec("diffuspec:cps:adl" + ("" if lam == LIBRARY_CPS["lam"] else f":lam={lam:g}"), "diffuspec", "adl",
+                    DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, lam=lam, cps_search=args.cps_search), adl, k_lib)
           for lam in (args.lams or [LIBRARY_CPS["lam"]])],
         # the paper's path score (sum of log weights, EOS stop, lambda 0.5) over the library's lattice
-        ("diffuspec", "diffuspec:cps-logprob:adl", "diffuspec", "adl",
-         spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, lam=PAPER_CPS["lam"], objective=PAPER_CPS["objective"],
-                                  eos_stop=PAPER_CPS["eos_stop"], cps_search=args.cps_search),
-                 ADLPolicy(k_max=k_lib, **lib), k_lib, tparams, dparams)),
-        ("diffuspec", "diffuspec:nocps:adl", "diffuspec-nocps", "adl",
-         spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, cps=False), ADLPolicy(k_max=k_lib, **lib), k_lib, tparams, dparams)),
-        ("diffuspec", f"diffuspec:cps:static:k={k_lib}", "diffuspec", "static",
-         spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, cps_search=args.cps_search), make_policy("static", k_max=k_lib), k_lib, tparams, dparams)),
+        diffuspec("diffuspec:cps-logprob:adl", "diffuspec", "adl",
+                  DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, lam=PAPER_CPS["lam"], objective=PAPER_CPS["objective"],
+                                   eos_stop=PAPER_CPS["eos_stop"], cps_search=args.cps_search), adl, k_lib),
+        diffuspec("diffuspec:nocps:adl", "diffuspec-nocps", "adl", DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, cps=False),
+                  adl, k_lib),
+        diffuspec(f"diffuspec:cps:static:k={k_lib}", "diffuspec", "static",
+                  DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, cps_search=args.cps_search),
+                  make_policy("static", k_max=k_lib), k_lib),
     ]
     if k_paper and "diffuspec" in args.rows:
-        methods.append(("diffuspec", "diffuspec:paper:adl", "diffuspec-paper", "adl-paper",
-                        spec_fn(DiffuSpecDrafter.paper(dcfg, k_max=k_paper), ADLPolicy.paper(k_max=k_paper), k_paper, tparams, dparams)))
+        methods.append(diffuspec("diffuspec:paper:adl", "diffuspec-paper", "adl-paper",
+                                 DiffuSpecDrafter.paper(dcfg, k_max=k_paper), ADLPolicy.paper(k_max=k_paper), k_paper))
     if "ssd" in args.rows:
         same_shape = f"ssd:stepwise:N={args.ssd_nodes}"  # stepwise decoding through SSD's N-node forward
         methods += [("ssd", "ssd:stepwise", "dlm", "stepwise", ssd_fn(1, stepwise=True)),
@@ -292,11 +300,7 @@ def main(argv=None):
                 "timestamp": stamp, "timed_s": r["secs"],
                 "settings": {"k_max": k_paper if "paper" in name else k_lib, "ssd_block": args.ssd_block,
                              "ssd_nodes": args.ssd_nodes, "dlm_layers": dcfg.num_layers, "dlm_block": dcfg.block_size,
-                             **({"cps_lam": float(name.split("lam=")[1]) if "lam=" in name else LIBRARY_CPS["lam"],
-                                 "cps_objective": LIBRARY_CPS["objective"], "cps_search": args.cps_search}
-                                if ":cps:" in name else {}),
-                             **({"cps_lam": PAPER_CPS["lam"], "cps_objective": PAPER_CPS["objective"],
-                                 "cps_search": args.cps_search} if ":cps-logprob:" in name else {})},
+                             **cps_settings.get(name, {})},
             }
             if method == "ssd":
                 same = lambda ref: float(np.mean([a[0] == b[0] for a, b in zip(rows, ref["rows"])]))  # noqa: E731
@@ -317,7 +321,7 @@ def main(argv=None):
         dp32 = {"dlm": M.cast_params(own, jnp.float32), "proxy": proxy}
         with jax.default_matmul_precision("highest"):
             ar32 = ar_fn(tp32)
-            ds32 = spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, cps_search=args.cps_search), ADLPolicy(k_max=k_lib, **lib), k_lib, tp32, dp32)
+            ds32 = spec_fn(DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, cps_search=args.cps_search), adl, k_lib, tp32, dp32)
             a, d = [], []
             for bi in range(len(tokens) // B):
                 t, l = jnp.asarray(tokens[bi * B : (bi + 1) * B]), jnp.asarray(lens[bi * B : (bi + 1) * B])
@@ -338,8 +342,8 @@ def main(argv=None):
 
     # ---- the round's cost breakdown ---------------------------------------------------------
     if "profile" in args.rows:
-        prof_rows = [("diffuspec:cps:adl", DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, cps_search=args.cps_search), ADLPolicy(k_max=k_lib, **lib)),
-                     ("diffuspec:nocps:adl", DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, cps=False), ADLPolicy(k_max=k_lib, **lib))]
+        prof_rows = [("diffuspec:cps:adl", DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, cps_search=args.cps_search), adl),
+                     ("diffuspec:nocps:adl", DiffuSpecDrafter(dcfg=dcfg, k_max=k_lib, cps=False), adl)]
         for name, drafter, policy in prof_rows if proxy is not None else prof_rows[1:]:
             prof = RC.profile_method(tparams, tcfg, drafter, dparams, batch=B, policy=policy, k_max=k_lib, prompt_len=P,
                                      max_new=args.max_new_tokens, verify_ts=(1, k_lib + 1))

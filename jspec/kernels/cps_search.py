@@ -59,8 +59,6 @@ def search_portable(tokens, logq, ok, table, limit, *, beam: int, lam: float, eo
     if each is accepted with its weight given the ones before: sum over k of prod_{i <= k} weight_i,
     EOS adding nothing (the draft stops before it). Returns (path [B, K] int32, length [B] int32,
     score [B]): the best final beam (ties: the earlier-found beam)."""
-    if objective not in OBJECTIVES:
-        raise ValueError(f"CPS objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
     expected = objective == "expected"
     B, K, C = tokens.shape
     W = beam
@@ -151,11 +149,9 @@ def _kernel(limit_ref, tok_ref, lq_ref, ok_ref, tab_ref, path_ref, len_ref, scor
         expanding = k < limit
         live = score > neg
         ext_ok = (live & (fin == 0))[:, None] & okk[None, :] & expanding & (c_row < C) & (w_col < W)
-        ext_logw = logw[:, None] + lam * lq[None, :] + (1.0 - lam) * lp_proxy  # [WP, CP]
-        if expected:
-            gain = jnp.where(tok[None, :] == eos_id, 0.0, jnp.exp(ext_logw))
-        else:
-            gain = lam * lq[None, :] + (1.0 - lam) * lp_proxy
+        weight = lam * lq[None, :] + (1.0 - lam) * lp_proxy  # [WP, CP] log weights
+        ext_logw = logw[:, None] + weight
+        gain = jnp.where(tok[None, :] == eos_id, 0.0, jnp.exp(ext_logw)) if expected else weight
         ext_sc = jnp.where(ext_ok, score[:, None] + gain, neg)
         kept = jnp.where(live & ((fin != 0) | ~expanding), score, neg)
         cand = jnp.where(c_row == C, kept[:, None] + jnp.zeros((WP, CP), jnp.float32), ext_sc)
@@ -200,8 +196,6 @@ def _kernel(limit_ref, tok_ref, lq_ref, ok_ref, tab_ref, path_ref, len_ref, scor
 def search_pallas(tokens, logq, ok, table, limit, *, beam: int, lam: float, eos_id: int, objective: str = "logprob",
                   interpret: bool = False):
     """`search_portable` in one Pallas (Triton) kernel; same arguments and results."""
-    if objective not in OBJECTIVES:
-        raise ValueError(f"CPS objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
     B, K, C = tokens.shape
     W = beam
     CP, WP, KP = _next_pow2(C + 1), _next_pow2(W), _next_pow2(K)
@@ -230,5 +224,7 @@ def search(tokens, logq, ok, table, limit, *, beam: int, lam: float, eos_id: int
     """CPS's beam search by `impl`: "pallas" (GPUs, one kernel) or "xla" (portable)."""
     if impl not in IMPLS:
         raise ValueError(f"CPS search impl {impl!r}: expected one of {', '.join(IMPLS)}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"CPS objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
     fn = search_pallas if impl == "pallas" else search_portable
     return fn(tokens, logq, ok, table, limit, beam=beam, lam=lam, eos_id=eos_id, objective=objective)
