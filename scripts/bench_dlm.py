@@ -69,8 +69,9 @@ def parse(argv=None):
     ap.add_argument("--lams", default=None,
                     help="CPS's lambda for the CPS + ADL rows, comma-separated: one row each (default: the library's, "
                          "LIBRARY_CPS); choose lambda on --prompts-from-data prompts, never on the benchmark tasks")
-    ap.add_argument("--cps-search", default="xla", choices=("xla", "pallas"),
-                    help="CPS's beam search: the portable jnp ops or the one-kernel GPU search (kernels/cps_search.py)")
+    ap.add_argument("--cps-search", default="auto", choices=("auto", "xla", "pallas"),
+                    help="CPS's beam search: auto (the library default: the one-kernel search on a GPU), the portable "
+                         "jnp ops, or the one-kernel GPU search (kernels/cps_search.py)")
     ap.add_argument("--save-proxy", default=None,
                     help="also write the fitted 3-gram proxy to this .npz (next to a dlm.safetensors, `jspec` "
                          "drafts with CPS: speculative/factory.py)")
@@ -206,7 +207,7 @@ def main(argv=None):
     def diffuspec(name, drafter_label, policy_label, drafter, policy, k):
         if drafter.cps:
             cps_settings[name] = {"cps_lam": drafter.lam, "cps_objective": drafter.objective,
-                                  "cps_eos_stop": drafter.eos_stop, "cps_search": drafter.cps_search}
+                                  "cps_eos_stop": drafter.eos_stop, "cps_search": drafter.search_impl()}
         return ("diffuspec", name, drafter_label, policy_label, spec_fn(drafter, policy, k, tparams, dparams))
 
     adl = ADLPolicy(k_max=k_lib, **lib)

@@ -45,6 +45,10 @@ def test_pallas_search_matches_the_portable_search(seed, B, K, C, beam, quantize
 
 def test_search_dispatches_by_impl():
     tokens, logq, ok, table, limit = lattice(5, 1, 4, 3)
+    kw = dict(beam=2, lam=0.5, eos_id=5)
+    got = CS.search(tokens, logq, ok, table, limit, impl="pallas", **kw)  # off a GPU: the Pallas interpreter
+    want = CS.search(tokens, logq, ok, table, limit, impl="xla", **kw)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     with pytest.raises(ValueError, match="impl 'cuda': expected one of xla, pallas"):
         CS.search(tokens, logq, ok, table, limit, beam=2, lam=0.5, eos_id=5, impl="cuda")
     with pytest.raises(ValueError, match="objective 'mean': expected one of logprob, expected"):

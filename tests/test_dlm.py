@@ -96,8 +96,12 @@ def test_two_stream_training_forward_matches_inference(target, dlm):
 
 
 def test_cps_search_impl_and_objective_are_checked():
-    with pytest.raises(DrafterError, match="cps_search 'cuda': choose xla or pallas"):
+    with pytest.raises(DrafterError, match="cps_search 'cuda': choose auto, xla or pallas"):
         DiffuSpecDrafter(dcfg=DCFG, k_max=4, cps_search="cuda").check(CFG)
+    # "auto" runs the one-kernel search where the model's GPU kernels run: never on the CPU
+    assert DiffuSpecDrafter(dcfg=DCFG, k_max=4).search_impl() == "xla"
+    assert DiffuSpecDrafter(dcfg=DCFG, k_max=4, kernels="pallas").search_impl() == "pallas"
+    assert DiffuSpecDrafter(dcfg=DCFG, k_max=4, cps_search="xla", kernels="pallas").search_impl() == "xla"
     with pytest.raises(DrafterError, match="objective 'mean': choose logprob or expected"):
         DiffuSpecDrafter(dcfg=DCFG, k_max=4, objective="mean").check(CFG)
     paper = DiffuSpecDrafter.paper(DCFG, k_max=4)

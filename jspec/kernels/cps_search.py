@@ -11,11 +11,12 @@ row, with every beam's state in registers.
 Measured on an H200 (batch 1, K = 16, C = 7, W = 3, a 49,152-token vocabulary; random lattices): a
 whole CPS call (lattice + proxy lookups + search) cost 132.5 µs with the portable search and 80.6
 µs with this kernel; the lattice alone costs 32.5 µs and the plain argmax 11.3 µs; 20 of 20 paths
-were identical. That first kernel unrolled the positions, and Triton took about 85 s more to
-compile each CPS program (88.6 s against 4-5 s). The positions are now a loop (the kernel's IR no
-longer grows with K); its compile time on a GPU is not measured yet, so the kernel is opt-in
-(DiffuSpecDrafter(cps_search="pallas"), `scripts/bench_dlm.py --cps-search pallas`). Even at 80 µs
-CPS lost to the argmax on MT-Bench (BENCHMARKS.md, DiffuSpec).
+were identical. The positions are a loop, not unrolled: a first, unrolled kernel made every CPS
+program compile about 85 s longer; with the loop a whole DiffuSpec program compiles in 6-7 s,
+as with the portable search. With the kernel, CPS + ADL beat the per-position argmax on all 80
+MT-Bench questions at batch 1 (1.62x against 1.58x AR), where the portable search lost (1.54x
+against 1.59x). DiffuSpecDrafter's default `cps_search="auto"` runs this kernel wherever the
+model's GPU kernels run (model.default_kernels) and the portable search elsewhere.
 
 Both paths return the same path, length and score for the same inputs (ties are broken as the
 portable path's top_k breaks them: extensions of beam w at candidate c come in order w * C + c,
@@ -226,5 +227,7 @@ def search(tokens, logq, ok, table, limit, *, beam: int, lam: float, eos_id: int
         raise ValueError(f"CPS search impl {impl!r}: expected one of {', '.join(IMPLS)}")
     if objective not in OBJECTIVES:
         raise ValueError(f"CPS objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
-    fn = search_pallas if impl == "pallas" else search_portable
-    return fn(tokens, logq, ok, table, limit, beam=beam, lam=lam, eos_id=eos_id, objective=objective)
+    kw = dict(beam=beam, lam=lam, eos_id=eos_id, objective=objective)
+    if impl == "pallas":  # off a GPU (the model's kernels asked for by name on the CPU): Pallas's interpreter
+        return search_pallas(tokens, logq, ok, table, limit, interpret=jax.default_backend() != "gpu", **kw)
+    return search_portable(tokens, logq, ok, table, limit, **kw)

@@ -273,8 +273,9 @@ class DiffuSpecDrafter:
     tau / m_max / beam / lam: CPS (``PAPER_CPS``; ``LIBRARY_CPS`` for a small target).
     steps: denoising forwards per round (paper S = 1). sampling_q: "l2r" (paper, approximate) or
     "point" (q = 1 on the CPS path: exactly lossless). kernels: model.forward implementation.
-    cps_search: CPS's beam search, "xla" (portable jnp) or "pallas" (one GPU kernel,
-    kernels/cps_search.py: opt-in, see its docstring for what it costs and saves).
+    cps_search: CPS's beam search, "auto" (the one-kernel search where the model's GPU kernels
+    run, else the portable one), "xla" (portable jnp) or "pallas" (one GPU kernel,
+    kernels/cps_search.py: its docstring says what it costs and saves).
     objective: how CPS scores a path (kernels/cps_search.py): "logprob", the sum of its tokens'
     log weights (the paper's), or "expected", its expected accepted length (library extension).
     eos_stop [I]: the lattice ends after the first position whose tau-set holds EOS (the
@@ -293,7 +294,7 @@ class DiffuSpecDrafter:
     steps: int = 1
     sampling_q: str = "l2r"
     kernels: str | None = None
-    cps_search: str = "xla"
+    cps_search: str = "auto"
     objective: str = LIBRARY_CPS["objective"]
     eos_stop: bool = LIBRARY_CPS["eos_stop"]
 
@@ -321,8 +322,8 @@ class DiffuSpecDrafter:
             raise DrafterError(f"diffuspec steps must be >= 1, got {self.steps}")
         if self.objective not in cps_search.OBJECTIVES:
             raise DrafterError(f"diffuspec objective {self.objective!r}: choose {' or '.join(cps_search.OBJECTIVES)}")
-        if self.cps_search not in cps_search.IMPLS:
-            raise DrafterError(f"diffuspec cps_search {self.cps_search!r}: choose {' or '.join(cps_search.IMPLS)}")
+        if self.cps_search not in ("auto",) + cps_search.IMPLS:
+            raise DrafterError(f"diffuspec cps_search {self.cps_search!r}: choose auto, {' or '.join(cps_search.IMPLS)}")
         if self.sampling_q not in ("l2r", "point"):
             raise DrafterError(f"diffuspec sampling_q {self.sampling_q!r}: choose l2r or point")
         if self.cps and not tcfg.eos_token_ids:
@@ -393,8 +394,15 @@ class DiffuSpecDrafter:
         fn = lambda a, b, c: proxy_logprob(proxy, a, b, c)  # noqa: E731
         expand = jnp.minimum(limit, eos_stop + 1) if self.eos_stop else limit
         path, path_len, _ = cps_beam_search(cand, lq, ok, expand, prev, last, fn, beam=self.beam, lam=self.lam,
-                                            eos_id=eos, objective=self.objective, impl=self.cps_search)
+                                            eos_id=eos, objective=self.objective, impl=self.search_impl())
         return path, path_len
+
+    def search_impl(self) -> str:
+        """CPS's search as traced now: "auto" follows the model's kernels (the GPU kernel where
+        they are the Pallas ones: one GPU, or a program that runs whole on each device)."""
+        if self.cps_search != "auto":
+            return self.cps_search
+        return "pallas" if (self.kernels or M.default_kernels()) == "pallas" else "xla"
 
     def draft_block(self, dparams, tparams, tcfg, dstate: DiffuSpecState, last, limit, sampling: Sampling, key, keep_probs):
         """(tokens [B, K], valid [B, K], q [B, K, V] or None, state) for this round."""
