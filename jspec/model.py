@@ -54,10 +54,8 @@ NEG_INF = -1e30  # finite, so fully-masked rows never produce NaN
 #             of up to fused_attn.MAX_BLOCK tokens (decode, chain and tree verify), and the
 #             bandwidth-bound matvec kernel (kernels/matvec.py) for every projection and the LM head
 #             of up to matvec.MAX_ROWS rows whose shape its tuning table (or rule) gives it; it reads
-#             stacked weights in place by layer index; with JSPEC_FUSE_PRODUCTS=1 (opt-in until
-#             measured on a GPU) the down projection applies the MLP's activation to gate | up
-#             itself and split-K partials go unsummed to the next kernel (attention, down). Calls
-#             or families it doesn't cover fall back to "xla";
+#             stacked weights in place by layer index. Calls or families it doesn't cover fall
+#             back to "xla";
 #   "cudnn"   cuDNN flash attention (jax.nn.dot_product_attention) inside the "xla" layer.
 # Off GPU the Pallas kernels run in interpret mode (slow; what the CPU tests check them with).
 KERNEL_IMPLS = ("xla", "pallas", "cudnn")
@@ -343,8 +341,8 @@ def forward(
     def dot(x, p, name):  # the portable product; `mm` below may replace it by the matvec kernel
         return x @ p[name]
 
-    def project_qkv(h, p, mm=dot, **kw):  # [B, T, q_size + 2 * kv_size], before rope (kw: the kernel's options)
-        qkv = mm(rms_norm(h, p["attn_norm"], cfg.rms_norm_eps), p, "wqkv", **kw)
+    def project_qkv(h, p, mm=dot):  # [B, T, q_size + 2 * kv_size], before rope
+        qkv = mm(rms_norm(h, p["attn_norm"], cfg.rms_norm_eps), p, "wqkv")
         return qkv + p["bqkv"] if cfg.attention_bias else qkv
 
     def row_parallel(y):  # tensor parallelism: this device's share of wo / w_down -> the full product
@@ -355,7 +353,7 @@ def forward(
         F = gu.shape[-1] // 2
         return mm(_activation(cfg, gu[..., :F]) * gu[..., F:], p, "w_down")
 
-    def attn_out_and_mlp(h, o, p, mm=dot, mlp=mlp):  # o [B, T, q_size] -> next hidden state
+    def attn_out_and_mlp(h, o, p, mm=dot):  # o [B, T, q_size] -> next hidden state
         o = row_parallel(mm(o, p, "wo"))
         if cfg.sandwich_norm:
             o = rms_norm(o, p["post_attn_norm"], cfg.rms_norm_eps)
@@ -381,37 +379,20 @@ def forward(
                   for n in big}
         in_place = {n for n in big if blocks[n] is not None and not per_layer}
 
-        # Two kernels for the MLP where the down projection is the kernel's: it reads gate | up (or
-        # its split-K partials) and applies the activation per K tile, so neither the sum of the
-        # partials nor act(gate) * up is a kernel of its own.
-        fold = blocks["w_down"] is not None and MV.fold_activation(rows, *shapes["w_down"], dtype=dtype)
-
         def layer_mm(li):
-            def mm(x, p, name, **kw):
+            def mm(x, p, name):
                 if blocks[name] is None:
                     return x @ p[name]
                 w = W[name] if name in in_place else p[name]
                 return MV.matvec(x, w, layer=li if name in in_place else None, blocks=blocks[name],
-                                 interpret=interpret, **kw)
+                                 interpret=interpret)
             return mm
 
-        # Likewise the QKV projection's partials go straight to the attention kernel (no bias or
-        # q/k norm to apply in between).
-        qkv_partials = blocks["wqkv"] is not None and not (cfg.attention_bias or cfg.qk_norm) and MV.fuse_products()
-
-        def folded_mlp(m, p, mm):
-            gu = mm(m, p, "w_gate_up", keep_partials=True) if blocks["w_gate_up"] is not None else m @ p["w_gate_up"]
-            return mm(gu, p, "w_down", activation=cfg.mlp_activation)
-
-        def attend(qkv, kc, vc, li):  # qkv: [B, T, qkv] or the projection's MV.Partials (summed in the kernel)
-            H3 = cfg.num_heads + 2 * cfg.num_kv_heads
-            if isinstance(qkv, MV.Partials):
-                x, x_dtype = qkv.parts.reshape(-1, B, T, H3, hd), qkv.dtype
-            else:
-                x, x_dtype = qkv.reshape(B, T, H3, hd), None
+        def attend(qkv, kc, vc, li):  # qkv [B, T, q_size + 2 * kv_size]
+            x = qkv.reshape(B, T, cfg.num_heads + 2 * cfg.num_kv_heads, hd)
             o, kc, vc = fused_attn.fused_block_attention(
                 x, cos_h, sin_h, kc, vc, li, cache.lengths, new_mask, num_heads=cfg.num_heads,
-                num_kv_heads=cfg.num_kv_heads, scale=cfg.attn_scale, interpret=interpret, qkv_dtype=x_dtype)
+                num_kv_heads=cfg.num_kv_heads, scale=cfg.attn_scale, interpret=interpret)
             return o.reshape(B, T, cfg.q_size), kc, vc
 
         def qk_normed(qkv, p):
@@ -424,12 +405,11 @@ def forward(
             h, kc, vc = carry
             p, li = xs
             mm = layer_mm(li)
-            # with qkv_partials the attention kernel sums the projection's split-K partials itself
-            qkv = project_qkv(h, p, mm, keep_partials=True) if qkv_partials else project_qkv(h, p, mm)
+            qkv = project_qkv(h, p, mm)
             if cfg.qk_norm:
                 qkv = qk_normed(qkv, p)
             o, kc, vc = attend(qkv, kc, vc, li)
-            h_next = attn_out_and_mlp(h, o, p, mm, folded_mlp if fold else mlp)
+            h_next = attn_out_and_mlp(h, o, p, mm)
             return (h_next, kc, vc), (h if capture else None)
 
         if per_layer:  # unrolled over each layer's own buffers: no weight slices to copy

@@ -14,18 +14,15 @@ keeps what it measured; the committed rows live in benchmarks/shapes/):
   tune    the matvec kernel's candidate blocks for each product at --tune-rows (1, 16, 32, 64; of
           --products): the best, against the best XLA variant (wo and w_down timed with the
           residual add and RMSNorm that follow them in the model: unsplit blocks let XLA fold the
-          add into the norm's kernel); for the down projection also whether folding the MLP's
-          activation into it is faster (fold_activation). --wide
-          searches BN 16-256, BK 64-512, splits, 2/4/8 warps and 2-6 stages in three stages
-          (~60 candidates, about a minute a product; counts printed). Writes <out>/matvec_tuning.json;
+          add into the norm's kernel). --wide searches BN 16-256, BK 64-512, splits, 2/4/8 warps
+          and 2-6 stages in three stages (~60 candidates, about a minute a product; counts
+          printed). Writes <out>/matvec_tuning.json;
           --write-tuning also merges each entry into jspec/kernels/matvec_tuning.json as it is
           measured (this card's entry for that product replaced, everything else kept), and the
           parts that run next use it;
   ar      whole jitted generations (jspec.decode.generate_ar_jit: prompt 64 + 256 new tokens) at
           --batches, per --variants: "auto" (the default kernels), "xla" (JSPEC_MATMUL=xla: XLA's
-          dots everywhere, the previous default), "cublas" (xla + cuBLAS GEMMs), "fused" (auto
-          with JSPEC_FUSE_PRODUCTS=1: split-K partials summed by the next kernel and the MLP's
-          activation folded into the down projection; opt-in until measured);
+          dots everywhere, the previous default), "cublas" (xla + cuBLAS GEMMs);
   verify  one target forward + LM head over T = 1, 8, 64 tokens and a 60-node tree (cursor fixed);
   draft   an EAGLE-3 head at the target's shape (draft vocab 32k): a chain step and a 10-node tree
           level;
@@ -288,27 +285,6 @@ def residual_and_norm(m, N):
     return lambda y: M.rms_norm(h + y.astype(h.dtype), ones, 1e-5)
 
 
-def fold_timing(x, ws, F, blocks, act, n_iter) -> dict:
-    """The down projection [F, D] reading gate | up [M, 2F] with the activation folded in (one
-    kernel), against XLA's act(gate) * up fusion followed by the kernel (two). Not folded where the
-    folded kernel fails or computes otherwise."""
-    gu = jnp.concatenate([x, x], axis=-1)  # [M, 2F]
-    folded = lambda g, w: MV.matvec(g, w, blocks=blocks, activation=act, out_dtype=jnp.float32,  # noqa: E731
-                                    interpret=INTERPRET)
-    apart = lambda g, w: MV.matvec(MV.activation(act)(g[:, :F]) * g[:, F:], w, blocks=blocks,  # noqa: E731
-                                   out_dtype=jnp.float32, interpret=INTERPRET)
-    try:
-        a, b = np.asarray(folded(gu, ws[0])), np.asarray(apart(gu, ws[0]))
-        if not np.linalg.norm(a - b) <= MAX_REL_ERR * np.linalg.norm(b):
-            return {"fold_activation": False,
-                    "fold_error": "the folded product differs from XLA's activation followed by the kernel"}
-        t_fold, t_apart = product_timer(gu, ws, folded, n_iter)[0], product_timer(gu, ws, apart, n_iter)[0]
-    except Exception as e:  # noqa: BLE001 - keep the tuning without the fold decision
-        return {"fold_activation": False, "fold_error": repr(e)[:200]}
-    return {"fold_activation": bool(t_fold <= t_apart), "fold_us": round(1e6 * t_fold, 2),
-            "unfolded_us": round(1e6 * t_apart, 2)}
-
-
 def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tuning=None, wide=False,
               products=None, tune_rows=(1, 64), write=False):
     dtype = jnp.bfloat16
@@ -411,8 +387,6 @@ def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tu
                          "xla_faster": best_xla is not None and best_xla < best_t, "searched": searched}
                 if name in RESIDUAL_PRODUCTS:
                     entry["timed_with"] = "residual add + RMSNorm"
-                if name == "w_down":  # fold the MLP's activation into this product, or leave it to XLA?
-                    entry.update(fold_timing(x, ws, K, best_b, cfg.mlp_activation, n_iter))
                 tuning[MV.tuning_key(m, K, N, tr, dtype)] = entry
                 if write:  # entry by entry, so a run cut off by a time limit keeps what it tuned
                     write_tuning({MV.tuning_key(m, K, N, tr, dtype): entry})
@@ -420,7 +394,7 @@ def gemm_part(shape, cfg, rows_out: Rows, row_counts=(1, 16, 64), tune=False, tu
                              best_blocks=list(best_b), matvec_us=round(1e6 * best_t, 2), searched=searched,
                              xla_us=None if best_xla is None else round(1e6 * best_xla, 2),
                              bw_fraction=None if not bw else round(nbytes / best_t / bw, 3),
-                             **{k: v for k, v in entry.items() if k.startswith(("fold", "unfolded", "timed"))})
+                             **{k: v for k, v in entry.items() if k.startswith("timed")})
         del stacked, ws
 
 
@@ -435,7 +409,6 @@ def ar_part(shape, cfg, params, rows_out: Rows, batches, variants):
     for variant in variants:
         jax.clear_caches()  # JSPEC_MATMUL is read when tracing: each variant must trace anew
         with_matmul("xla" if variant in ("xla", "cublas") else "auto")
-        os.environ["JSPEC_FUSE_PRODUCTS"] = "1" if variant == "fused" else "0"
         opts = {"xla_gpu_enable_triton_gemm": False} if variant == "cublas" else None
         gen = jax.jit(D.generate_ar_jit.__wrapped__,
                       static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll"),
@@ -458,7 +431,6 @@ def ar_part(shape, cfg, params, rows_out: Rows, batches, variants):
                 traceback.print_exc()
                 rows_out.add(shape=shape, card=card_name(), method="ar", variant=variant, batch=b, error=repr(e)[:300])
     with_matmul("auto")
-    os.environ["JSPEC_FUSE_PRODUCTS"] = "0"
 
 
 def tp_part(shape, cfg, params, rows_out: Rows, batches, mesh_spec: str):
@@ -672,7 +644,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b,smollm2-135m")
     ap.add_argument("--parts", default="ar,verify,draft")
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--variants", default="auto,xla", help="ar variants: auto, fused, xla, cublas")
+    ap.add_argument("--variants", default="auto,xla", help="ar variants: auto, xla, cublas")
     ap.add_argument("--peer", default=None, help="path of the PyTorch peer script (torch_fast_peer.py); its rows "
                                                  "join every shape's, whatever --parts says")
     ap.add_argument("--out", default=os.environ.get("OUT", "shape-results"))
@@ -698,9 +670,9 @@ def main(argv=None):
         ap.error("--parts peer needs --peer PATH (the PyTorch peer script, torch_fast_peer.py)")
     if "peer" in parts:  # the peer runs beside this process on the same GPU: JAX takes memory as it needs it
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    unknown = set(args.variants.split(",")) - {"auto", "fused", "xla", "cublas"}
+    unknown = set(args.variants.split(",")) - {"auto", "xla", "cublas"}
     if unknown:
-        ap.error(f"--variants: unknown {', '.join(sorted(unknown))}; expected some of auto, fused, xla, cublas")
+        ap.error(f"--variants: unknown {', '.join(sorted(unknown))}; expected some of auto, xla, cublas")
     tune_rows = tuple(int(r) for r in args.tune_rows.split(",") if r.strip().isdigit())
     if not tune_rows or set(tune_rows) - {1, 16, 32, 64}:
         ap.error(f"--tune-rows {args.tune_rows!r}: expected a comma-separated subset of 1, 16, 32, 64")

@@ -29,6 +29,8 @@ def test_matvec_matches_dot(layout, rows, K, N):
     for blocks in (MV.Blocks(16, 32, 1, 4, 3), MV.Blocks(32, 32, 3, 4, 3)):  # whole K; split K (last split short)
         got = MV.matvec(x, w, blocks=blocks, interpret=True, **kw)
         np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="does not match W"):
+        MV.matvec(_rand(0, (rows, K + 1)), w, blocks=MV.Blocks(16, 32, 1, 4, 3), interpret=True, **kw)
 
 
 def test_matvec_gradient_is_xlas():
@@ -78,31 +80,6 @@ def test_default_blocks_fill_the_card_within_shared_memory():
         assert -(-N // b[0]) * b[2] >= 132 or K // (2 * b[2]) < 2 * b[1]
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("layout", ["kn", "stacked"])
-def test_folded_activation_matches_portable_mlp(act, layout):
-    """The down projection reading gate | up (as an array, or as the gate | up product's split-K
-    partials) forms act(gate) * up per K tile: the portable MLP's result, tails in K included."""
-    rows, D, F = 3, 40, 70
-    m, w_gu = _rand(4, (rows, D)), 0.2 * _rand(5, (D, 2 * F))
-    w_down = 0.2 * (_rand(6, (2, F, D)) if layout == "stacked" else _rand(6, (F, D)))
-    kw = dict(layer=jnp.int32(1)) if layout == "stacked" else {}
-    gu = m @ w_gu
-    ref = (MV.activation(act)(gu[:, :F]) * gu[:, F:]) @ (w_down[1] if layout == "stacked" else w_down)
-    split_gu = MV.Blocks(32, 16, 3, 4, 3)
-    parts = MV.matvec(m, w_gu, blocks=split_gu, keep_partials=True, interpret=True)
-    assert isinstance(parts, MV.Partials) and parts.parts.shape == (3, rows, 2 * F)
-    whole = MV.matvec(m, w_gu, blocks=MV.Blocks(32, 64, 1, 4, 3), keep_partials=True, interpret=True)
-    assert not isinstance(whole, MV.Partials)  # K in one program: stored summed and rounded
-    for x in (gu, parts, whole):
-        for blocks in (MV.Blocks(16, 32, 1, 4, 3), MV.Blocks(32, 16, 2, 4, 3)):
-            got = MV.matvec(x, w_down, blocks=blocks, activation=act, interpret=True, **kw)
-            np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
-    with pytest.raises(ValueError, match="does not match W"):
-        MV.matvec(gu, w_down[0] if layout == "stacked" else w_down, blocks=MV.Blocks(16, 32, 1, 4, 3),
-                  interpret=True)
-
-
 def test_unsplit_blocks_store_the_output_dtype():
     """Blocks that keep K whole store the rounded result (no summing kernel after); split blocks
     round the float32 sum once; both equal XLA's dot with a float32 accumulator."""
@@ -112,15 +89,6 @@ def test_unsplit_blocks_store_the_output_dtype():
         got = MV.matvec(x, w, blocks=blocks, interpret=True)
         assert got.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=1e-2, atol=1e-2)
-
-
-def test_folded_activation_gradient_is_the_portable_one():
-    x, w = _rand(9, (2, 2 * 24)), _rand(10, (24, 16))
-    f = lambda x, w: jnp.sum(jnp.sin(MV.matvec(x, w, blocks=MV.Blocks(16, 16, 2, 4, 3), activation="silu",  # noqa: E731
-                                                interpret=True)))
-    g = lambda x, w: jnp.sum(jnp.sin((jax.nn.silu(x[:, :24]) * x[:, 24:]) @ w))  # noqa: E731
-    for a, b in zip(jax.grad(f, (0, 1))(x, w), jax.grad(g, (0, 1))(x, w)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_wide_block_search_stays_small_and_in_budget():
@@ -148,7 +116,7 @@ def test_wide_block_search_stays_small_and_in_budget():
 @pytest.mark.parametrize("layout", ["kn", "nk", "stacked"])
 def test_one_row_on_the_cuda_cores_matches_dot(layout):
     """fma blocks (a one-row product multiplied and summed without tensor-core tiles): the same
-    product, tails, split K, partials in and the folded activation included; more rows ignore it."""
+    product, tails and split K included; more rows ignore it."""
     K, N = 100, 70
     w = {"kn": _rand(1, (K, N)), "nk": _rand(1, (N, K)), "stacked": _rand(1, (2, K, N))}[layout]
     kw = {"kn": {}, "nk": dict(transposed=True), "stacked": dict(layer=jnp.int32(1))}[layout]
@@ -160,13 +128,6 @@ def test_one_row_on_the_cuda_cores_matches_dot(layout):
         np.testing.assert_allclose(MV.matvec(x, w, blocks=fma, interpret=True, **kw), x @ wk, rtol=2e-5, atol=2e-5)
         np.testing.assert_allclose(MV.matvec(x, w, blocks=MV.Blocks(16, 128, 1, 4, 3, fma=1), interpret=True, **kw),
                                    x @ wk, rtol=2e-5, atol=2e-5)
-    if layout != "nk":
-        gu = 0.5 * _rand(5, (1, 2 * K))
-        parts = MV.Partials(jnp.stack([0.25 * gu, 0.75 * gu]), jnp.float32)
-        ref = (jax.nn.silu(gu[:, :K]) * gu[:, K:]) @ wk
-        for x in (gu, parts):
-            np.testing.assert_allclose(MV.matvec(x, w, blocks=fma, activation="silu", interpret=True, **kw), ref,
-                                       rtol=2e-5, atol=2e-5)
 
 
 H200_SMEM = 232448  # what Triton reported available on the H200 (227 KiB, sm_90)
@@ -187,31 +148,17 @@ def untuned_card(monkeypatch, tmp_path):
     MV._tuning_table.cache_clear()
 
 
-@pytest.mark.parametrize("name,D,F,rows,asked", [
-    ("llama-3.2-1b decode, batch 16", 2048, 8192, 16, 491520),
-    ("smollm2-135m prefill of a batch-1 run (64 prompt tokens)", 576, 1536, 64, 458752),
-    ("smollm2-135m decode, batch 1", 576, 1536, 1, None)])
-def test_fused_down_projection_fits_shared_memory(untuned_card, name, D, F, rows, asked):
-    """The folded down projection reading the gate | up product's split-K partials, with the blocks
-    the model picks on an untuned card (stacked weights read in place): the estimate bounds what
-    Triton asked for on the H200 where it refused the kernel, and the fitted blocks (fewer stages
-    first) are within the card's 232,448 bytes. The plain products' blocks were within it already
-    and stay as they were."""
-    gate_up = MV.pick_blocks(rows, D, 2 * F, transposed=False, in_place=True)
-    down = MV.pick_blocks(rows, F, D, transposed=False, in_place=True)
-    _, parts = MV.k_partition(D, min(gate_up[1], 1 << (D - 1).bit_length()), gate_up[2])
-    parts = parts if parts > 1 else 0
-    for blocks in (gate_up, down):
-        assert MV.smem_bytes(rows, blocks) <= H200_SMEM
+@pytest.mark.parametrize("name,D,F,rows", [
+    ("llama-3.2-1b decode, batch 16", 2048, 8192, 16),
+    ("smollm2-135m prefill of a batch-1 run (64 prompt tokens)", 576, 1536, 64),
+    ("smollm2-135m decode, batch 1", 576, 1536, 1)])
+def test_untuned_mlp_blocks_fit_shared_memory(untuned_card, name, D, F, rows):
+    """The MLP's products with the blocks the model picks on an untuned card (stacked weights read
+    in place) are within the H200's 232,448 bytes as the rule chose them: fitting keeps them."""
+    for K, N in ((D, 2 * F), (F, D)):
+        blocks = MV.pick_blocks(rows, K, N, transposed=False, in_place=True)
+        assert MV.smem_bytes(rows, blocks) <= H200_SMEM, (name, K, N, blocks)
         assert MV.fit_blocks(rows, blocks) == blocks
-    need = MV.smem_bytes(rows, down, x_parts=parts, folded=True)
-    fitted = MV.fit_blocks(rows, down, x_parts=parts, folded=True)
-    assert MV.smem_bytes(rows, fitted, x_parts=parts, folded=True) <= H200_SMEM
-    if asked is None:  # one row, gate | up unsplit: it fitted, and keeps its blocks
-        assert parts == 0 and need <= H200_SMEM and fitted == down
-    else:
-        assert need >= asked > H200_SMEM, (name, down, parts, need)
-        assert fitted[:4] == down[:4] and fitted[4] < down[4]  # fewer stages, BK kept
 
 
 def test_fit_blocks_clamps_stages_then_block_k():
@@ -219,16 +166,16 @@ def test_fit_blocks_clamps_stages_then_block_k():
     plain = MV.smem_bytes(16, b)
     assert MV.fit_blocks(16, b, limit=plain) == b
     assert MV.fit_blocks(16, b, limit=plain - 1)[:5] == (64, 256, 4, 4, 3)
-    one_stage = MV.smem_bytes(16, MV.Blocks(64, 256, 4, 4, 1), x_parts=8, folded=True)
-    assert MV.fit_blocks(16, b, limit=one_stage, x_parts=8, folded=True) == (64, 256, 4, 4, 1)
-    assert MV.fit_blocks(16, b, limit=one_stage - 1, x_parts=8, folded=True) == (64, 128, 4, 4, 1)
+    one_stage = MV.smem_bytes(16, MV.Blocks(64, 256, 4, 4, 1))
+    assert MV.fit_blocks(16, b, limit=one_stage) == (64, 256, 4, 4, 1)
+    assert MV.fit_blocks(16, b, limit=one_stage - 1) == (64, 128, 4, 4, 1)
     fma = MV.Blocks(64, 256, 4, 4, 4, fma=1)
     assert MV.fit_blocks(1, fma, limit=MV.smem_bytes(1, fma) - 1).fma
     with pytest.raises(ValueError, match="shared memory"):
-        MV.fit_blocks(64, b, limit=1024, x_parts=8, folded=True)
-    # more partials, a folded activation and float32 partials each ask for more than the plain product
-    assert plain < MV.smem_bytes(16, b, folded=True) < MV.smem_bytes(16, b, x_parts=2, folded=True)
-    assert MV.smem_bytes(16, b, x_parts=2) < MV.smem_bytes(16, b, x_parts=4)
+        MV.fit_blocks(64, b, limit=1024)
+    # an x of a wider dtype than W's is converted before the product: it asks for more
+    assert plain < MV.smem_bytes(16, b, x_itemsize=4)
+    assert MV.fit_blocks(16, b, limit=plain, x_itemsize=4) == (64, 256, 4, 4, 3)
 
 
 def test_tuned_blocks_are_fitted_and_tuning_proposes_none_over_the_limit(monkeypatch, tmp_path):
@@ -270,34 +217,29 @@ def test_shared_memory_limit_from_the_device(monkeypatch):
     MV.smem_limit.cache_clear()
 
 
-@pytest.mark.parametrize("act", [None, "silu"])
-def test_fitted_blocks_compute_the_portable_product(monkeypatch, act):
+@pytest.mark.parametrize("layout", ["kn", "stacked"])
+def test_fitted_blocks_compute_the_portable_product(monkeypatch, layout):
     """Blocks over a (made-up small) limit run fitted, in interpret mode: fewer stages, then a
-    smaller BK (more K tiles, split differently); the result is still the portable one."""
-    rows, D, F = 3, 40, 96
-    m, w_gu, w_down = _rand(11, (rows, D)), 0.2 * _rand(12, (D, 2 * F)), 0.2 * _rand(13, (F, D))
-    gu = m @ w_gu
-    x = MV.activation(act)(gu[:, :F]) * gu[:, F:] if act else gu[:, :F]
-    ref = x @ w_down
-    parts = MV.matvec(m, w_gu, blocks=MV.Blocks(32, 16, 2, 4, 3), keep_partials=True, interpret=True)
-    assert isinstance(parts, MV.Partials)
-    if not act:
-        parts = MV.Partials(parts.parts[..., :F], parts.dtype)
+    smaller BK (more K tiles); the result is still the portable one."""
+    rows, K, N = 3, 96, 40
+    x = _rand(11, (rows, K))
+    w = 0.2 * (_rand(13, (2, K, N)) if layout == "stacked" else _rand(13, (K, N)))
+    kw = dict(layer=jnp.int32(1)) if layout == "stacked" else {}
+    ref = x @ (w[1] if layout == "stacked" else w)
     blocks = MV.Blocks(16, 64, 1, 4, 4)
-    variant = dict(x_parts=2, folded=bool(act), itemsize=4)
-    limit = MV.smem_bytes(rows, MV.Blocks(16, 32, 1, 4, 1), **variant)  # 1 stage and BK 32 fit, BK 64 does not
+    limit = MV.smem_bytes(rows, MV.Blocks(16, 32, 1, 4, 1), 4)  # 1 stage and BK 32 fit, BK 64 does not
     fitted = []
     fit = MV.fit_blocks
     monkeypatch.setattr(MV, "smem_limit", lambda: limit)
     monkeypatch.setattr(MV, "fit_blocks", lambda *a, **k: fitted.append(fit(*a, **k)) or fitted[-1])
-    got = MV.matvec(parts, w_down, blocks=blocks, activation=act, interpret=True)
+    got = MV.matvec(x, w, blocks=blocks, interpret=True, **kw)
     assert fitted == [(16, 32, 1, 4, 1)]
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
 
 
 def test_shipped_tuning_fits_its_cards_unchanged():
-    """Every entry of the shipped table (H100 / H200: 227 KiB) is a plain product within the limit,
-    so the default path (JSPEC_FUSE_PRODUCTS=0) runs the measured blocks as they were."""
+    """Every entry of the shipped table (H100 / H200: 227 KiB) is within the limit, so the kernel
+    runs the measured blocks as they were."""
     import json
     table = json.loads(MV.TUNING_FILE.read_text())
     assert table

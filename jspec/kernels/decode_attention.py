@@ -7,9 +7,8 @@ attention alone: rope on q and k, two scatters into the cache, the per-layer cac
 QK product, the masked softmax and the PV product. This Pallas (Triton) kernel does all of it in
 one launch per layer:
 
-  * reads q, k, v straight from the fused QKV projection [B, T, Hq + 2*Hkv, hd] (or sums its
-    split-K partials) and applies rope (rotate-half layout: the two halves are loaded separately,
-    so no in-register shuffles);
+  * reads q, k, v straight from the fused QKV projection [B, T, Hq + 2*Hkv, hd] and applies rope
+    (rotate-half layout: the two halves are loaded separately, so no in-register shuffles);
   * attends over the committed cache slots [0, lengths[b]) of layer `layer` of the full stacked
     cache [L, B, S, Hkv, hd] (online softmax over key blocks), then over the T new tokens under
     their mask (causal, or a tree's ancestor mask [B, T, T]);
@@ -54,7 +53,7 @@ def _next_pow2(n: int) -> int:
 
 
 def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in, o_ref, k_out, v_out, *stats_refs,
-            T, BT, G, Hq, Hkv, hd, scale, causal, drop_past_end, qkv_parts, splits, dtype, window):
+            T, BT, G, Hq, Hkv, hd, scale, causal, drop_past_end, splits, dtype, window):
     del k_in, v_in  # aliased with k_out / v_out: read and write through the outputs
     b = pl.program_id(0)
     qh = pl.program_id(1)
@@ -79,13 +78,8 @@ def _kernel(layer_ref, len_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in,
     def load(ref_at, mask):
         return plgpu.load(ref_at, mask=mask, other=0)
 
-    def load_qkv(head, cols):  # [BT, cols] of one head of the QKV row; split-K partials summed, rounded once
-        if not qkv_parts:
-            return load(qkv_ref.at[b, rows, head, cols], t_ok[:, None])
-        total = load(qkv_ref.at[jnp.int32(0), b, rows, head, cols], t_ok[:, None])
-        for j in range(1, qkv_parts):
-            total = total + load(qkv_ref.at[jnp.int32(j), b, rows, head, cols], t_ok[:, None])
-        return total.astype(dt)
+    def load_qkv(head, cols):  # [BT, cols] of one head of the QKV row
+        return load(qkv_ref.at[b, rows, head, cols], t_ok[:, None])
 
     c = load(cos_ref.at[b, rows, :], t_ok[:, None])  # [BT, half] f32
     s = load(sin_ref.at[b, rows, :], t_ok[:, None])
@@ -225,13 +219,10 @@ def combine_splits(acc, m, l, dtype):
 
 
 def fused_block_attention(qkv, cos, sin, k_cache, v_cache, layer, lengths, new_mask, *, num_heads, num_kv_heads,
-                          scale, interpret=False, num_warps=4, drop_past_end=True, qkv_dtype=None, splits=None,
-                          window=None):
+                          scale, interpret=False, num_warps=4, drop_past_end=True, splits=None, window=None):
     """Attention of T new tokens over a stacked cache, writing their K/V; one kernel.
 
-    qkv [B, T, Hq + 2*Hkv, hd] (before rope), or the QKV projection's float32 split-K partials
-    [S, B, T, Hq + 2*Hkv, hd] with `qkv_dtype`, the dtype their sum rounds to (summed here: no
-    kernel between the projection and this one); cos, sin [B, T, hd//2] float32; k_cache, v_cache
+    qkv [B, T, Hq + 2*Hkv, hd] (before rope); cos, sin [B, T, hd//2] float32; k_cache, v_cache
     [L, B, S, Hkv, hd]; layer: int32 scalar (which layer of the cache); lengths [B] committed
     slots; new_mask [B, T, T] (nonzero = visible) or None for causal.
     Returns (out [B, T, Hq, hd], k_cache, v_cache) with slots lengths[b] + t of `layer` written.
@@ -241,17 +232,16 @@ def fused_block_attention(qkv, cos, sin, k_cache, v_cache, layer, lengths, new_m
     splits: programs per (row, head) over the committed keys (None: `attention_splits`).
     window: attend only to the last `window` committed slots of each row (None: all of them).
     """
-    B, T, H3, hd = qkv.shape[-4:]
+    B, T, H3, hd = qkv.shape
     assert H3 == num_heads + 2 * num_kv_heads and T <= MAX_BLOCK, (qkv.shape, num_heads, num_kv_heads)
-    qkv_parts = qkv.shape[0] if qkv.ndim == 5 else 0
-    dtype = jnp.dtype(qkv_dtype or qkv.dtype)
+    dtype = jnp.dtype(qkv.dtype)
     BT = max(16, _next_pow2(T))
     causal = new_mask is None
     mask = jnp.zeros((1, 1, 1), jnp.int32) if causal else new_mask.astype(jnp.int32)
     splits = attention_splits(B, num_heads, k_cache.shape[2]) if splits is None else splits
     kernel = functools.partial(_kernel, T=T, BT=BT, G=num_heads // num_kv_heads, Hq=num_heads, Hkv=num_kv_heads,
                                hd=hd, scale=float(scale), causal=causal, drop_past_end=drop_past_end,
-                               qkv_parts=qkv_parts, splits=splits, dtype=dtype, window=int(window or 0))
+                               splits=splits, dtype=dtype, window=int(window or 0))
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     if splits == 1:
         outs = (jax.ShapeDtypeStruct((B, T, num_heads, hd), dtype),)

@@ -12,16 +12,12 @@ shape. This kernel is one simple shape-parametrised program:
     `num_stages` buffers) and accumulates x_tile @ W_tile in float32 on the tensor cores
     (rows masked up to 16, the smallest MMA tile: the padding rows are never read from memory).
     Without a split (S = 1) each program stores its columns rounded to the output dtype: no
-    kernel runs after it. Split-K (S > 1) writes float32 partials [S, M, N] that the caller's
-    next XLA fusion sums (with its residual), or that the next matvec sums per K tile itself
-    (`Partials`), so every program does a fixed share and results are deterministic (no atomics).
+    kernel runs after it. Split-K (S > 1) writes float32 partials [S, M, N] that XLA sums in the
+    caller's next fusion (with its residual), so every program does a fixed share and results
+    are deterministic (no atomics).
 
 One-row products may instead multiply and sum on the CUDA cores (`Blocks(..., fma=1)`, the
 row a [BK] vector, no padding to a tensor-core tile) where the tuning measured that faster.
-
-A gated MLP is two kernels: gate | up, then the down projection with `activation=`, which reads
-the gate | up product (or its partials) and forms act(gate) * up per K tile, so the [M, F]
-activation is never written and no elementwise kernel runs between the two.
 
 `W` may be:
   * [K, N] (a projection), or [N, K] with `transposed=True` (a tied embedding as the LM head,
@@ -31,10 +27,9 @@ activation is never written and no elementwise kernel runs between the two.
 
 The block shape (BN, BK, S, warps, stages) is picked per (card, rows, K, N, layout) from
 `matvec_tuning.json` (measured by scripts/bench_shapes.py --tune), else by a rule that gives every
-SM several programs; then fitted to the card's shared memory for the variant that runs (`fit_blocks`:
-partials and a folded activation load more per K tile than the plain product the blocks were
-chosen for). The portable path (CPU, TPU, meshes) is `x @ W`; tests run this kernel in
-Pallas interpret mode against it.
+SM several programs; then fitted to the card's shared memory (`fit_blocks`: an entry measured at
+fewer rows, or on a card with more of it, may not fit as it is). The portable path (CPU, TPU,
+meshes) is `x @ W`; tests run this kernel in Pallas interpret mode against it.
 """
 
 from __future__ import annotations
@@ -44,7 +39,6 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -83,21 +77,12 @@ def _pad_rows(m: int) -> int:
 
 def activation(name: str):
     """The gated MLP's activation by name (ModelConfig.mlp_activation): "silu" (SwiGLU) or
-    "gelu_tanh" (GeGLU). The model's portable path and the kernel's folded one both use it."""
+    "gelu_tanh" (GeGLU)."""
     if name == "gelu_tanh":
         return functools.partial(jax.nn.gelu, approximate=True)
     if name == "silu":
         return jax.nn.silu
     raise ValueError(f"mlp activation {name!r}: expected silu or gelu_tanh")
-
-
-class Partials(NamedTuple):
-    """Split-K partial products of a matvec, not yet summed: parts [S, ..., N] in float32, whose sum
-    rounded to `dtype` is the product. A matvec that takes them as its x sums them per K tile
-    itself, so no kernel sits between the two products."""
-
-    parts: jax.Array
-    dtype: Any
 
 
 def _load(ref_at, mask):
@@ -106,7 +91,7 @@ def _load(ref_at, mask):
 
 
 def _kernel(layer_ref, x_ref, w_ref, o_ref, *, M, BM, K, N, BK, BN, KS, transposed, stacked, mask_n, mask_k,
-            x_parts, x_dtype, act, summed, fma):
+            summed, fma):
     n = pl.program_id(0)
     s = pl.program_id(1)
     at = (lambda *idx: w_ref.at[(layer_ref[0], *idx)]) if stacked else (lambda *idx: w_ref.at[idx])  # one indexer
@@ -119,30 +104,18 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, M, BM, K, N, BK, BN, KS, transpos
     precision = lax.Precision.HIGHEST if w_ref.dtype == jnp.float32 else None
 
     def load_x(col0, k_ok):
-        """x's columns [col0, col0 + BK) for rows < M, as x_dtype: the partial sums added and
-        rounded once (what the producing product would have stored)."""
+        """x's columns [col0, col0 + BK) for rows < M."""
         if fma:
             mask = k_ok if mask_k else None
         else:
             mask = r_ok[:, None] & (k_ok[None, :] if mask_k else True)
-        if not x_parts:
-            return _load(x_ref.at[rows, pl.ds(col0, BK)], mask)
-        part = lambda j: _load(x_ref.at[jnp.int32(j), rows, pl.ds(col0, BK)], mask)  # noqa: E731
-        total = part(0)
-        for j in range(1, x_parts):
-            total = total + part(j)
-        return total.astype(x_dtype)
+        return _load(x_ref.at[rows, pl.ds(col0, BK)], mask)
 
     def body(i, acc):
         k0 = k_start + i * BK
         kb = pl.ds(k0, BK)
         k_ok = (k0 + jnp.arange(BK)) < K
-        if act is None:
-            xb = load_x(k0, k_ok)
-        else:  # x is gate | up [M, 2K]: the down projection's input act(gate) * up, made per tile
-            gate, up = load_x(k0, k_ok).astype(jnp.float32), load_x(K + k0, k_ok).astype(jnp.float32)
-            xb = (activation(act)(gate) * up).astype(x_dtype)
-        xb = xb.astype(w_ref.dtype)
+        xb = load_x(k0, k_ok).astype(w_ref.dtype)
         if transposed:  # W [N, K]: tile [BN, BK], contiguous along K
             mask = (c_ok[:, None] if mask_n else True) & (k_ok[None, :] if mask_k else True)
             wb = _load(at(pl.ds(n * BN, BN), kb), None if mask is True else mask)
@@ -176,32 +149,29 @@ def k_partition(K: int, bk: int, split: int) -> tuple[int, int]:
     return ks, -(-K // ks)
 
 
-def _pallas_matvec(x, w, *, layer, transposed, blocks: Blocks, out_dtype, act, x_dtype, interpret):
-    """x [M, Kx] (or float32 partials [S_in, M, Kx]) @ W: [M, N] in out_dtype when the blocks keep
-    K whole (one program per column block sums everything: the result is stored rounded, no
-    kernel after), else float32 partial products [S, M, N] to be summed."""
-    x_parts = x.shape[0] if x.ndim == 3 else 0
-    M, Kx = x.shape[-2:]
-    K = Kx // 2 if act else Kx
+def _pallas_matvec(x, w, *, layer, transposed, blocks: Blocks, out_dtype, interpret):
+    """x [M, K] @ W: [M, N] in out_dtype when the blocks keep K whole (one program per column
+    block sums everything: the result is stored rounded, no kernel after), else float32 partial
+    products [S, M, N] to be summed."""
+    M, K = x.shape
     stacked = layer is not None
     kn = w.shape[-2:]
     N = kn[0] if transposed else kn[1]
-    if (kn[1] if transposed else kn[0]) != K or (act and Kx % 2):
-        raise ValueError(f"matvec: x {x.shape}{' (gate | up)' if act else ''} does not match W {w.shape}"
-                         f"{' read transposed' if transposed else ''}")
+    if (kn[1] if transposed else kn[0]) != K:
+        raise ValueError(f"matvec: x {x.shape} does not match W {w.shape}{' read transposed' if transposed else ''}")
     if M > MAX_ROWS:
         raise ValueError(f"matvec: {M} rows, at most {MAX_ROWS}")
     bk = min(blocks[1], 1 << (K - 1).bit_length())
-    # the blocks were chosen for a plain product of W's dtype: this variant may need more shared memory
-    blocks = fit_blocks(M, Blocks(blocks[0], bk, *blocks[2:]), jnp.dtype(w.dtype).itemsize, x_parts=x_parts,
-                        folded=bool(act), x_itemsize=jnp.dtype(x.dtype).itemsize)
+    # the blocks were chosen for an x of W's dtype: an x of another one may need more shared memory
+    blocks = fit_blocks(M, Blocks(blocks[0], bk, *blocks[2:]), jnp.dtype(w.dtype).itemsize,
+                        x_itemsize=jnp.dtype(x.dtype).itemsize)
     bn, bk, split, warps, stages = blocks[:5]
     fma = len(blocks) > 5 and bool(blocks[5]) and M == 1  # (a one-row product only)
     ks, split = k_partition(K, bk, split)
     summed = split == 1
     kernel = functools.partial(_kernel, M=M, BM=_pad_rows(M), K=K, N=N, BK=bk, BN=bn, KS=ks, transposed=transposed,
-                               stacked=stacked, mask_n=N % bn != 0, mask_k=(split * ks) != K, x_parts=x_parts,
-                               x_dtype=jnp.dtype(x_dtype), act=act, summed=summed, fma=fma)
+                               stacked=stacked, mask_n=N % bn != 0, mask_k=(split * ks) != K, summed=summed,
+                               fma=fma)
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     out_shape = jax.ShapeDtypeStruct((M, N), out_dtype) if summed else jax.ShapeDtypeStruct((split, M, N), jnp.float32)
     return pl.pallas_call(
@@ -214,67 +184,49 @@ def _pallas_matvec(x, w, *, layer, transposed, blocks: Blocks, out_dtype, act, x
     )(layer_arr, x, w)
 
 
-def matvec(x, w, *, layer=None, transposed=False, blocks: Blocks | None = None, out_dtype=None, activation=None,
-           keep_partials=False, interpret=False):
+def matvec(x, w, *, layer=None, transposed=False, blocks: Blocks | None = None, out_dtype=None, interpret=False):
     """x [..., K] @ W for few rows, W [K, N] / [N, K] (transposed) / [L, K, N] (with `layer`).
 
     Returns [..., N] in out_dtype (default x's dtype): the float32 sum rounded once, as XLA's
     dot with preferred_element_type=float32 followed by a cast computes it.
 
-    `activation` ("silu" / "gelu_tanh"): x is a gated MLP's gate | up product [..., 2K] and the
-    product is act(gate) * up @ W, made per K tile: the [..., K] input is never stored.
-    x may be `Partials` (a previous matvec's, keep_partials=True): summed per K tile, no kernel
-    between the products. `keep_partials`: return `Partials` where the blocks split K (an array
-    where they don't).
-
-    Differentiable in x and W (XLA's dots backwards) when `layer` is None and neither x nor the
-    result is Partials."""
+    Differentiable in x and W (XLA's dots backwards) when `layer` is None."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if isinstance(x, Partials):
-        lead = x.parts.shape[1:-1]
-        xf, x_dtype = x.parts.reshape(x.parts.shape[0], -1, x.parts.shape[-1]), jnp.dtype(x.dtype)
-    else:
-        lead = x.shape[:-1]
-        xf, x_dtype = x.reshape(-1, x.shape[-1]), x.dtype
-    K = xf.shape[-1] // 2 if activation else xf.shape[-1]
+    lead = x.shape[:-1]
+    K = x.shape[-1]
     N = w.shape[-2] if transposed else w.shape[-1]
     if blocks is None:
         blocks = default_blocks(math.prod(lead), K, N, transposed=transposed)
-    if layer is None and not isinstance(x, Partials) and not keep_partials:
-        return _matvec_vjp(x, w, transposed, blocks, out_dtype, activation, interpret)
-    out = _pallas_matvec(xf, w, layer=layer, transposed=transposed, blocks=blocks, out_dtype=out_dtype,
-                         act=activation, x_dtype=x_dtype, interpret=interpret)
+    if layer is None:
+        return _matvec_vjp(x, w, transposed, blocks, out_dtype, interpret)
+    out = _pallas_matvec(x.reshape(-1, K), w, layer=layer, transposed=transposed, blocks=blocks, out_dtype=out_dtype,
+                         interpret=interpret)
     if out.ndim == 2:
         return out.reshape(*lead, N)
-    if keep_partials:
-        return Partials(out.reshape(out.shape[0], *lead, N), out_dtype)
     return jnp.sum(out, axis=0).astype(out_dtype).reshape(*lead, N)
 
 
-def _reference(x, w, transposed, out_dtype, act):
+def _reference(x, w, transposed, out_dtype):
     """The portable function the kernel computes (its backward pass)."""
-    if act:
-        K = x.shape[-1] // 2
-        x = activation(act)(x[..., :K]) * x[..., K:]
     return jnp.dot(x, w.T if transposed else w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _matvec_vjp(x, w, transposed, blocks, out_dtype, act, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _matvec_vjp(x, w, transposed, blocks, out_dtype, interpret):
     out = _pallas_matvec(x.reshape(-1, x.shape[-1]), w, layer=None, transposed=transposed, blocks=blocks,
-                         out_dtype=out_dtype, act=act, x_dtype=x.dtype, interpret=interpret)
+                         out_dtype=out_dtype, interpret=interpret)
     if out.ndim == 3:
         out = jnp.sum(out, axis=0).astype(out_dtype)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _matvec_fwd(x, w, transposed, blocks, out_dtype, act, interpret):
-    return _matvec_vjp(x, w, transposed, blocks, out_dtype, act, interpret), (x, w)
+def _matvec_fwd(x, w, transposed, blocks, out_dtype, interpret):
+    return _matvec_vjp(x, w, transposed, blocks, out_dtype, interpret), (x, w)
 
 
-def _matvec_bwd(transposed, blocks, out_dtype, act, interpret, res, g):
+def _matvec_bwd(transposed, blocks, out_dtype, interpret, res, g):
     x, w = res
-    _, pullback = jax.vjp(lambda x, w: _reference(x, w, transposed, out_dtype, act), x, w)
+    _, pullback = jax.vjp(lambda x, w: _reference(x, w, transposed, out_dtype), x, w)
     return pullback(g)
 
 
@@ -357,28 +309,23 @@ def smem_limit() -> int:
     return _SMEM_BY_CAPABILITY.get((major, minor), _SMEM_UNKNOWN_GPU)
 
 
-def smem_bytes(M: int, blocks: Blocks, itemsize: int = 2, *, x_parts: int = 0, folded: bool = False,
-               x_itemsize: int | None = None) -> int:
-    """An upper bound on the shared memory Triton gives one program of these blocks.
-
-    The variants: plain (x [M, K] in W's dtype, `itemsize`), fused (x is `x_parts` float32 split-K
-    partials, summed per tile) and folded (`folded`: x is gate | up, two tiles per step, each maybe
-    partials); `x_itemsize` for a plain x of another dtype.
+def smem_bytes(M: int, blocks: Blocks, itemsize: int = 2, *, x_itemsize: int | None = None) -> int:
+    """An upper bound on the shared memory Triton gives one program of these blocks: W (and x) of
+    `itemsize` bytes an element, or x of `x_itemsize`.
 
     Triton's software pipeline keeps copies of every tile the K loop loads: num_stages - 1 of a tile
     that only feeds arithmetic, and one more of a tile the (asynchronous, on sm_90) tensor-core
-    product reads straight from shared memory. So: `stages` copies of the W tile and of a plain x
-    tile; max(stages - 1, 1) copies of fused or folded x tiles, plus the computed [BM, BK] operand
-    staged for the product. This bounds the two products that Triton refused on an H200 (llama 1B's
-    folded down projection of four partials at 16 rows: 491,520 bytes asked; SmolLM2's of two
-    partials at 64 rows: 458,752). The epilogue's layout change of the [BM, BN] float32 result
-    reuses the loop's buffers, so it counts only where it is larger."""
+    product reads straight from shared memory. So: `stages` copies of the W tile and of an x tile
+    of W's dtype; max(stages - 1, 1) copies of an x tile that is converted first (another dtype, or
+    fma's row vector), plus the converted [BM, BK] operand staged for the product. The epilogue's
+    layout change of the [BM, BN] float32 result reuses the loop's buffers, so it counts only where
+    it is larger."""
     bn, bk, _, _, stages = blocks[:5]
     fma = len(blocks) > 5 and bool(blocks[5]) and M == 1
     bm = 1 if fma else _pad_rows(M)  # fma: the row is a [BK] vector
-    x_item = 4 if x_parts else (x_itemsize or itemsize)
-    x_tile = bm * bk * x_item * max(x_parts, 1) * (2 if folded else 1)
-    computed = bool(x_parts) or folded or x_item != itemsize or fma
+    x_item = x_itemsize or itemsize
+    x_tile = bm * bk * x_item
+    computed = x_item != itemsize or fma
     if computed:
         x_bytes = max(stages - 1, 1) * x_tile + (0 if fma else bm * bk * itemsize)
     else:
@@ -390,23 +337,24 @@ def smem_bytes(M: int, blocks: Blocks, itemsize: int = 2, *, x_parts: int = 0, f
 MIN_BLOCK_K = 16  # the tensor cores' K step for 16-bit inputs: no smaller tile
 
 
-def fit_blocks(M: int, blocks: Blocks, itemsize: int = 2, *, limit: int | None = None, **variant) -> Blocks:
-    """`blocks` within `limit` bytes of shared memory (default: this card's, `smem_limit`) for the
-    variant (`smem_bytes`' keywords): fewer stages first (down to 1; the cheaper loss, K stays in as
+def fit_blocks(M: int, blocks: Blocks, itemsize: int = 2, *, limit: int | None = None,
+               x_itemsize: int | None = None) -> Blocks:
+    """`blocks` within `limit` bytes of shared memory (default: this card's, `smem_limit`) for
+    these dtypes (`smem_bytes`'): fewer stages first (down to 1; the cheaper loss, K stays in as
     many tiles), then BK halved (down to MIN_BLOCK_K). Blocks that fit come back unchanged."""
     limit = smem_limit() if limit is None else limit
     bn, bk, split, warps, stages = blocks[:5]
     fma = len(blocks) > 5 and bool(blocks[5])
-    fits = lambda st, k: smem_bytes(M, Blocks(bn, k, split, warps, st, fma), itemsize, **variant) <= limit  # noqa: E731
-    if fits(stages, bk):
+    need = lambda st, k: smem_bytes(M, Blocks(bn, k, split, warps, st, fma), itemsize,  # noqa: E731
+                                    x_itemsize=x_itemsize)
+    if need(stages, bk) <= limit:
         return blocks
-    while stages > 1 and not fits(stages, bk):
+    while stages > 1 and need(stages, bk) > limit:
         stages -= 1
-    while bk > MIN_BLOCK_K and not fits(stages, bk):
+    while bk > MIN_BLOCK_K and need(stages, bk) > limit:
         bk //= 2
-    if not fits(stages, bk):
-        raise ValueError(f"matvec: blocks {tuple(blocks)} at {M} rows need "
-                         f"{smem_bytes(M, Blocks(bn, bk, split, warps, stages, fma), itemsize, **variant)} bytes of "
+    if need(stages, bk) > limit:
+        raise ValueError(f"matvec: blocks {tuple(blocks)} at {M} rows need {need(stages, bk)} bytes of "
                          f"shared memory even at 1 stage and BK {bk}; the card has {limit}")
     return Blocks(bn, bk, split, warps, stages, fma)
 
@@ -425,18 +373,6 @@ def tuning_key(M: int, K: int, N: int, transposed: bool, dtype) -> str:
     """Rows bucket (1, or the padded tile of 16 / 32 / 64), K, N, layout and dtype."""
     rows = 1 if M == 1 else _pad_rows(M)
     return f"{rows}x{K}x{N}{'t' if transposed else ''}:{jnp.dtype(dtype).name}"
-
-
-def fuse_products() -> bool:
-    """$JSPEC_FUSE_PRODUCTS (read when a program is traced): "1" lets split-K partials go unsummed
-    to the next kernel and folds the MLP's activation into the down projection; "0" (default)
-    sums every product and applies the activation in XLA. Opt-in until a GPU run has compiled and
-    timed the fused kernels (they are tested against the portable path in interpret mode only);
-    `bench_shapes.py --variants fused` is the A/B row that decides the default."""
-    value = os.environ.get("JSPEC_FUSE_PRODUCTS", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"JSPEC_FUSE_PRODUCTS={value!r}: expected 0 or 1")
-    return value == "1"
 
 
 def matmul_choice() -> str:
@@ -467,18 +403,6 @@ def pick_blocks(M: int, K: int, N: int, *, transposed: bool, dtype=jnp.bfloat16,
     if hit:  # (measured on this card, but maybe at fewer rows, or before its shared memory was checked)
         return fit_blocks(M, Blocks(*hit["blocks"]), jnp.dtype(dtype).itemsize)
     return default_blocks(M, K, N, transposed=transposed)
-
-
-
-def fold_activation(M: int, F: int, D: int, *, dtype=jnp.bfloat16) -> bool:
-    """Whether a gated MLP's down projection [F, D] (run by the kernel) should read gate | up and
-    apply the activation itself (`matvec(activation=...)`): yes, one kernel fewer and no [M, F]
-    round trip, unless the tuning table's entry for this product measured otherwise
-    ("fold_activation": false, from bench_shapes --parts tune)."""
-    if not fuse_products():
-        return False
-    hit = _tuning_table(card_name()).get(tuning_key(M, F, D, False, dtype))
-    return bool(hit.get("fold_activation", True)) if hit else True
 
 
 def candidate_blocks(M: int, K: int, N: int, *, transposed: bool, sms: int | None = None) -> list[Blocks]:
