@@ -213,7 +213,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def _activation(cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    return MV.activation(cfg.mlp_activation)(x)
+    """The gated MLP's activation (cfg.mlp_activation): "silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
+    if cfg.mlp_activation == "gelu_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    if cfg.mlp_activation == "silu":
+        return jax.nn.silu(x)
+    raise ValueError(f"mlp activation {cfg.mlp_activation!r}: expected silu or gelu_tanh")
 
 
 def attention_mask(

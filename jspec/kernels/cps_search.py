@@ -12,7 +12,7 @@ Measured on an H200 (batch 1, K = 16, C = 7, W = 3, a 49,152-token vocabulary; r
 whole CPS call (lattice + proxy lookups + search) cost 132.5 µs with the portable search and 80.6
 µs with this kernel; the lattice alone costs 32.5 µs and the plain argmax 11.3 µs; 20 of 20 paths
 were identical. The positions are a loop, not unrolled: a first, unrolled kernel made every CPS
-program compile about 85 s longer; with the loop a whole DiffuSpec program compiles in 6-7 s,
+program compile about 85 s longer; with the loop a whole DiffuSpec program compiles in 3-10 s,
 as with the portable search. With the kernel, CPS + ADL beat the per-position argmax on all 80
 MT-Bench questions at batch 1 (1.62x against 1.58x AR), where the portable search lost (1.54x
 against 1.59x). DiffuSpecDrafter's default `cps_search="auto"` runs this kernel wherever the

@@ -75,16 +75,6 @@ def _pad_rows(m: int) -> int:
     return max(16, 1 << (m - 1).bit_length())
 
 
-def activation(name: str):
-    """The gated MLP's activation by name (ModelConfig.mlp_activation): "silu" (SwiGLU) or
-    "gelu_tanh" (GeGLU)."""
-    if name == "gelu_tanh":
-        return functools.partial(jax.nn.gelu, approximate=True)
-    if name == "silu":
-        return jax.nn.silu
-    raise ValueError(f"mlp activation {name!r}: expected silu or gelu_tanh")
-
-
 def _load(ref_at, mask):
     """A masked load (masked-off elements read as 0); mask None: every element is in bounds."""
     return plgpu.load(ref_at) if mask is None else plgpu.load(ref_at, mask=mask, other=0)

@@ -60,6 +60,7 @@ PAPER_CPS = {"tau": 0.8, "m_max": 15, "beam": 3, "lam": 0.5, "objective": "logpr
 # the paper's rule's 2.00 and the argmax's 2.18 on the 48 lambda was chosen on (0.7 over 0.5's
 # 2.18 and 0.9's 2.27), and 2.08 against 1.86 and 2.04 on the next 48.
 LIBRARY_CPS = {"tau": 0.8, "m_max": 6, "beam": 3, "lam": 0.7, "objective": "expected", "eos_stop": False}
+CPS_SEARCHES = ("auto",) + cps_search.IMPLS  # "auto": the one-kernel search where the model's GPU kernels run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,8 +323,9 @@ class DiffuSpecDrafter:
             raise DrafterError(f"diffuspec steps must be >= 1, got {self.steps}")
         if self.objective not in cps_search.OBJECTIVES:
             raise DrafterError(f"diffuspec objective {self.objective!r}: choose {' or '.join(cps_search.OBJECTIVES)}")
-        if self.cps_search not in ("auto",) + cps_search.IMPLS:
-            raise DrafterError(f"diffuspec cps_search {self.cps_search!r}: choose auto, {' or '.join(cps_search.IMPLS)}")
+        if self.cps_search not in CPS_SEARCHES:
+            raise DrafterError(f"diffuspec cps_search {self.cps_search!r}: choose {', '.join(CPS_SEARCHES[:-1])} or "
+                               f"{CPS_SEARCHES[-1]}")
         if self.sampling_q not in ("l2r", "point"):
             raise DrafterError(f"diffuspec sampling_q {self.sampling_q!r}: choose l2r or point")
         if self.cps and not tcfg.eos_token_ids:
