@@ -251,3 +251,16 @@ def test_shipped_tuning_fits_its_cards_unchanged():
             itemsize = jnp.dtype(dtype).itemsize
             assert MV.smem_bytes(int(rows), blocks, itemsize) <= H200_SMEM, (card, key)
             assert MV.fit_blocks(int(rows), blocks, itemsize, limit=H200_SMEM) == blocks
+
+
+def test_untuned_row_counts_take_the_next_larger_tuned_entry():
+    key = lambda rows, N: MV.tuning_key(rows, 4096, N, False, jnp.bfloat16)  # noqa: E731
+    table = {key(1, 4096): {"blocks": [64, 128, 4, 4, 4]}, key(64, 4096): {"blocks": [128, 128, 2, 4, 4]},
+             key(32, 8192): {"blocks": [64, 256, 1, 4, 3]}, key(64, 8192): {"blocks": [128, 128, 1, 4, 4]}}
+    entry = lambda M, N: MV.tuned_entry(table, M, 4096, N, False, jnp.bfloat16)  # noqa: E731
+    assert entry(1, 4096)["blocks"] == [64, 128, 4, 4, 4]  # its own bucket
+    assert entry(8, 4096)["blocks"] == entry(16, 4096)["blocks"] == [128, 128, 2, 4, 4]  # 16-row bucket: the 64's
+    assert entry(8, 8192)["blocks"] == [64, 256, 1, 4, 3]  # the nearest larger one
+    assert entry(64, 8192)["blocks"] == [128, 128, 1, 4, 4]
+    assert entry(1, 8192) is None  # one row never borrows a multi-row tile's blocks
+    assert entry(8, 2048) is None
