@@ -674,7 +674,7 @@ def main(argv=None):
     if unknown:
         ap.error(f"--variants: unknown {', '.join(sorted(unknown))}; expected some of auto, xla, cublas")
     tune_rows = tuple(int(r) for r in args.tune_rows.split(",") if r.strip().isdigit())
-    if not tune_rows or set(tune_rows) - {1, 16, 32, 64}:
+    if not tune_rows or set(tune_rows) - {1, *MV.TUNED_ROW_BUCKETS}:
         ap.error(f"--tune-rows {args.tune_rows!r}: expected a comma-separated subset of 1, 16, 32, 64")
     products = args.products.split(",") if args.products else None
     known = {"wqkv", "wo", "w_gate_up", "w_down", "lm_head"}

@@ -378,8 +378,10 @@ def tuned_entry(table: dict, M: int, K: int, N: int, transposed: bool, dtype) ->
     hit = table.get(tuning_key(M, K, N, transposed, dtype))
     if hit or M == 1:
         return hit
-    larger = (rows for rows in TUNED_ROW_BUCKETS if rows > _pad_rows(M))
-    return next((table[k] for k in (tuning_key(rows, K, N, transposed, dtype) for rows in larger) if k in table), None)
+    for rows in TUNED_ROW_BUCKETS:
+        if rows > _pad_rows(M) and (hit := table.get(tuning_key(rows, K, N, transposed, dtype))):
+            return hit
+    return None
 
 
 def matmul_choice() -> str:
@@ -393,8 +395,8 @@ def pick_blocks(M: int, K: int, N: int, *, transposed: bool, dtype=jnp.bfloat16,
                 in_place: bool = False) -> Blocks | None:
     """The kernel's blocks for this card and product, or None where XLA's dot is the better choice.
 
-    A table entry (measured by bench_shapes --parts tune) gives the best blocks and whether XLA's
-    dot on a weight buffer of its own was faster. `in_place`: the weight is one layer of a stacked
+    A table entry (`tuned_entry`; measured by bench_shapes --parts tune) gives the best blocks and
+    whether XLA's dot on a weight buffer of its own was faster. `in_place`: the weight is one layer of a stacked
     array, which XLA would first copy out (about 2.3x slower at 8B shapes), so the kernel is used
     whatever XLA's own-buffer time. Without an entry: `default_blocks`, except that XLA's dot
     serves matrices below MIN_ELEMENTS (launch-bound) at more than one row. At one row XLA lowers
@@ -407,7 +409,7 @@ def pick_blocks(M: int, K: int, N: int, *, transposed: bool, dtype=jnp.bfloat16,
     hit = tuned_entry(_tuning_table(card_name()), M, K, N, transposed, dtype)
     if choice == "auto" and not in_place and (hit.get("xla_faster") if hit else K * N < MIN_ELEMENTS and M > 1):
         return None
-    if hit:  # (measured on this card, but maybe at fewer rows, or before its shared memory was checked)
+    if hit:  # (measured on this card, but maybe at other rows, or before its shared memory was checked)
         return fit_blocks(M, Blocks(*hit["blocks"]), jnp.dtype(dtype).itemsize)
     return default_blocks(M, K, N, transposed=transposed)
 
