@@ -24,32 +24,13 @@ import numpy as np
 
 from jspec import model as M
 from jspec.decode import pack_prompts
-from jspec.sampling import Sampling, logprobs
+from jspec.sampling import Sampling
+from jspec.scoring import completion_logprobs
 from jspec.speculative.engines.chain import speculative_generate_jit
 from jspec.speculative.factory import build_drafter
 from jspec.speculative.policies import resolve_policy
 
 T1 = Sampling(temperature=1.0)
-
-
-def completion_logprobs(params, cfg, prompts, prompt_lens, completions, n_new, sampling=T1):
-    """log p_target(completion token t | prompt, earlier tokens) [B, N], 0 past each row's end.
-
-    One teacher-forced forward over prompt + completion (right-padded rows of different lengths):
-    the logits at position prompt_len + t - 1 score completion token t."""
-    B, P = prompts.shape
-    N = completions.shape[1]
-    t = jnp.arange(N)[None]
-    valid = t < n_new[:, None]
-    seq = jnp.zeros((B, P + N), jnp.int32).at[:, :P].set(jnp.where(jnp.arange(P)[None] < prompt_lens[:, None], prompts, 0))
-    dst = jnp.where(valid, prompt_lens[:, None] + t, P + N)  # past the end: dropped
-    seq = seq.at[jnp.arange(B)[:, None], dst].set(jnp.maximum(completions, 0), mode="drop")
-    cache = M.init_cache(cfg, B, P + N, params["embed"].dtype)
-    hidden = M.forward(params, cfg, seq, cache).hidden  # causal: padding after a row never leaks back
-    pos = jnp.clip(prompt_lens[:, None] + t - 1, 0, P + N - 1)
-    logits = M.lm_head(params, cfg, jnp.take_along_axis(hidden, pos[..., None], axis=1))  # [B, N, V]
-    lp = jnp.take_along_axis(logprobs(logits, sampling), jnp.maximum(completions, 0)[..., None], axis=-1)[..., 0]
-    return jnp.where(valid, lp, 0.0)
 
 
 def make_rollout_step(cfg, drafter, *, k_max: int, max_new: int, cache_len: int, policy="static", rows=None):

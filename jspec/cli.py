@@ -386,7 +386,8 @@ def cmd_generate(a) -> int:
             costs = load_costs(a.model if a.model in list_presets() else None, models_dir=str(models_dir()))
             rows = min(a.batch_size or len(prompts), len(prompts))  # rows in flight
             plan = plan_for(drafter, costs, batch=rows, k_cap=spec.k_max, tree=spec.tree,
-                            context=mean_context([len(p) for p in prompts], a.max_new_tokens), prompts=prompts)
+                            context=mean_context([len(p) for p in prompts], a.max_new_tokens), prompts=prompts,
+                            sampling=sampling)
             print(f"[jspec] auto plan ({costs.get('card', '?')} costs, {rows} row(s)): {plan.describe()}, "
                   f"expected {plan.gain:.2f}x plain decoding", file=sys.stderr)
             spec = spec.replace(policy=plan)

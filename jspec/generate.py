@@ -184,7 +184,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
     if drafter is not None and (policy == "auto" or isinstance(policy, AutoPlan)):  # batch-aware budget
         drafter, policy, k_max, tree = auto_budget(policy, drafter, rows[0] if rows else len(prompts), k_max, tree,
                                                    context=mean_context([len(p) for p in prompts], max_new_tokens),
-                                                   prompts=prompts)
+                                                   prompts=prompts, sampling=sampling)
         if getattr(drafter, "block", False) and drafter.k_max != k_max:  # a block drafter drafts the planned k
             drafter = dataclasses.replace(drafter, k_max=k_max)
         autotune = False

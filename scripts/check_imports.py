@@ -25,7 +25,7 @@ LAYERS = [
     ["jspec", "jspec.cards", "jspec.config", "jspec.sampling", "jspec.sharding", "jspec.kernels", "jspec.checkpoint", "jspec.checkpoint.errors",
      "jspec.checkpoint.layout", "jspec.refill"],
     ["jspec.model"],
-    ["jspec.decode"],
+    ["jspec.decode", "jspec.scoring"],
     ["jspec.heads"],
     ["jspec.checkpoint.gguf_io", "jspec.checkpoint.hf", "jspec.checkpoint.orbax_io", "jspec.checkpoint.eagle_format",
      "jspec.checkpoint.draft_format", "jspec.checkpoint.synthetic",

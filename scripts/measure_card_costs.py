@@ -12,6 +12,7 @@ a table of the same version already there):
     python3 scripts/measure_card_costs.py --batch 16 --out /tmp/b16.json     # one batch size elsewhere
     python3 scripts/measure_card_costs.py --merge /tmp/b*.json --out models/smollm2-135m-instruct/round_cost_<card>.json
     python3 scripts/measure_card_costs.py --context 2048 --gpus 4    # add context_us (long-prompt slopes) to the table
+    python3 scripts/measure_card_costs.py --sampled 1.0 --batch 1 16 # add sampled_us (what sampling adds) to the table
 
 The shape is SmolLM2-135M's with an EAGLE-3 head (the shipped preset's drafter).
 """
@@ -33,7 +34,9 @@ import jax.numpy as jnp
 
 from jspec import model as M
 from jspec.local_gpus import gpu_ids
-from jspec.bench.round_cost import CONTEXT_BASE, load_card_costs, measure_batch_costs, measure_context_costs, save_card_costs
+from jspec.bench.round_cost import (CONTEXT_BASE, load_card_costs, measure_batch_costs, measure_context_costs, sampled_us,
+                                    save_card_costs)
+from jspec.sampling import Sampling
 from jspec.speculative.policies.auto import cost_table_path
 from jspec.config import ModelConfig
 from jspec.heads import eagle as H
@@ -80,6 +83,9 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=0,
                     help="measure only the long-context slopes (context_us) against a cache of this many tokens and "
                          "add them to the table at --out (e.g. 2048)")
+    ap.add_argument("--sampled", type=float, default=0.0, metavar="T",
+                    help="measure only what sampling at temperature T adds to AR steps, chain and tree rounds "
+                         "(sampled_us) and add it to the table at --out (e.g. 1.0)")
     args = ap.parse_args(argv)
     if args.out is None:
         args.out = str(cost_table_path(args.preset))
@@ -99,9 +105,14 @@ def main(argv=None) -> None:
     tparams = M.init_params(SMOLLM2, jax.random.PRNGKey(0), dtype)
     hcfg = H.HeadConfig("eagle3", SMOLLM2, draft_vocab_size=args.draft_vocab, attention_window=shipped_head_window())
     hparams = H.init_head(hcfg, jax.random.PRNGKey(1), dtype)
-    costs: dict = (load_card_costs(Path(args.out)) or {}) if args.context else {}
+    costs: dict = (load_card_costs(Path(args.out)) or {}) if (args.context or args.sampled) else {}
     for batch in args.batch:  # saved after each batch size: a killed run keeps what it measured
-        if args.context:  # only the context slopes, added to the table already there
+        if args.sampled:  # only sampling's extra cost, added to the table already there
+            extra = sampled_us(tparams, SMOLLM2, EagleDrafter(hcfg), hparams, batch=batch,
+                               sampling=Sampling(temperature=args.sampled), reps=args.reps)
+            for kind, us in extra.items():
+                costs.setdefault("sampled_us", {}).setdefault(kind, {})[str(batch)] = round(max(us, 0.0), 1)
+        elif args.context:  # only the context slopes, added to the table already there
             measure_context_costs(costs, tparams, SMOLLM2, EagleDrafter(hcfg), hparams, batch=batch, context=args.context,
                                   tree=TreeConfig(), reps=args.reps)
         else:

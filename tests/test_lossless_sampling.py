@@ -30,7 +30,8 @@ j = K tests bonus tokens alone.
 Drafters differ from the target and are accepted at every position: a noised copy of the target
 as a draft model (chain, static K = 3, top-p sampling), and a perturbed EAGLE-1 head built from
 the target's own layer (chain with the max-confidence draft length, K <= 3; EAGLE-2 tree of depth
-3 with the top-k children rule).
+3 with the top-k children rule), and that head's tree with an n-gram branch beside it (the hybrid,
+top-p 0.9), whose n-gram child often repeats a head child of the root.
 
 Mutation check: the verifier is monkeypatched with mutants made from its own source, one line
 changed each (`MUTANTS`). The patched verifier serves each group of N rows with a different
@@ -51,6 +52,7 @@ top-p would move the run and its expectation together: `test_sampling_law_matche
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import textwrap
@@ -67,11 +69,14 @@ from jspec.generate import SpeculativeConfig, generate
 from jspec.heads import eagle as H
 from jspec.sampling import Sampling, probs
 from jspec.speculative.drafters.eagle import EagleDrafter
+from jspec.speculative.drafters.hybrid import HybridDrafter
 from jspec.speculative.drafters.model import ModelDrafter
+from jspec.speculative.drafters.ngram import NgramDrafter
 from jspec.speculative.engines import chain as chain_engine
 from jspec.speculative.engines import tree as tree_engine
 from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.verify import chain as chain_verify
+from jspec.speculative.verify import sampled_tree as sampled_verify
 from jspec.speculative.verify import tree as tree_verify
 
 CFG = ModelConfig(
@@ -83,7 +88,7 @@ MAX_NEW = 7  # position 0 comes from the prefill, 1..6 from speculative rounds
 K = 3  # chain draft length and tree depth
 TREE = TreeConfig(top_k=3, depth=K, num_nodes=10)
 N = 2000  # rows per verifier variant
-CACHE_LEN = 32
+CACHE_LEN = 40  # the hybrid tree reserves its n-gram branch too
 PASS = 1e-4  # the shipped verifier's p-values must exceed this
 REJECT = 1e-8  # every mutant's p-value must fall below this
 MIN_EXPECTED = 5.0
@@ -158,29 +163,63 @@ def mutant(fn, old: str, new: str):
     return namespace[fn.__name__]
 
 
+# Each mutant: (the function it changes, the line fragment, its replacement); `PATCHED` says where
+# the engines look each function up.
 MUTANTS = {
     "chain": {
         # (a) the bonus token (n = K) drawn from p at position K-1 instead of K
         "bonus_position": (
+            "verify_sampling",
             "p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]",
             "p_n = jnp.take_along_axis(p, jnp.minimum(n, K - 1)[:, None, None], axis=1)[:, 0]",
         ),
         # (b) the residual max(0, p_n - q) always built with the first draft position's q
         "residual_first_q": (
+            "verify_sampling",
             "q_n = jnp.take_along_axis(draft_probs, jnp.minimum(n, K - 1)[:, None, None], axis=1)[:, 0]",
             "q_n = draft_probs[:, 0]",
         ),
     },
-    "tree": {
-        # (a) a depth-K leaf's bonus token drawn from its parent's distribution
+    "tree": {  # deterministic (top-k) children
+        # (a) a depth-K leaf's bonus token taken from its parent's sample (the leaf's own token)
         "bonus_position": (
-            "p = jnp.where(moved[:, None], take_row(probs, node), p)",
-            "p = jnp.where(moved[:, None], take_row(probs, take_row(tree.parent, node) if d == max_depth - 1 else node), p)",
+            "verify_tree_sampling",
+            "return best, n, take_row(target_tokens, best)",
+            "return best, n, take_row(target_tokens, jnp.where(n == max_depth, take_row(tree.parent, best), best))",
         ),
-        # (c) a rejected child removed from p at the root only, not at depth >= 2
-        "sibling_kept": (
-            "p = jnp.where((has & ~take)[:, None],",
-            "p = jnp.where((has & ~take & (d == 0))[:, None],",
+        # (b) every node matched against the root's sample instead of its parent's own
+        "root_sample": (
+            "verify_tree_sampling",
+            "target_tokens = sample(key, logits, sampling)",
+            "target_tokens = jnp.broadcast_to(sample(key, logits[:, :1], sampling), tree.tokens.shape)",
+        ),
+    },
+    "sampled": {  # sampled siblings, recursive rejection without replacement
+        # (a) a leaf's bonus token taken from its parent's sample
+        "bonus_position": (
+            "verify_sampled_tree",
+            "nxt = jnp.where(usable, from_residual, take_row(node_sample, best))",
+            "nxt = jnp.where(usable, from_residual, take_row(node_sample, take_row(tree.parent, best)))",
+        ),
+        # (b) the correction after rejected children drawn from p itself, not the residual
+        "residual_without_q": (
+            "rrsw_residual",
+            "residual = jnp.maximum(p - t[:, None] * q, 0.0)",
+            "residual = p",
+        ),
+        # (d) the residual's mass never updated after the first rejection
+        "stale_mass": (
+            "sibling_acceptance",
+            "mass = jnp.where(ok, mass_next, mass)",
+            "mass = mass",
+        ),
+    },
+    "sampled-hybrid": {
+        # (e) the head's children tested against p with the rejected n-gram child left in
+        "ngram_kept": (
+            "verify_sampled_tree",
+            "p = p.at[:, 0].set(jnp.where(ok0[:, None], root, p[:, 0]))",
+            "p = p",
         ),
     },
 }
@@ -189,12 +228,14 @@ POINT_MASS_MUTANTS = {
     "bonus_position": MUTANTS["chain"]["bonus_position"],
     # (b) the residual (p_n without the rejected token) built with the first draft token
     "residual_first_token": (
+        "verify_sampling",
         "q_n = jax.nn.one_hot(tok_n, p.shape[-1], dtype=p.dtype)",
         "q_n = jax.nn.one_hot(draft_tokens[:, 0], p.shape[-1], dtype=p.dtype)",
     ),
 }
 # The stratum offsets where each bug acts (the mutant must be rejected there too).
-BUG_OFFSETS = {"bonus_position": (K,), "residual_first_q": (1, 2), "residual_first_token": (1, 2), "sibling_kept": (1, 2)}
+BUG_OFFSETS = {"bonus_position": (K,), "residual_first_q": (1, 2), "residual_first_token": (1, 2), "root_sample": (1, 2),
+               "residual_without_q": (0, 1, 2), "stale_mass": (0, 1, 2), "ngram_kept": (0, 1)}
 
 
 def by_row_group(variants, rows_per_group: int):
@@ -203,7 +244,7 @@ def by_row_group(variants, rows_per_group: int):
 
     def verify(*args, **kwargs):
         outs = [v(*args, **kwargs) for v in variants]
-        group = jnp.arange(outs[0][0].shape[0]) // rows_per_group
+        group = jnp.arange(jax.tree.leaves(outs[0])[0].shape[0]) // rows_per_group
 
         def pick(*xs):
             y = xs[0]
@@ -289,32 +330,60 @@ def _model_drafter(tparams) -> SpeculativeConfig:
                              k_max=K)
 
 
-def _eagle_drafter(tparams, **fields) -> SpeculativeConfig:
+def _eagle_drafter(tparams, noise=NOISE, **fields) -> SpeculativeConfig:
     hc, hp = eagle_copy_head(tparams)
-    return SpeculativeConfig(drafter=EagleDrafter(hc), drafter_params=noised(hp, jax.random.PRNGKey(3), NOISE), **fields)
+    return SpeculativeConfig(drafter=EagleDrafter(hc), drafter_params=noised(hp, jax.random.PRNGKey(3), noise), **fields)
 
 
-RUNS = {  # static K for the model drafter and the tree, a dynamic draft length for the EAGLE chain
-    "chain-model": ("chain", _model_drafter, Sampling(temperature=0.9, top_p=0.95)),
-    "chain-eagle": ("chain", functools.partial(_eagle_drafter, k_max=K, policy="confidence"), Sampling(temperature=1.0)),
-    "tree-eagle": ("tree", functools.partial(_eagle_drafter, tree=TREE), Sampling(temperature=1.0)),
+def _hybrid_drafter(tparams, tree, noise=NOISE) -> SpeculativeConfig:
+    hc, hp = eagle_copy_head(tparams)
+    drafter = HybridDrafter(EagleDrafter(hc), NgramDrafter(max_ngram=2))
+    return SpeculativeConfig(drafter=drafter, drafter_params=noised(hp, jax.random.PRNGKey(3), noise), tree=tree)
+
+
+# Sampled children are accepted far more often than top-k ones: a head further from the target
+# leaves rejections (and the residuals after them) common at every rank.
+SAMPLED_NOISE = 0.6
+
+
+TOP_K_TREE = dataclasses.replace(TREE, siblings="top_k")
+RUNS = {  # (drafter, sampling, mutant groups, jitted engine): static K for the model drafter and the trees, a
+    # dynamic draft length for the EAGLE chain; trees with deterministic (top-k) and sampled children, each also
+    # with an n-gram branch beside the head's (the hybrid, top-p 0.9)
+    "chain-model": (_model_drafter, Sampling(temperature=0.9, top_p=0.95), ("chain",), "chain"),
+    "chain-eagle": (functools.partial(_eagle_drafter, k_max=K, policy="confidence"), Sampling(temperature=1.0),
+                    ("chain",), "chain"),
+    "tree-eagle": (functools.partial(_eagle_drafter, tree=TOP_K_TREE), Sampling(temperature=1.0), ("tree",), "tree"),
+    "tree-hybrid": (functools.partial(_hybrid_drafter, tree=TOP_K_TREE), Sampling(temperature=1.0, top_p=0.9),
+                    (), "tree"),  # its mutants are tree-eagle's
+    "sampled-eagle": (functools.partial(_eagle_drafter, tree=TREE, noise=SAMPLED_NOISE), Sampling(temperature=1.0), ("sampled",), "tree"),
+    "sampled-hybrid": (functools.partial(_hybrid_drafter, tree=TREE, noise=SAMPLED_NOISE), Sampling(temperature=1.0, top_p=0.9),
+                       ("sampled-hybrid",), "tree"),  # and sampled-eagle's
 }
-ENGINES = {  # where each engine looks its sampling verifier up, and that verifier
-    "chain": (chain_engine, "verify_sampling", chain_verify.verify_sampling, chain_engine.speculative_generate_jit),
-    "tree": (tree_engine, "verify_tree_sampling", tree_verify.verify_tree_sampling, tree_engine.tree_generate_jit),
+PATCHED = {  # where the engines look each mutated function up, and the shipped function
+    "verify_sampling": (chain_engine, chain_verify.verify_sampling),
+    "verify_tree_sampling": (tree_engine, tree_verify.verify_tree_sampling),
+    "verify_sampled_tree": (tree_engine, sampled_verify.verify_sampled_tree),
+    "sibling_acceptance": (sampled_verify, sampled_verify.sibling_acceptance),
+    "rrsw_residual": (sampled_verify, sampled_verify.rrsw_residual),
 }
+JITTED = {"chain": chain_engine.speculative_generate_jit, "tree": tree_engine.tree_generate_jit}
 
 
 @pytest.fixture(scope="module", params=list(RUNS))
 def run(request, target):
     """{variant name: {"tokens", "probs", "offsets"}} for one engine/drafter, from one jitted call."""
-    engine, speculative, sampling = RUNS[request.param]
-    module, name, shipped, jitted = ENGINES[engine]
-    names = ["shipped"] + list(MUTANTS[engine])
-    variants = [shipped] + [mutant(shipped, *MUTANTS[engine][m]) for m in names[1:]]
+    speculative, sampling, groups, engine = RUNS[request.param]
+    jitted = JITTED[engine]
+    sites = {m: site for group in groups for m, site in MUTANTS[group].items()}
+    names = ["shipped"] + list(sites)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(module, name, by_row_group(variants, N))
-        jitted.clear_cache()  # trace the patched verifier, and leave no patched program behind
+        # every function a mutant changes serves row group g with mutant g's version (the shipped one elsewhere)
+        for fn in {site[0] for site in sites.values()}:
+            module, shipped = PATCHED[fn]
+            variants = [shipped] + [mutant(shipped, *sites[m][1:]) if sites[m][0] == fn else shipped for m in names[1:]]
+            mp.setattr(module, fn, by_row_group(variants, N))
+        jitted.clear_cache()  # trace the patched verifiers, and leave no patched program behind
         try:
             res = generate(target, CFG, [PROMPT] * (N * len(variants)), max_new_tokens=MAX_NEW, sampling=sampling,
                            seed=4, cache_len=CACHE_LEN, speculative=speculative(target))
@@ -412,7 +481,7 @@ def block_pvalue(P, tokens, positions) -> float:
 def test_chain_verifier_block_law(point_mass):
     shipped = chain_verify.verify_sampling
     mutants = POINT_MASS_MUTANTS if point_mass else MUTANTS["chain"]
-    P, groups = chain_block_tokens([shipped] + [mutant(shipped, *mutants[m]) for m in mutants], point_mass)
+    P, groups = chain_block_tokens([shipped] + [mutant(shipped, *mutants[m][1:]) for m in mutants], point_mass)
     tokens = groups[0]
     assert ((tokens >= 0).sum(0) > 5000).all()  # every position, the bonus included, is reached
     for i in range(K + 1):

@@ -105,7 +105,7 @@ def test_verify_tree_sampling_is_lossless():
     logits = jnp.log(jnp.asarray(np.stack([p_root, p_a, other, other]), jnp.float32))
     batch = lambda x: jnp.broadcast_to(x, (n,) + x.shape[1:])
     tree_b = Tree(*(batch(x) for x in (tree.tokens, tree.parent, tree.depth, tree.ancestors, tree.valid)))
-    best, acc, nxt = verify_tree_sampling(jax.random.PRNGKey(0), tree_b, batch(logits[None]), Sampling(temperature=1.0), 2, 2)
+    best, acc, nxt = verify_tree_sampling(jax.random.PRNGKey(0), tree_b, batch(logits[None]), Sampling(temperature=1.0), 2)
     path = np.asarray(path_of(tree_b, best, 2))
     toks = np.asarray(tree_b.tokens)
     acc, nxt = np.asarray(acc), np.asarray(nxt)
@@ -114,6 +114,29 @@ def test_verify_tree_sampling_is_lossless():
     on_a = first == 1
     second = np.where(acc[on_a] >= 2, toks[on_a][:, 3], nxt[on_a])
     np.testing.assert_allclose(np.bincount(second, minlength=V) / on_a.sum(), p_a, atol=0.015)
+
+def test_a_token_two_siblings_share_counts_once():
+    """Two root children carry the same token a, each with its own child (c under the first, d
+    under the second): the second token given the first is a must still follow p_a. Matching both
+    duplicates and keeping the deeper path would favour the drafted children c and d."""
+    V, n = 5, 60000
+    a, c, d = 1, 3, 4
+    tokens = jnp.asarray([[0, a, a, c, d]])
+    parent = jnp.asarray([[0, 0, 0, 1, 2]])
+    depth = jnp.asarray([[0, 1, 1, 2, 2]])
+    tree = Tree(tokens, parent, depth, ancestor_mask(parent, 2), jnp.ones((1, 5), bool))
+    p_root = np.array([0.1, 0.5, 0.1, 0.2, 0.1])
+    p_a = np.array([0.3, 0.1, 0.2, 0.2, 0.2])
+    logits = jnp.log(jnp.asarray(np.stack([p_root, p_a, p_a, np.full(V, 0.2), np.full(V, 0.2)]), jnp.float32))
+    batch = lambda x: jnp.broadcast_to(x, (n,) + x.shape[1:])
+    tree_b = Tree(*(batch(x) for x in (tree.tokens, tree.parent, tree.depth, tree.ancestors, tree.valid)))
+    best, acc, nxt = verify_tree_sampling(jax.random.PRNGKey(1), tree_b, batch(logits[None]), Sampling(temperature=1.0), 2)
+    best, acc, nxt = np.asarray(best), np.asarray(acc), np.asarray(nxt)
+    assert not np.isin(best, [2, 4]).any()  # the second duplicate is never taken
+    first = np.where(acc >= 1, a, nxt)
+    np.testing.assert_allclose(np.bincount(first, minlength=V) / n, p_root, atol=0.01)
+    second = np.where(acc[first == a] >= 2, c, nxt[first == a])
+    np.testing.assert_allclose(np.bincount(second, minlength=V) / (first == a).sum(), p_a, atol=0.01)
 
 # Tree generation's lossless sampling, every position and bonus tokens: test_lossless_sampling.py.
 

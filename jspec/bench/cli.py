@@ -15,6 +15,7 @@ from jspec.bench.harness import RunContext, TimingBarrier, batches_of, benchmark
 from jspec.bench.methods import HFGenerateMethod, JspecMethod, canonical_dtype, load_hf_model
 from jspec.bench.prompts import encode_questions
 from jspec.bench.protocol import ENGINE_KEYS, METHOD_GRAMMAR, PARALLEL_METHODS, MethodSpec, parse_method_specs
+from jspec.bench.law import law_row, law_samples
 from jspec.bench.report import bench_dir, group_tables, write_benchmarks_md, write_rows
 from jspec.heads.hrad import load_hrad
 from jspec.kernels.decode_attention import split_attention
@@ -30,6 +31,7 @@ from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.policies.auto import AutoPlan, mean_context, plan_for
 from jspec.bench.round_cost import VERIFY_TS, attach_profile, ensure_costs, plot_round_cost, profile_method
 from jspec.errors import UsageError
+from jspec.sampling import GREEDY, Sampling
 from jspec.tasks import TASK_NAMES, Question, load_questions_file, load_task
 
 
@@ -88,6 +90,23 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(draft_step_us, verify_us, round_us, ...) to the spec rows (jspec.bench.round_cost)")
     parser.add_argument("--mesh", default=None,
                         help="jspec methods run on several devices: data=N (rows split), model=N (tensor parallel) or both")
+    parser.add_argument("--temperature", default="0",
+                        help="comma list of sampling temperatures, e.g. 0,0.7,1 (0: greedy); each is a group of its own. "
+                             "transformers' methods run greedy only")
+    parser.add_argument("--top-p", default="1", help="comma list of top-p values of the sampled groups (1: off)")
+    parser.add_argument("--top-k", default="0", help="comma list of top-k values of the sampled groups (0: off)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="sampled groups: each batch draws with this seed plus a hash of its prompts (every method "
+                             "alike, every run alike)")
+    parser.add_argument("--law-check", type=int, default=0, metavar="ROWS",
+                        help="sampled groups: also test each method's emitted tokens against AR's law: the first "
+                             "--law-tokens new tokens of the first --law-prompts prompts, ROWS samples each, a two-sample "
+                             "chi-square per position (a row per method, task '<task>:law')")
+    parser.add_argument("--law-prompts", type=int, default=4, help="--law-check: prompts per task (default 4)")
+    parser.add_argument("--law-tokens", type=int, default=8, help="--law-check: new tokens per sample (default 8)")
+    parser.add_argument("--compile-workers", type=int, default=1,
+                        help="methods of a group compiled at once, in threads (XLA compiles with the GIL released); "
+                             "rows record it, since their compile seconds then overlap")
     parser.add_argument("--unroll", type=_unroll_arg, default="auto",
                         help="jspec AR and spec methods: layers per step of the layer scan (generate's unroll): "
                              "auto (every layer unrolled on the GPU kernels' decode/verify path, scanned "
@@ -164,7 +183,39 @@ def check_bench_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
         raise UsageError("--refill applies to --queue (continuous batching)")
     if refill is not None and not 1 <= refill <= min(batches):
         raise UsageError(f"--refill {refill}: expected 1 to the smallest --batch ({min(batches)})")
+    for flag, value, low in (("--law-check", getattr(args, "law_check", 0), 0), ("--law-prompts", getattr(args, "law_prompts", 4), 1),
+                             ("--law-tokens", getattr(args, "law_tokens", 8), 1),
+                             ("--compile-workers", getattr(args, "compile_workers", 1), 1)):
+        if value < low:
+            raise UsageError(f"{flag} must be >= {low}, got {value}")
     return batches, dtypes
+
+
+def samplings(args: argparse.Namespace) -> list[Sampling]:
+    """The sampling settings of the run, one group each: every temperature x top-p x top-k, a
+    temperature of 0 (greedy) once, whatever the others."""
+    def values(flag, text, cast):
+        try:
+            return [cast(t) for t in _str_list(text)]
+        except ValueError:
+            raise UsageError(f"{flag} {text!r}: expected a comma list of numbers") from None
+
+    temps = values("--temperature", getattr(args, "temperature", "0"), float)
+    top_ps = values("--top-p", getattr(args, "top_p", "1"), float)
+    top_ks = values("--top-k", getattr(args, "top_k", "0"), int)
+    if not temps or not top_ps or not top_ks:
+        raise UsageError("--temperature, --top-p and --top-k each need at least one value")
+    out = []
+    for t in temps:
+        for p in ([1.0] if t == 0 else top_ps):
+            for k in ([0] if t == 0 else top_ks):
+                try:
+                    setting = Sampling(temperature=t, top_p=p, top_k=k)
+                except ValueError as e:
+                    raise UsageError(f"--temperature/--top-p/--top-k: {e}") from None
+                if setting not in out:
+                    out.append(setting)
+    return out
 
 
 def _batch_sizes(flag: str, text: str) -> list[int]:
@@ -226,6 +277,12 @@ def reproduce_command(args: argparse.Namespace, dtypes: list[str]) -> str:
         parts += ["--mesh", args.mesh]
     if getattr(args, "unroll", "auto") != "auto":
         parts += ["--unroll", str(args.unroll)]
+    for flag, attr, default in (("--temperature", "temperature", "0"), ("--top-p", "top_p", "1"), ("--top-k", "top_k", "0"),
+                                ("--seed", "seed", 0), ("--law-check", "law_check", 0), ("--law-prompts", "law_prompts", 4),
+                                ("--law-tokens", "law_tokens", 8)):
+        value = getattr(args, attr, default)
+        if value != default:
+            parts += [flag, str(value)]
     return shlex.join(parts)
 
 
@@ -273,21 +330,28 @@ class MethodFactory:
         """A chain method's k_max (its k=, else --k-max, else 8): block drafters (dlm) are built for it."""
         return spec.generate_kwargs(default_k_max=self.args.k_max or 8)["k_max"]
 
-    def supports(self, spec: MethodSpec, batch: int) -> bool:
-        return not (spec.method == "hf" and spec.drafter == "prompt_lookup" and batch != 1)
+    def supports(self, spec: MethodSpec, batch: int, sampling: Sampling = GREEDY) -> bool:
+        if spec.method == "hf":  # transformers' peers run greedy
+            return sampling.greedy and not (spec.drafter == "prompt_lookup" and batch != 1)
+        return True
 
     def auto_plan(self, spec: MethodSpec, params: Any, drafter: Any, dparams: Any, batch: int, context: float | None = None,
-                  prompts: list[list[int]] | None = None):
+                  prompts: list[list[int]] | None = None, sampling: Sampling = GREEDY):
         hybrid = isinstance(drafter, HybridDrafter)
         head = drafter.eagle if hybrid else drafter  # a hybrid's costs are its head's (the n-gram branch costs verify only)
         costs = ensure_costs(params, self.cfg, head, dparams, batch=batch, preset=preset_name(self.args.model),
                              models_dir=self.args.models_dir, tree=isinstance(head, EagleDrafter))
         # the plan a user's generate(policy="auto") makes: the head's own measured acceptance as the prior
         return plan_for(drafter, costs, batch=batch, k_cap=self.args.k_max or 8, tree=TreeConfig() if spec.tree else None,
-                        context=context, prompts=prompts)
+                        context=context, prompts=prompts, sampling=sampling)
+
+    def law_method(self, spec: MethodSpec, dtype: str, sampling: Sampling, tokens: int):
+        """The method as --law-check runs it: the configuration it runs at batch 1 (an `auto` plan
+        for one row), called on many copies of one prompt, `tokens` new tokens each."""
+        return self.build(spec, dtype, 1, sampling=sampling, max_new_tokens=tokens)
 
     def build(self, spec: MethodSpec, dtype: str, batch: int, context: float | None = None,
-              prompts: list[list[int]] | None = None):
+              prompts: list[list[int]] | None = None, sampling: Sampling = GREEDY, max_new_tokens: int | None = None):
         """The method at this batch and dtype; `context`: the task's mean attended context, and
         `prompts` its prompts (token ids; n-gram lookup's acceptance), for `auto` plans."""
         a = self.args
@@ -316,13 +380,14 @@ class MethodFactory:
                 extra["policy_params"] = load_ldlp(str(find_ldlp_weights(spec.drafter, self.args.model)))[0]
             if spec.policy == "auto":  # the budget from this card's measured round costs (cached per card)
                 extra["policy"] = self.auto_plan(spec, params, extra["drafter"], extra["drafter_params"], batch, context,
-                                                 prompts)
+                                                 prompts, sampling)
             constants = self.calibrated_policy(spec)
             if constants is not None:
                 extra["policy"], label = constants
         method = JspecMethod(self.jax_params(dtype), self.cfg, spec, dtype=dtype, batch=batch,
-                             max_new_tokens=a.max_new_tokens, generate_kwargs=extra, queue=getattr(a, "queue", False),
-                             refill=getattr(a, "refill", None))
+                             max_new_tokens=max_new_tokens or a.max_new_tokens, generate_kwargs=extra,
+                             queue=getattr(a, "queue", False),
+                             refill=getattr(a, "refill", None), sampling=sampling, seed=getattr(a, "seed", 0))
         if spec.method == "spec" and spec.policy in CALIBRATED_POLICIES:
             method.policy_constants = label if constants is not None else spec.option_dict.get("constants", "paper")
         if isinstance(extra.get("policy"), AutoPlan):
@@ -348,10 +413,10 @@ class MethodFactory:
 # ---- run ---------------------------------------------------------------------------------------
 
 
-def _total_batches(prompts: dict[str, list], specs, batches, dtypes, factory) -> int:
+def _total_batches(prompts: dict[str, list], specs, batches, dtypes, factory, settings=(GREEDY,)) -> int:
     return sum(
-        len(batches_of(p, b)) * sum(factory.supports(s, b) for s in specs)
-        for p in prompts.values() for b in batches for _ in dtypes
+        len(batches_of(p, b)) * sum(factory.supports(s, b, st) for s in specs)
+        for p in prompts.values() for b in batches for _ in dtypes for st in settings
     )
 
 
@@ -369,6 +434,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
     batches, dtypes = check_bench_args(args)
+    settings = samplings(args)
     specs = parse_method_specs(args.methods)  # every method checked before the model loads
     if getattr(args, "queue", False):
         other = [s.name for s in specs if s.method not in ("ar", "spec")]
@@ -395,25 +461,18 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     else:
         out_dir, rows_file = results_dir(args), "rows.json"
     rows: list[dict[str, Any]] = []
-    with tqdm(total=_total_batches(prompts, specs, batches, dtypes, factory), unit="batch") as progress:
+    total = _total_batches(prompts, specs, batches, dtypes, factory, settings)
+    with tqdm(total=total, unit="batch") as progress:
         for dtype in dtypes:  # outermost: one param copy / HF model per dtype at a time
-            for task, task_prompts in prompts.items():
-                for batch in batches:
-                    skipped = [s.name for s in specs if not factory.supports(s, batch)]
-                    if skipped:
-                        progress.write(f"skipping {', '.join(skipped)} at batch {batch}: transformers runs it at batch 1 only")
-                    context = mean_context([len(p) for p in task_prompts], args.max_new_tokens)
-                    methods = [factory.build(s, dtype, batch, context, task_prompts) for s in specs if factory.supports(s, batch)]
-                    group = benchmark_group(ctx, methods, task_prompts, task=task, progress=progress, min_timed_s=args.min_timed_s,
-                                            barrier=barrier)
-                    for row in group:
-                        if row["method"] in ("ar", "spec"):
-                            row["unroll"] = getattr(args, "unroll", "auto")
-                            row["split_attention"] = split_attention()  # $JSPEC_SPLIT_ATTENTION: long caches' keys split
-                    if batch in _int_list(args.round_cost):
-                        add_round_costs(group, methods, batch, progress)
-                    rows += group
-                    write_rows(out_dir / rows_file, rows)  # after every group: a killed run keeps its rows
+            for sampling in settings:
+                for task, task_prompts in prompts.items():
+                    for batch in batches:
+                        rows += run_group(args, ctx, factory, specs, dtype, sampling, task, task_prompts, batch, barrier,
+                                          progress)
+                        write_rows(out_dir / rows_file, rows)  # after every group: a killed run keeps its rows
+                    if not sampling.greedy and getattr(args, "law_check", 0):
+                        rows += law_rows(args, ctx, factory, specs, dtype, sampling, task, task_prompts, progress)
+                        write_rows(out_dir / rows_file, rows)
 
     print(group_tables(rows))
     print(f"rows: {out_dir / rows_file}")
@@ -431,6 +490,44 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         (out_dir / "table.md").write_text(group_tables(rows))
         print(f"table: {out_dir / 'table.md'}")
     return rows
+
+
+def run_group(args, ctx, factory, specs, dtype, sampling, task, task_prompts, batch, barrier, progress) -> list[dict[str, Any]]:
+    """The rows of one group: every method at one dtype, sampling, task and batch size, in one process."""
+    skipped = [s.name for s in specs if not factory.supports(s, batch, sampling)]
+    if skipped:
+        why = "transformers' peers run greedy" if not sampling.greedy else "transformers runs it at batch 1 only"
+        progress.write(f"skipping {', '.join(skipped)} at batch {batch}: {why}")
+    context = mean_context([len(p) for p in task_prompts], args.max_new_tokens)
+    methods = [factory.build(s, dtype, batch, context, task_prompts, sampling) for s in specs
+               if factory.supports(s, batch, sampling)]
+    group = benchmark_group(ctx, methods, task_prompts, task=task, progress=progress, min_timed_s=args.min_timed_s,
+                            barrier=barrier, compile_workers=getattr(args, "compile_workers", 1))
+    for row in group:
+        if row["method"] in ("ar", "spec"):
+            row["unroll"] = getattr(args, "unroll", "auto")
+            row["split_attention"] = split_attention()  # $JSPEC_SPLIT_ATTENTION: long caches' keys split
+    if batch in _int_list(args.round_cost):
+        add_round_costs(group, methods, batch, progress)
+    return group
+
+
+def law_rows(args, ctx, factory, specs, dtype, sampling, task, task_prompts, progress) -> list[dict[str, Any]]:
+    """--law-check: each jspec method's first new tokens against AR's law (jspec.bench.law), one row per method."""
+    chosen = task_prompts[: args.law_prompts]
+    jspec_specs = [s for s in specs if s.method in ("ar", "spec") + PARALLEL_METHODS]
+    ar = next((s for s in jspec_specs if s.method == "ar"), None) or MethodSpec("ar")
+    out = []
+    reference = None
+    for spec in [ar] + [s for s in jspec_specs if s.method != "ar"]:
+        progress.write(f"law check {spec.name} ({sampling}): {args.law_check} samples of {len(chosen)} prompts")
+        samples = law_samples(factory.law_method(spec, dtype, sampling, args.law_tokens), chosen, args.law_check,
+                              args.law_tokens, seed=getattr(args, "seed", 0) + (0 if spec is ar else 1))
+        if reference is None:
+            reference = samples
+            continue
+        out.append(law_row(ctx, spec, dtype, sampling, task, samples, reference, args.law_tokens))
+    return out
 
 
 def add_round_costs(rows: list[dict[str, Any]], methods: list, batch: int, progress) -> None:

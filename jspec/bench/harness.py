@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+from concurrent.futures import ThreadPoolExecutor
 import os
 import sys
 import time
@@ -48,6 +49,7 @@ class MethodRun:
     compile_s: float
     peak_mem_bytes: int | None
     timed_passes: int = 1
+    compile_workers: int = 1
 
     @property
     def outputs(self) -> list[list[int]]:
@@ -132,10 +134,27 @@ class TimingBarrier:
         return True
 
 
+def prepare_all(methods: Sequence[Method], groups, progress=None, workers: int = 1) -> list[float]:
+    """Each method's untimed warm-up (its compiles), in seconds. With workers > 1 that many
+    methods warm up at once in threads: XLA compiles with the GIL released, so a host's cores
+    serve several programs (a method's compile seconds then overlap others'; rows say so)."""
+    if workers <= 1 or len(methods) <= 1:
+        out = []
+        for m, g in zip(methods, groups):
+            if progress is not None:
+                progress.set_description(f"{m.name} b{m.batch} {m.dtype} (compile)")
+            out.append(_prepare(m, g))
+        return out
+    if progress is not None:
+        progress.set_description(f"{len(methods)} methods (compile, {workers} at a time)")
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(_prepare, methods, groups))
+
+
 def run_methods(methods: Sequence[Method], prompts: Sequence[Sequence[int]], progress=None, *,
                 min_timed_s: float = 0.0, max_passes: int = MAX_TIMED_PASSES,
-                barrier: TimingBarrier | None = None) -> list[MethodRun]:
-    """Prepare every method (untimed), then time whole passes over the prompts, the methods
+                barrier: TimingBarrier | None = None, compile_workers: int = 1) -> list[MethodRun]:
+    """Prepare every method (untimed; `prepare_all`), then time whole passes over the prompts, the methods
     taking turns pass by pass.
 
     A fast method's pass can take about a second (batch 32), where the clock, the GPU's clocks
@@ -146,11 +165,7 @@ def run_methods(methods: Sequence[Method], prompts: Sequence[Sequence[int]], pro
     # a queue method (continuous batching) serves every prompt in one call, `batch` rows in flight
     groups = [[([list(p) for p in prompts], len(prompts))] if getattr(m, "queue", False) else batches_of(prompts, m.batch)
               for m in methods]
-    compile_s = []
-    for m, g in zip(methods, groups):
-        if progress is not None:
-            progress.set_description(f"{m.name} b{m.batch} {m.dtype} (compile)")
-        compile_s.append(_prepare(m, g))
+    compile_s = prepare_all(methods, groups, progress, compile_workers)
     if barrier is not None:
         barrier.wait()
     passes: list[list[list[tuple[float, list[RowResult]]]]] = [[] for _ in methods]
@@ -171,7 +186,7 @@ def run_methods(methods: Sequence[Method], prompts: Sequence[Sequence[int]], pro
     runs = []
     for m, mp, c, pk in zip(methods, passes, compile_s, peak):
         batches = [TimedBatch(float(np.median([p[b][0] for p in mp])), mp[0][b][1]) for b in range(len(mp[0]))]
-        runs.append(MethodRun(m, batches, c, pk, len(mp)))
+        runs.append(MethodRun(m, batches, c, pk, len(mp), min(compile_workers, len(methods))))
     return runs
 
 
@@ -198,6 +213,8 @@ def make_row(
 ) -> dict[str, Any]:
     m = run.method
     tps = metrics.tokens_per_s(run.batches)
+    sampling = getattr(m, "sampling", None)
+    sampled = sampling is not None and not sampling.greedy
     return {
         "card": ctx.card,
         "jax_version": ctx.jax_version,
@@ -225,12 +242,17 @@ def make_row(
         "acceptance_rate": metrics.acceptance_rate(run.batches),
         "rollback_rate": metrics.rollback_rate(run.batches),  # parallel engines only
         "draft_tokens_per_round": metrics.draft_tokens_per_round(run.batches),
-        "greedy_identical_to_ar": (
-            metrics.greedy_identical_fraction(run.outputs, ar_run.outputs) if ar_run else None
+        "greedy_identical_to_ar": (  # sampled rows: the law check's rows test losslessness instead
+            metrics.greedy_identical_fraction(run.outputs, ar_run.outputs) if ar_run and not sampled else None
         ),
+        "temperature": sampling.temperature if sampled else 0.0,
+        "top_p": sampling.top_p if sampled else 1.0,
+        "top_k": sampling.top_k if sampled else 0,
+        "seed": getattr(m, "seed", None) if sampled else None,  # batch seeds: seed + a hash of the batch's prompts
         "mean_new_tokens": sum(map(len, run.outputs)) / len(run.outputs),
         "peak_mem_bytes": run.peak_mem_bytes,
         "compile_s": run.compile_s,
+        "compiled_with": getattr(run, "compile_workers", 1),  # methods warmed up at once (their compile seconds overlap)
         "timed_passes": run.timed_passes,
         "accepted_length_hist": metrics.accepted_length_histogram(run.batches),
         "trace": first_trace(run),
@@ -252,6 +274,7 @@ def benchmark_group(
     progress=None,
     min_timed_s: float = 0.0,
     barrier: TimingBarrier | None = None,
+    compile_workers: int = 1,
 ) -> list[dict[str, Any]]:
     """Rows for methods sharing one batch size and dtype. The AR method (if any) runs first so the
     others can be compared against it; plain HF generate is the second reference. min_timed_s:
@@ -260,7 +283,7 @@ def benchmark_group(
     if len(shapes) > 1:
         raise ValueError(f"one group must share batch and dtype, got {sorted(shapes)}")
     ordered = sorted(methods, key=lambda m: (m.method != "ar", not _is_plain_hf(m)))
-    runs = run_methods(ordered, prompts, progress, min_timed_s=min_timed_s, barrier=barrier)
+    runs = run_methods(ordered, prompts, progress, min_timed_s=min_timed_s, barrier=barrier, compile_workers=compile_workers)
     ar_run = next((r for r in runs if r.method.method == "ar"), None)
     hf_run = next((r for r in runs if _is_plain_hf(r.method)), None)
     return [make_row(ctx, r, task=task, ar_run=ar_run, hf_run=hf_run) for r in runs]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import zlib
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 from jspec.bench.protocol import PARALLEL_METHODS, MethodSpec, RowResult
 from jspec.decode import bucket
 from jspec.generate import SpeculativeConfig, generate
+from jspec.sampling import GREEDY, Sampling
 from jspec.speculative.engines.pearl import DATA_AXIS as PAIR_AXIS, parse_role_mesh
 from jspec.sharding import mesh_label, parse_mesh, replicate, shard_params
 
@@ -74,6 +76,8 @@ class JspecMethod:
         generate_fn: Callable[..., Any] | None = None,
         queue: bool = False,
         refill: int | None = None,
+        sampling: Sampling = GREEDY,
+        seed: int = 0,
     ):
         if spec.method not in ("ar", "spec") + PARALLEL_METHODS:
             raise ValueError(f"JspecMethod runs 'ar', 'spec' or {', '.join(PARALLEL_METHODS)}, not {spec.method!r}")
@@ -83,6 +87,8 @@ class JspecMethod:
         self.dtype, self.batch, self.max_new_tokens = dtype, batch, max_new_tokens
         # queue: `batch` rows in flight over every prompt of a run (continuous batching), one call
         self.queue, self.refill = queue, refill
+        # sampled runs: each batch draws with seed + a hash of its prompts, the same for every method
+        self.sampling, self.seed = sampling, seed
         self._generate_fn = generate_fn
         self._kwargs = self._generate_kwargs(generate_kwargs or {})
         if spec.method in PARALLEL_METHODS:
@@ -158,17 +164,31 @@ class JspecMethod:
 
         return jax.default_matmul_precision("highest") if self.dtype == "float32" else contextlib.nullcontext()
 
+    def _sampling_kwargs(self, prompts) -> dict[str, Any]:
+        """generate()'s sampling and seed for this batch (greedy runs: none)."""
+        if self.sampling.greedy:
+            return {}
+        return {"sampling": self.sampling, "seed": batch_seed(self.seed, prompts)}
+
     def prepare(self, example_prompts: Sequence[Sequence[int]]) -> float:
         start = time.perf_counter()
         with self._precision():
             for prompts in self._warmup_batches(example_prompts):
-                self._generate()(self.params, self.cfg, prompts, **self._call_kwargs())
+                self._generate()(self.params, self.cfg, prompts, **self._call_kwargs(), **self._sampling_kwargs(prompts))
         return time.perf_counter() - start
 
     def run(self, prompts: Sequence[Sequence[int]]) -> list[RowResult]:
+        prompts = [list(p) for p in prompts]
         with self._precision():
-            result = self._generate()(self.params, self.cfg, [list(p) for p in prompts], **self._call_kwargs())
+            result = self._generate()(self.params, self.cfg, prompts, **self._call_kwargs(), **self._sampling_kwargs(prompts))
         return rows_from_generation(result)  # numpy fields: already on the host
+
+
+def batch_seed(seed: int, prompts: Sequence[Sequence[int]]) -> int:
+    """A batch's random seed: `seed` plus a hash of its prompts' token ids, so a sampled batch
+    draws the same way in every run and for every method, whatever ran before it."""
+    data = np.asarray([t for p in prompts for t in list(p) + [-1]], np.int64).tobytes()
+    return (seed + zlib.crc32(data)) % (2**31)
 
 
 def torch_device() -> str:

@@ -98,6 +98,8 @@ def table_line(row: dict[str, Any]) -> str:
         mesh += f" (unroll {unroll})"
     if row.get("split_attention") is False and on_gpu:  # the default splits long caches' keys (kernels.decode_attention)
         mesh += " (unsplit attention)"
+    if sampling_label(row):
+        mesh += f" ({sampling_label(row)})"
     cells = [
         row["task"], f"`{method_label(row)}`{mesh}", str(row["batch"]) + _queue_label(row),
         row["dtype"], str(row["n_prompts"]),
@@ -107,6 +109,19 @@ def table_line(row: dict[str, Any]) -> str:
         _fmt_mem(row["peak_mem_bytes"]), _fmt(row["compile_s"], ".1f"),
     ]
     return "| " + " | ".join(cells) + " |"
+
+
+def sampling_label(row: dict[str, Any]) -> str:
+    """'' for greedy rows (and rows before sampled benchmarks), else e.g. 'T 1, top-p 0.9'."""
+    t = row.get("temperature") or 0.0
+    if not t:
+        return ""
+    parts = [f"T {t:g}"]
+    if (row.get("top_p") or 1.0) < 1.0:
+        parts.append(f"top-p {row['top_p']:g}")
+    if row.get("top_k"):
+        parts.append(f"top-k {row['top_k']}")
+    return ", ".join(parts)
 
 
 def _queue_label(row: dict[str, Any]) -> str:
@@ -123,7 +138,8 @@ def _latest_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                                          "policy", "tree", "dtype", "batch", "max_new_tokens", "kernels"))
         key += (row.get("mesh") or "", method_label(row), row.get("unroll") or 1,  # rows before the field: 1
                 bool(row.get("queue")), row.get("refill"),  # continuous batching: another measurement than batches
-                row.get("split_attention"))  # rows before the field: None
+                row.get("split_attention"),  # rows before the field: None
+                sampling_label(row))  # sampled rows: another measurement than greedy ones
         if key not in latest or row["timestamp"] >= latest[key]["timestamp"]:
             latest[key] = row
     return list(latest.values())
@@ -151,6 +167,24 @@ def round_cost_lines(group: list[dict[str, Any]]) -> list[str]:
     return out + [""]
 
 
+LAW_HEADER = ("| task | method | dtype | samples x prompts | new tokens | p per position | min p (x positions) |\n"
+              "|---|---|---|---|---|---|---|")
+
+
+def law_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The law check of sampled rows (bench --law-check; jspec.bench.law): p-values that the method's
+    tokens follow AR's law at each new-token position."""
+    if not rows:
+        return []
+    out = ["Law check (a two-sample chi-square per new-token position against AR's samples; lossless methods "
+           "give p-values spread over [0, 1]):", "", LAW_HEADER]
+    for r in rows:
+        ps = " ".join(f"{p:.2f}" for p in r["law_pvalues"])
+        out.append(f"| {r['task']} | `{method_label(r)}` ({sampling_label(r)}) | {r['dtype']} | {r['law_samples']} x "
+                   f"{r['n_prompts']} | {r['max_new_tokens']} | {ps} | {r['law_pvalue_min']:.2f} |")
+    return out + [""]
+
+
 def current_command(command: str) -> str:
     """A row's reproduce command in today's spelling: rows written before `jspec bench` had
     --commit-rows say `python scripts/bench.py ... --out NAME` for the same run."""
@@ -170,11 +204,15 @@ def group_tables(rows: Iterable[dict[str, Any]]) -> str:
         groups[(row["target"], row["card"], row["jax_version"])].append(row)
     sections = []
     for (target, card, jax_version), group in sorted(groups.items()):
-        group.sort(key=lambda r: (r["task"], r["dtype"], r["batch"], bool(r.get("queue")), r["method"] != "ar",
+        group.sort(key=lambda r: (r["task"], r["dtype"], r.get("temperature") or 0.0, r.get("top_p") or 1.0,
+                                  r.get("top_k") or 0, r["batch"], bool(r.get("queue")), r["method"] != "ar",
                                   method_label(r)))
         commands = sorted({current_command(r["reproduce"]) for r in group if r.get("reproduce")})
+        law = [r for r in group if r["task"].endswith(":law")]
+        group = [r for r in group if not r["task"].endswith(":law")]
         lines = [f"## {target} — {card}, JAX {jax_version}", "", TABLE_HEADER, *map(table_line, group), "",
                  PROCESS_NOTE, ""]
+        lines += law_lines(law)
         lines += round_cost_lines(group)
         if commands:
             lines += ["How to reproduce:", "", "```bash", *commands, "```", ""]

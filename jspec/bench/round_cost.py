@@ -43,6 +43,7 @@ import numpy as np
 
 from jspec import model as M
 from jspec.cards import card_key
+from jspec.decode import decode_step, start_decode
 from jspec.sampling import GREEDY
 from jspec.speculative.engines import ssd as SSD
 from jspec.speculative.engines.chain import draft_autoregressive, spec_round, start_spec
@@ -217,6 +218,42 @@ def profile_method(tparams, tcfg, drafter, dparams, *, batch: int, policy="stati
     if bookkeeping:
         prof["commit_us"] = commit_us(tparams, tcfg, drafter, dparams, state, extra, n)
     return prof
+
+
+def sampled_us(tparams, tcfg, drafter, dparams, *, batch: int, sampling, k_max: int = 6, tree: TreeConfig | None = None,
+               prompt_len: int = 128, n: int = 20, reps: int = 3) -> dict[str, float]:
+    """µs sampling adds at this batch to an AR step ("ar"), a chain round of static K ("chain") and a
+    tree round ("tree": the sampled-sibling tree against the greedy tree of the same TreeConfig), each
+    the difference of the same loop under `sampling` and greedy (`policies.auto.CostModel.sampled`)."""
+    tree = tree or TreeConfig()
+    max_new = 256 + (n + 1) * (tree.num_nodes + 1)
+    cache_len = prompt_len + max_new + tree.num_nodes + 8
+    toks = jax.random.randint(jax.random.PRNGKey(3), (batch, prompt_len), 0, tcfg.vocab_size)
+    lens = jnp.full((batch,), prompt_len, jnp.int32)
+    out = {}
+    start_ar = jax.jit(lambda tp, t, ln, key, s: start_decode(tp, tcfg, t, ln, key, max_new=max_new, cache_len=cache_len,
+                                                              sampling=s), static_argnums=4)
+    times = {}
+    for name, setting in (("greedy", GREEDY), ("sampled", sampling)):
+        state = start_ar(tparams, toks, lens, jax.random.PRNGKey(0), setting)
+        body = lambda k, st, setting=setting: decode_step(k, tcfg, setting, max_new, st)  # noqa: E731
+        times[name] = loop_us(body, tparams, state, n, reps, tcfg=None)
+    out["ar"] = times["sampled"] - times["greedy"]
+    pol = resolve_policy("static", k_max)
+    for kind in ("chain", "tree"):
+        times = {}
+        depth = tree.depth if kind == "tree" else k_max
+        pol = resolve_policy("static", depth)
+        state = _start(tparams, tcfg, drafter, dparams, pol, None, depth, batch, prompt_len, max_new, cache_len)
+        for name, setting in (("greedy", GREEDY), ("sampled", sampling)):
+            if kind == "chain":
+                body = lambda k, st, s=setting: spec_round(k[0], tcfg, drafter, k[1], pol, k_max, max_new, s, "lossless",  # noqa: E731
+                                                           None, st)
+            else:
+                body = lambda k, st, s=setting: tree_round(k[0], tcfg, drafter, k[1], pol, tree, max_new, s, None, st)  # noqa: E731
+            times[name] = loop_us(body, (tparams, dparams), state, n, reps, tcfg=tcfg)
+        out[kind] = times["sampled"] - times["greedy"]
+    return out
 
 
 def block_draft_us(tparams, tcfg, drafter, dparams, state, n: int) -> dict[str, float]:

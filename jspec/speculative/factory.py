@@ -220,14 +220,28 @@ def shipped_head_path(model_name: str | None, kind: str):
     return path if path is not None and path.exists() else None
 
 
-def head_acceptance(head_dir) -> float | None:
-    """The per-token acceptance a head's config.json records ("jspec": {"acceptance": {"alpha": a}}), if any."""
+def _head_acceptance_record(head_dir) -> dict:
     try:
         with open(Path(head_dir) / "config.json") as fh:
-            alpha = json.load(fh).get("jspec", {}).get("acceptance", {}).get("alpha")
+            record = json.load(fh).get("jspec", {}).get("acceptance", {})
     except (OSError, ValueError, AttributeError):
-        return None
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def head_acceptance(head_dir) -> float | None:
+    """The per-token acceptance a head's config.json records ("jspec": {"acceptance": {"alpha": a}}), if any."""
+    alpha = _head_acceptance_record(head_dir).get("alpha")
     return float(alpha) if alpha is not None else None
+
+
+def head_acceptance_by_temperature(head_dir) -> tuple[tuple[float, float], ...] | None:
+    """((temperature, acceptance), ...) a head's config.json records for sampling
+    ("acceptance": {"by_temperature": {"0.7": a, ...}}), if any."""
+    table = _head_acceptance_record(head_dir).get("by_temperature")
+    if not isinstance(table, dict) or not table:
+        return None
+    return tuple(sorted((float(t), float(a)) for t, a in table.items()))
 
 
 def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str | None = None, dtype=None,
@@ -294,7 +308,8 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
                 f"train one with `jspec train-head` or pass --drafter {kind}:PATH"
             )
         hcfg, hparams = load_eagle_head(str(path), cfg, dtype=dtype or params["embed"].dtype)
-        drafter = EagleDrafter(hcfg, acceptance=head_acceptance(path))
+        drafter = EagleDrafter(hcfg, acceptance=head_acceptance(path),
+                               acceptance_by_temperature=head_acceptance_by_temperature(path))
         drafter.check(cfg)
         return drafter, hparams
     raise DrafterError(f"unknown drafter {spec!r}; choose from {', '.join(DRAFTER_NAMES)} (e.g. ngram, early-exit:8, model:PATH)")

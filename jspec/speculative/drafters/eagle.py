@@ -42,6 +42,9 @@ class EagleDrafter:
     # per-token acceptance measured for this head (its config.json "jspec": {"acceptance": {"alpha"}}):
     # the `auto` policy's prior for the static budget, before the rows' own estimates take over
     acceptance: float | None = None
+    # ((temperature, acceptance), ...) measured when sampling (config.json "acceptance": {"by_temperature"}),
+    # which `auto` plans sampled calls with; None: policies.auto.TEMPERATURE_RATIO of `acceptance`
+    acceptance_by_temperature: tuple[tuple[float, float], ...] | None = None
     # how the head's draft steps run attention (model.KERNEL_IMPLS; None: model.default_kernels() at
     # trace time, the fused kernel on a single GPU). A set value is part of the drafter, a static jit
     # argument, so one process can compile and time both paths (scripts/profile_draft.py)

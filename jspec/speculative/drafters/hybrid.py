@@ -59,6 +59,10 @@ class HybridDrafter:
         return self.eagle.acceptance
 
     @property
+    def acceptance_by_temperature(self):
+        return self.eagle.acceptance_by_temperature
+
+    @property
     def capture_layers(self):
         return self.eagle.capture_layers
 

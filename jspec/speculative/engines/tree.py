@@ -13,9 +13,9 @@ Per round and per row (docs/methods.md §2.3), all inside `jit`:
      parent [B, N+1], depth [B, N+1], ancestor-or-self mask [B, N+1, N+1].
   4. The target runs once over the N+1 nodes with the ancestor mask at positions cursor + depth.
   5. Greedy: deepest node whose whole path matches the target's argmax (ties: lowest index).
-     Sampling: EAGLE-2's rule for deterministic top-k children (q = 1): at each node try the
-     children in order, accept child x with probability p(x), else zero p(x), renormalise and try
-     the next; if all fail, sample the residual; a leaf emits a bonus sample. Exactly lossless.
+     Sampling: EAGLE-2's rule for deterministic top-k children (q = 1), which accepts child y with
+     probability p(y) and samples the residual otherwise: one target sample per node, the
+     deepest path whose tokens equal their parents' samples (verify.tree). Exactly lossless.
   6. The accepted path's K/V move to contiguous slots (`model.commit`), and the head re-reads the
      path with the target's true features.
 
@@ -68,8 +68,14 @@ from ..drafters.eagle import EagleDrafter
 from ..drafters.hybrid import MAX_NGRAM_BRANCH, HybridDrafter
 from ..policies import resolve_policy
 from ..state import SpecState, outputs_of, record_call, result_from_device, round_features, take_row
+from ...sampling import logprobs
+from ..verify.sampled_tree import (SampledShape, Siblings, layout_of, sampled_shape, sibling_weights,
+                                   verify_sampled_tree)
 from ..verify.tree import Tree, path_of, verify_tree_greedy, verify_tree_sampling
 from .chain import check_compatible, start_spec
+
+
+SIBLING_RULES = ("auto", "top_k", "sampled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +98,14 @@ class TreeConfig:
     # branches are decided on the device (TPU, CPU) but not on GPUs, where XLA reads each predicate
     # back to the host (module doc: ~45 µs a branch on an H200, against 74 µs a level)
     skip_levels: bool | None = None
+    # under sampling, how a node's children are drafted: "top_k" (EAGLE-2's deterministic children,
+    # q = 1), "sampled" (drawn from the head's q without replacement on a static shape, verified by
+    # recursive rejection: verify.sampled_tree), or "auto": sampled whenever the policy keeps trees
+    # whole (sampled trees have no per-row cuts), top_k otherwise. Greedy decoding always drafts top_k.
+    siblings: str = "auto"
+    # [I] sampled trees: the marginal acceptance of a node's i-th sampled child, which the static
+    # shape is chosen by (verify.sampled_tree.sampled_shape); None: SIBLING_WEIGHTS at the temperature
+    sibling_weights: tuple[float, ...] | None = None
 
     @property
     def skips_levels(self) -> bool:
@@ -106,8 +120,25 @@ class TreeConfig:
             raise ValueError(f"verify_sizes must be positive node counts, got {self.verify_sizes}")
         if not 0 <= self.ngram <= MAX_NGRAM_BRANCH:
             raise ValueError(f"ngram (the n-gram branch's nodes) must be in [0, {MAX_NGRAM_BRANCH}], got {self.ngram}")
+        if self.siblings not in SIBLING_RULES:
+            raise ValueError(f"siblings={self.siblings!r}: choose from {', '.join(SIBLING_RULES)}")
         if self.lookup_first < 0:
             raise ValueError(f"lookup_first (the n-gram order that skips the head's tree) must be >= 0, got {self.lookup_first}")
+
+    def sampled_siblings(self, sampling, policy) -> bool:
+        """Whether this tree's children are sampled (`siblings`) under this sampling and policy."""
+        if sampling.greedy or self.siblings == "top_k":
+            return False
+        if policy.cuts_trees:
+            if self.siblings == "sampled":
+                raise ValueError(f"policy {policy.name!r} cuts trees per row, which sampled siblings cannot take "
+                                 "(a node's presence may not depend on its value): use siblings='top_k' or 'auto'")
+            return False
+        return True
+
+    def shape(self, temperature: float) -> SampledShape:
+        """The static shape of this tree's sampled form at this temperature."""
+        return sampled_shape(self.num_nodes, self.depth, self.top_k, sibling_weights(temperature, self.sibling_weights))
 
     @property
     def total_nodes(self) -> int:
@@ -268,6 +299,67 @@ def draft_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: 
     return Tree(tree_tok, parent, depth, ancestors, valid), pstate, dstate.replace(cache=cache)
 
 
+def _sampled_children(hcfg: H.HeadConfig, dparams, logits, sampling, k: int, key):
+    """k children of each node drawn from the head's q without replacement, in draw order (the
+    k largest of log q plus Gumbel noise, over the draft vocab): (target ids [.., k], draft ids
+    [.., k], drawable [.., k]: q > 0, processed log q [.., Vd])."""
+    logq = logprobs(logits, sampling)
+    score, idx = top_k(logq + jax.random.gumbel(key, logq.shape, logq.dtype), k)
+    tok = dparams["d2t"][idx] if hcfg.reduced_vocab else idx
+    return tok.astype(jnp.int32), idx, jnp.isfinite(score), logq
+
+
+def draft_sampled_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: TreeConfig, sampling, key):
+    """Draft one sampled-sibling tree per row on `tc.shape()` (verify.sampled_tree): every
+    expansion's children are the first of its draws from q. The head's levels run as in
+    `draft_tree` (a top_k frontier per level, the pending buffer, the scratch cache). Returns
+    (Tree, Siblings, dstate)."""
+    B = last.shape[0]
+    k, hcfg, shape = tc.top_k, drafter.head, tc.shape(sampling.temperature)
+    fused = H.fused_head_attention(hcfg, (tc.depth - 1) * k, drafter.kernels)
+    cache, base = dstate.cache, dstate.cache.lengths
+    depth = np.asarray(shape.depth)
+    keys = jax.random.split(key, int(depth.max()))
+    tok, didx, drawable, logq = _sampled_children(hcfg, dparams, dstate.logits, sampling, k, keys[0])
+    # the samples a level's nodes come from: [B, frontier, k] (level 1: the root's, one "frontier" node)
+    c_tok, c_idx, c_ok = tok[:, None], didx[:, None], drawable[:, None]
+    expansion_logq = [logq[:, None]]
+    node_tok, node_idx, node_ok = [last[:, None]], [jnp.full((B, 1), -1, jnp.int32)], [jnp.ones((B, 1), bool)]
+    h = jnp.broadcast_to(dstate.feature[:, None], (B, 1, dstate.feature.shape[-1]))  # the root's "level" output
+    frontier_of = {0: 0}  # node -> its place in the frontier its children were drawn from
+    pending, f_anc = None, jnp.zeros((B, 1, 0), bool)
+    for level in range(1, int(depth.max()) + 1):
+        nodes = [n for n in range(len(depth)) if depth[n] == level]
+        src = np.array([frontier_of[shape.parent[n]] for n in nodes])
+        rank = np.array([shape.rank[n] for n in nodes])
+        node_tok.append(c_tok[:, src, rank])
+        node_idx.append(c_idx[:, src, rank])
+        node_ok.append(c_ok[:, src, rank])
+        expanding = shape.level_expansions[level] if level < len(shape.level_expansions) else ()
+        if not expanding:
+            break
+        at = np.array([nodes.index(n) for n in expanding])
+        pad = np.concatenate([at, np.full(k - len(at), at[0])])  # a frontier of k (the padding's output is unused)
+        frontier_of = {n: i for i, n in enumerate(expanding)}
+        f_tok = node_tok[-1][:, pad]
+        f_feat = h[:, src[pad]]
+        f_anc = jnp.concatenate([f_anc, jnp.broadcast_to(jnp.eye(f_anc.shape[1], dtype=bool), (B,) + (f_anc.shape[1],) * 2)],
+                                axis=2)[:, src[pad]] if level > 1 else jnp.zeros((B, k, 0), bool)
+        positions = jnp.broadcast_to(base[:, None] + (level - 1), (B, k))
+        h, logits, entries, cache = H.head_tree_level(hcfg, dparams, tparams, f_tok, f_feat, cache, positions, pending,
+                                                      f_anc, fused=fused)
+        pending = entries if pending is None else tuple(jnp.concatenate(ab, axis=1) for ab in zip(pending, entries))
+        c_tok, c_idx, c_ok, logq = _sampled_children(hcfg, dparams, logits, sampling, k, keys[level])
+        expansion_logq.append(logq[:, : len(expanding)])
+    tokens = jnp.concatenate(node_tok, 1)
+    parent = jnp.broadcast_to(jnp.asarray(shape.parent, jnp.int32), tokens.shape)
+    ancestors = _ancestors(parent, tc.depth)
+    drawn = jnp.concatenate(node_ok, 1)
+    valid = ~jnp.any(ancestors & ~drawn[:, None, :], axis=-1) & ~below_eos(tcfg, tokens, ancestors)
+    tree = Tree(tokens, parent, jnp.broadcast_to(jnp.asarray(depth, jnp.int32), tokens.shape), ancestors, valid)
+    return tree, Siblings(jnp.concatenate(expansion_logq, 1), jnp.concatenate(node_idx, 1)), dstate.replace(cache=cache)
+
+
 def verify_size_index(valid: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
     """Index into `sizes` (ascending draft-node counts) of the smallest block that holds every
     row's last valid node. valid: [B, N+1] (node 0 the root)."""
@@ -280,26 +372,29 @@ def first_nodes(tree: Tree, n: int) -> Tree:
     return Tree(tree.tokens[:, :n], tree.parent[:, :n], tree.depth[:, :n], tree.ancestors[:, :n, :n], tree.valid[:, :n])
 
 
-def verify_block(tparams, tcfg, capture, unroll, sampling, max_depth: int, max_children: int, tree: Tree, cache, key):
+def verify_block(tparams, tcfg, capture, unroll, sampling, max_depth: int, tree: Tree, cache, key, sampled=None):
     """One target forward over a tree and its verification: (best node, n accepted, next token,
-    path [B, max_depth+1], the forward's outputs along the path, the feature at the best node)."""
+    path [B, max_depth+1], the forward's outputs along the path, the feature at the best node).
+    `sampled`: (Siblings, SiblingLayout, d2t) of a sampled-sibling tree (verify.sampled_tree)."""
     positions = cache.lengths[:, None] + tree.depth
     vout = M.forward(tparams, tcfg, tree.tokens, cache, positions=positions, new_mask=tree.ancestors,
                      capture=capture, unroll=unroll)
     logits = M.lm_head(tparams, tcfg, vout.hidden)
     if sampling.greedy:
         best, n, nxt = verify_tree_greedy(tree, logits, max_depth)
+    elif sampled is not None:
+        best, n, nxt = verify_sampled_tree(key, tree, logits, sampling, max_depth, *sampled)
     else:
-        best, n, nxt = verify_tree_sampling(key, tree, logits, sampling, max_depth, max_children)
+        best, n, nxt = verify_tree_sampling(key, tree, logits, sampling, max_depth)
     path = path_of(tree, best, max_depth)  # [B, D+1]
     return best, n, nxt, path, gather_out(vout, path), take_row(vout.hidden, best)
 
 
-def verify_pruned(tparams, tcfg, capture, unroll, sampling, max_depth: int, max_children: int, tree: Tree, cache, key,
+def verify_pruned(tparams, tcfg, capture, unroll, sampling, max_depth: int, tree: Tree, cache, key,
                   sizes: tuple[int, ...]):
     """`verify_block` over the first sizes[i] + 1 nodes, i the smallest block holding every valid
     node (`verify_size_index`): one compiled program per size, chosen per round."""
-    run = functools.partial(verify_block, tparams, tcfg, capture, unroll, sampling, max_depth, max_children)
+    run = functools.partial(verify_block, tparams, tcfg, capture, unroll, sampling, max_depth)
     if len(sizes) == 1:
         return run(tree, cache, key)
     branches = [lambda t, c, k, n=n: run(first_nodes(t, n + 1), c, k) for n in sizes]
@@ -356,13 +451,17 @@ def root_tree(last: jax.Array) -> Tree:
     return Tree(last[:, None], zeros, zeros, jnp.ones((B, 1, 1), bool), jnp.ones((B, 1), bool))
 
 
-def verified(tparams, tcfg, capture, unroll, sampling, max_depth: int, max_children: int, tree: Tree, cache, key,
-             sizes: tuple[int, ...]):
+def verified(tparams, tcfg, capture, unroll, sampling, max_depth: int, tree: Tree, cache, key,
+             sizes: tuple[int, ...], sampled=None):
     """`verify_pruned`, and what the round keeps of the tree: (n accepted, next token, path, path
     tokens, the forward's outputs along the path, feature at the best node, chain-equivalent draft
     length, valid draft nodes)."""
-    _, n, nxt, path, path_out, feature = verify_pruned(tparams, tcfg, capture, unroll, sampling, max_depth, max_children,
-                                                       tree, cache, key, sizes)
+    if sampled is not None:  # one static shape: no pruned blocks
+        _, n, nxt, path, path_out, feature = verify_block(tparams, tcfg, capture, unroll, sampling, max_depth, tree, cache,
+                                                          key, sampled)
+    else:
+        _, n, nxt, path, path_out, feature = verify_pruned(tparams, tcfg, capture, unroll, sampling, max_depth,
+                                                           tree, cache, key, sizes)
     path_tok = jnp.take_along_axis(tree.tokens, path, 1)
     n_drafted = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)
     n_nodes = jnp.sum(tree.valid[:, 1:], 1).astype(jnp.int32)
@@ -379,22 +478,36 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
     hybrid = isinstance(drafter, HybridDrafter)
     head_drafter, head_state = (drafter.eagle, state.dstate.eagle) if hybrid else (drafter, state.dstate)
     verify = functools.partial(verified, tparams, tcfg, drafter.capture_layers, unroll, sampling, P)
+    sampled = tc.sampled_siblings(sampling, policy)
     if hybrid and tc.ngram:
         ngram_tok, ngram_valid, order = drafter.ngram.propose_ordered(state.dstate.ngram, tc.ngram)
 
     def head_round(head_state, pstate):
+        if sampled:
+            return sampled_round(head_state, pstate)
         tree, pstate, head_state = draft_tree(head_drafter, dparams, tparams, tcfg, head_state, state.last, tc, policy,
                                               pstate, limit)
-        children = tc.top_k
         if hybrid and tc.ngram:
             tree = with_ngram_branch(tcfg, tree, ngram_tok, ngram_valid, P)
-            children += 1  # the root's n-gram child beside its top_k head children
-        return head_state, pstate, verify(children, tree, state.cache, k_verify, tc.block_sizes(policy.cuts_trees))
+        return head_state, pstate, verify(tree, state.cache, k_verify, tc.block_sizes(policy.cuts_trees))
+
+    def sampled_round(head_state, pstate):
+        k_tree, k_check = jax.random.split(k_verify)
+        tree, sib, head_state = draft_sampled_tree(head_drafter, dparams, tparams, tcfg, head_state, state.last, tc,
+                                                   sampling, k_tree)
+        m = tc.ngram if hybrid else 0
+        if m:
+            tree = with_ngram_branch(tcfg, tree, ngram_tok, ngram_valid, P)
+            sib = Siblings(sib.logq, jnp.concatenate([sib.draft_index[:, :1], jnp.full((tree.tokens.shape[0], m), -1,
+                                                                                       jnp.int32), sib.draft_index[:, 1:]], 1))
+        d2t = dparams["d2t"] if head_drafter.head.reduced_vocab else None
+        return head_state, pstate, verify(tree, state.cache, k_check, (tc.total_nodes,),
+                                          sampled=(sib, layout_of(tc.shape(sampling.temperature), m), d2t))
 
     def lookup_round(head_state, pstate):
         # the n-gram branch alone: a chain of tc.ngram nodes, and no head work this round
         tree = with_ngram_branch(tcfg, root_tree(state.last), ngram_tok, ngram_valid, P)
-        return head_state, pstate, verify(1, tree, state.cache, k_verify, (tc.ngram,))
+        return head_state, pstate, verify(tree, state.cache, k_verify, (tc.ngram,))
 
     lookup = None
     if hybrid and tc.ngram and tc.lookup_first:

@@ -86,6 +86,7 @@ from ...cards import card_key
 
 from ..drafters.hybrid import MAX_NGRAM_BRANCH
 from ..drafters.ngram import replay_lookup
+from ..verify.sampled_tree import sampled_shape, sibling_weights
 from .base import Policy, clip_limit, count_rounds
 
 TREE_SIZES = (15, 23, 31, 47, 59)  # EAGLE's total_tokens candidates, minus the root
@@ -100,6 +101,32 @@ PLAN_TOLERANCE = 0.03  # budgets this close to the best gain count as ties; the 
 # The earlier 0.176 came from a weaker head (2.6 against 1.8) and planned 15-node trees that accepted
 # 2.6 tokens a call where the 59-node tree, at 1.12x the verify cost, accepted 4.0.
 TREE_WIDTH_EXPONENT = 0.29
+
+
+def tokens_with_branch(tree_reach, ngram_alpha: float, ngram: int) -> float:
+    """Expected tokens of a round whose head tree reaches depth j with probability tree_reach[j-1]
+    beside an n-gram branch of `ngram` nodes at per-token acceptance ngram_alpha: 1 + sum_j
+    P(either reaches depth j), the two taken as independent (see `hybrid_tokens`)."""
+    tree_reach = np.asarray(tree_reach, np.float64)
+    j = np.arange(1, max(len(tree_reach), ngram) + 1)
+    tree = np.where(j <= len(tree_reach), np.pad(tree_reach, (0, len(j) - len(tree_reach))), 0.0)
+    ngram_reach = np.where(j <= ngram, float(ngram_alpha) ** j, 0.0)
+    return float(1.0 + np.sum(1.0 - (1.0 - tree) * (1.0 - ngram_reach)))
+
+
+def sampled_tree_reach(nodes: int, depth: int, top_k: int, alpha: float, temperature: float,
+                       weights=None) -> np.ndarray:
+    """P(a sampled-sibling tree's accepted path reaches depth j), j = 1..depth: its static shape
+    (verify.sampled_tree) with the shape's weights rescaled so a first child passes with `alpha`."""
+    w = sibling_weights(temperature, weights)
+    shape = sampled_shape(nodes, depth, top_k, w)
+    scaled = [min(1.0, x * alpha / w[0]) for x in w]
+    reach = [1.0] * len(shape.parent)
+    by_depth = np.zeros(depth)
+    for n in range(1, len(shape.parent)):
+        reach[n] = reach[shape.parent[n]] * scaled[min(shape.rank[n], len(scaled) - 1)]
+        by_depth[shape.depth[n] - 1] += reach[n]
+    return np.minimum(by_depth, 1.0)
 
 
 def hybrid_tokens(tree_alpha: float, depth: int, ngram_alpha: float, ngram: int) -> float:
@@ -128,6 +155,32 @@ DEFAULT_PRIOR = 0.4
 # [I] spread of per-row acceptance by drafter (module doc: stragglers); other drafters get the default
 ROW_SPREAD = {"eagle": 0.04, "ngram": 0.2}
 DEFAULT_ROW_SPREAD = 0.04
+
+
+# [I] Sampling: a drafter's per-token acceptance at temperature T over its greedy one, for drafters
+# whose files record none at T. EAGLE heads: SmolLM2-135M's head v8, level-1 acceptance on its own
+# answers to training-side chit-chat (sampled drafts, 1 - TV: 0.66 at T = 0.7, 0.55 at T = 1) against
+# its greedy chain's 0.71 (MT-Bench) scaled to the same level-1 measure; n-gram lookup (deterministic
+# drafts, accepted with the target's p of the drafted token): a guess from the head's top-1 child,
+# which falls from 0.53 (T = 0.7) to 0.30 (T = 1) on the same positions.
+TEMPERATURE_RATIO = {"eagle": ((0.0, 1.0), (0.7, 0.88), (1.0, 0.74)), "ngram": ((0.0, 1.0), (0.7, 0.8), (1.0, 0.6))}
+# [I] µs sampling adds to a round beyond what the greedy cost table prices (processing the target's
+# logits and drawing from them; sampled trees: the recursive rejection's passes over the tree's
+# expansions), by batch size. A table's "sampled_us" replaces them.
+SAMPLED_US = {"ar": {"1": 15.0, "16": 30.0}, "chain": {"1": 40.0, "16": 90.0}, "tree": {"1": 150.0, "16": 500.0}}
+
+
+def acceptance_at(alpha0: float, temperature: float, drafter_name: str, measured=None) -> float:
+    """A drafter's per-token acceptance when sampling at `temperature`, from its greedy one:
+    `measured` ((T, alpha), ...) when the drafter's files record it, else TEMPERATURE_RATIO."""
+    if temperature <= 0.0:
+        return float(alpha0)
+    if measured:
+        pts = dict(measured)
+        pts.setdefault(0.0, float(alpha0))
+        return _interp({str(t): a for t, a in pts.items()}, temperature)
+    ratio = dict(TEMPERATURE_RATIO.get(drafter_name, TEMPERATURE_RATIO["eagle"]))
+    return float(alpha0) * _interp({str(t): r for t, r in ratio.items()}, min(temperature, max(ratio)))
 
 
 def acceptance_prior(costs: dict, drafter_name: str) -> float:
@@ -318,6 +371,12 @@ class CostModel:
     def overhead(self, tree: bool = False) -> float:
         return max(self._over_batch(self.costs.get("tree_overhead_us" if tree else "round_overhead_us") or {"1": 0.0}), 0.0)
 
+    def sampled(self, kind: str) -> float:
+        """µs sampling adds to an AR step ("ar"), a chain round ("chain") or a sampled tree's round
+        ("tree") at this batch (the table's `sampled_us`, else SAMPLED_US)."""
+        table = (self.costs.get("sampled_us") or SAMPLED_US).get(kind) or SAMPLED_US[kind]
+        return max(self._over_batch(table), 0.0)
+
     def hybrid_branch(self) -> float:
         """What a round with an n-gram branch costs beyond its verify block (`HYBRID_BRANCH_US`)."""
         return max(self._over_batch(self.costs.get("hybrid_branch_us") or {"1": HYBRID_BRANCH_US}), 0.0)
@@ -390,7 +449,8 @@ WEAK_LOOKUP_TOKENS = 1.45
 def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: int = 8, tree: bool = False,
          tree_top_k: int = 10, tree_depth: int = 6, alpha: float | None = None, min_gain: float = 1.05,
          row_spread: float | None = None, hybrid: bool = False, ngram_alpha: float | None = None,
-         context: float | None = None, lookup_first: int = 0) -> AutoPlan:
+         context: float | None = None, lookup_first: int = 0, temperature: float = 0.0,
+         alpha_by_temperature=None) -> AutoPlan:
     """The static budget for one generate call (module doc). `parallel` drafters (n-gram) cost
     nothing per draft step. alpha: the drafter's mean per-token acceptance (None: the table's or
     the prior, `acceptance_prior`); the plan uses a slow row's (`straggler_acceptance`, with the
@@ -405,25 +465,37 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     the best hybrid tree with a full n-gram branch beats lookup's weak rounds
     (`WEAK_LOOKUP_TOKENS` per chain round): its rounds after a full match are lookup's, the others
     that tree's, so it is planned above both lookup alone and the tree alone. Its gain is reported
-    as the larger of theirs (the model has no share of matched rounds)."""
+    as the larger of theirs (the model has no share of matched rounds).
+    temperature > 0: the call samples. Acceptances are the drafter's at that temperature
+    (`acceptance_at`, from alpha_by_temperature when the drafter records it), rounds and AR steps
+    cost what sampling adds (`CostModel.sampled`), trees are sampled-sibling trees
+    (verify.sampled_tree: their static shape's reach, `sampled_tree_reach`), and no round looks
+    up first."""
     cm = CostModel(costs, batch, context)
+    sampled = temperature > 0.0
     a = alpha if alpha is not None else acceptance_prior(costs, drafter_name)
+    a = acceptance_at(a, temperature, drafter_name, alpha_by_temperature)
+    if sampled:
+        lookup_first = 0
     if row_spread is None:
         row_spread = ROW_SPREAD.get(drafter_name, DEFAULT_ROW_SPREAD)
     a_mean, a = a, straggler_acceptance(a, batch, row_spread)
-    ar = cm.ar_step()
+    ar = cm.ar_step() + (cm.sampled("ar") if sampled else 0.0)
     step = 0.0 if parallel else cm.draft_step()
     draft_start = 0.0 if parallel else cm.draft_first()
-    first = draft_start + cm.overhead(tree)  # fixed per-round cost
-    chain_first = draft_start + cm.overhead(False)
+    chain_extra = cm.sampled("chain") if sampled else 0.0
+    first = draft_start + cm.overhead(tree) + ((cm.sampled("tree") if tree else chain_extra) if sampled else 0.0)
+    chain_first = draft_start + cm.overhead(False) + chain_extra
     candidates = []  # (gain, draft tokens, depth or K, plan)
     a_ngram = a_ngram_mean = 0.0
     if hybrid:
-        a_ngram_mean = ngram_alpha if ngram_alpha is not None else acceptance_prior(costs, "ngram")
+        a_ngram_mean = acceptance_at(ngram_alpha if ngram_alpha is not None else acceptance_prior(costs, "ngram"),
+                                     temperature, "ngram")
         a_ngram = straggler_acceptance(a_ngram_mean, batch, ROW_SPREAD["ngram"])
     # a chain's round terms per drafter ("": this drafter; "ngram" / "head": a hybrid's n-gram half
     # or head alone): (mean acceptance, a slow row's, fixed µs per round, µs per draft step)
-    chain_terms = {"": (a_mean, a, first, step), "ngram": (a_ngram_mean, a_ngram, cm.overhead(False), 0.0),
+    chain_terms = {"": (a_mean, a, first if not tree else chain_first, step),
+                   "ngram": (a_ngram_mean, a_ngram, cm.overhead(False) + chain_extra, 0.0),
                    "head": (a_mean, a, chain_first, step)}
 
     def add_chains(drafter: str, into: list | None = None, longest: int = k_cap) -> None:
@@ -434,7 +506,10 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
 
     def tree_gain(depth: int, n: int, ngram_alpha: float, m: int) -> float:
         """A tree of `depth` levels and n head nodes with an m-node n-gram branch accepted at ngram_alpha."""
-        tau = hybrid_tokens(float(tree_acceptance(a, n, depth)), depth, ngram_alpha, m)
+        if sampled:
+            tau = tokens_with_branch(sampled_tree_reach(n, depth, tree_top_k, a, temperature), ngram_alpha, m)
+        else:
+            tau = hybrid_tokens(float(tree_acceptance(a, n, depth)), depth, ngram_alpha, m)
         branch = cm.hybrid_branch() if m else 0.0
         return tau * ar / (first + depth * cm.tree_level() + cm.verify(n + m + 1, tree=True) + branch)
 
@@ -448,14 +523,15 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
                     candidates.append((gain, n + m, depth, AutoPlan("tree", depth, n, gain, None, ngram=m)))
         if hybrid:  # its n-gram half alone: a hybrid that may draft none of the head's tree is never below lookup
             add_chains("ngram")
-            # and its head alone as a chain, which leads at batch 8 and more (a tree's verify grows with the
-            # batch, a chain's far less); asked for as a tree, the hybrid takes it only where it beats every
-            # tree and lookup by more than the tolerance, not on a near-tie; the tree's depth caps its K
-            head_chains = []
-            add_chains("head", head_chains, min(k_cap, tree_depth))
-            best_head = max(head_chains, key=lambda c: c[0])
-            if best_head[0] > max(c[0] for c in candidates) * (1 + PLAN_TOLERANCE):
-                candidates = head_chains
+        # and the head alone as a chain (a hybrid's head, or the head asked for a tree), which leads at batch 8
+        # and more (a tree's verify grows with the batch, a chain's far less) and when sampling at high
+        # temperatures; asked for as a tree, the plan takes it only where it beats every tree (and lookup) by
+        # more than the tolerance, not on a near-tie; the tree's depth caps its K
+        head_chains = []
+        add_chains("head" if hybrid else "", head_chains, min(k_cap, tree_depth))
+        best_head = max(head_chains, key=lambda c: c[0])
+        if best_head[0] > max(c[0] for c in candidates) * (1 + PLAN_TOLERANCE):
+            candidates = head_chains
     else:
         add_chains("")
     top = max((c[0] for c in candidates), default=1.0)
@@ -583,14 +659,15 @@ def load_costs(preset: str | None = None, models_dir: str = "models") -> dict:
 
 
 def plan_for(drafter, costs: dict, *, batch: int, k_cap: int, tree, context: float | None = None, prompts=None,
-             ngram_estimate: NgramEstimate | None = NGRAM_ESTIMATE) -> AutoPlan:
+             ngram_estimate: NgramEstimate | None = NGRAM_ESTIMATE, sampling=None) -> AutoPlan:
     """`plan` for a drafter object: its own measured acceptance (an EAGLE head's config) as the
     prior, a hybrid planned as its head's tree plus the n-gram branch. `tree`: None (chains), or
     the tree setting (a TreeConfig, whose top_k and depth bound the search; True or "auto": EAGLE-2's
     defaults). `context`: the call's mean attended context (`mean_context`). `prompts`: the call's
     prompts (token ids), from which n-gram lookup's acceptance (the n-gram drafter's, a hybrid's
     branch's) is estimated by `ngram_acceptance` with `ngram_estimate`; None for either: its
-    prior. The one place `generate`, `jspec generate` and `jspec bench` turn a drafter into a plan."""
+    prior. `sampling`: the call's Sampling (None: greedy). The one place `generate`, `jspec
+    generate` and `jspec bench` turn a drafter into a plan."""
     hybrid = drafter.name == "hybrid"
     lookup = drafter.ngram if hybrid else (drafter if drafter.name == "ngram" else None)  # the n-gram drafter
     estimated = None
@@ -602,7 +679,9 @@ def plan_for(drafter, costs: dict, *, batch: int, k_cap: int, tree, context: flo
                 alpha=estimated if drafter.name == "ngram" else getattr(drafter, "acceptance", None),
                 tree_top_k=getattr(tree, "top_k", 10), tree_depth=getattr(tree, "depth", 6), hybrid=hybrid,
                 ngram_alpha=estimated if hybrid else None, context=context,
-                lookup_first=lookup.max_ngram if hybrid else 0)
+                lookup_first=lookup.max_ngram if hybrid else 0,
+                temperature=0.0 if sampling is None else float(sampling.temperature),
+                alpha_by_temperature=getattr(drafter, "acceptance_by_temperature", None))
 
 
 def mean_context(prompt_lens, max_new: int) -> float:
@@ -611,7 +690,7 @@ def mean_context(prompt_lens, max_new: int) -> float:
 
 
 def auto_budget(policy, drafter, batch: int, k_max: int, tree, costs: dict | None = None, context: float | None = None,
-                prompts=None):
+                prompts=None, sampling=None):
     """(drafter, policy, k_max, tree) for a generate call whose policy is "auto" or an AutoPlan:
     the drafter is None when plain decoding is expected to be faster. `tree` is None (chains) or
     the caller's tree config, whose depth and num_nodes the plan replaces; `context` the call's
@@ -620,7 +699,7 @@ def auto_budget(policy, drafter, batch: int, k_max: int, tree, costs: dict | Non
         p = policy
     else:
         p = plan_for(drafter, costs if costs is not None else load_costs(), batch=batch, k_cap=k_max, tree=tree,
-                     context=context, prompts=prompts)
+                     context=context, prompts=prompts, sampling=sampling)
     if p.mode == "ar":
         return None, None, k_max, None
     if p.mode == "tree":
