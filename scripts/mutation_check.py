@@ -3,8 +3,9 @@
 Each mutation replaces one exact fragment of one source file (it must occur exactly once) in a
 temporary copy of the working tree, runs only the test files (or tests) that should catch it,
 and counts it caught when pytest fails. The unmutated copy runs the same tests first: they must
-pass, or the check stops. The mutations are bugs that once survived the suite (issue 31) and bugs
-that were fixed and must stay fixed.
+pass, or the check stops. The mutations are bugs that once survived the suite (issues 31 and 56:
+lossless outputs, broken promises about which rounds run, how much is verified, what is
+estimated and what data is read) and bugs that were fixed and must stay fixed.
 
     python scripts/mutation_check.py            # all mutations; exit 1 if any is missed
     python scripts/mutation_check.py --list     # names and what each plants
@@ -100,6 +101,56 @@ MUTATIONS = (
         "        return nxt, q, jnp.take_along_axis(jax.nn.softmax(logits.astype(jnp.float32), -1), nxt[:, None], -1)[:, 0]\n",
         ("tests/test_specbranch.py", "-k", "chi_square"),
         "SpecBranch's cut reads the drafted token's own q(x): lossy when sampling"),
+    # issue 56: one per rule its tests pin
+    Mutation(
+        "hybrid_lookup_any_row", "jspec/speculative/engines/tree.py",
+        "return jnp.all((order >= lookup_first) | done)",
+        "return jnp.any((order >= lookup_first) | done)",
+        ("tests/test_hybrid.py", "-k", "looks_up_first_exactly or lookup_rule"),
+        "a hybrid round verifies the n-gram chain alone when any row (not every one) matched"),
+    Mutation(
+        "hybrid_update_past_depth", "jspec/speculative/engines/tree.py",
+        "jnp.minimum(n_drafted, D), jnp.minimum(n, D)",
+        "n_drafted, jnp.minimum(n, D)",
+        ("tests/test_hybrid.py", "-k", "lookup_rule"),
+        "a hybrid round tells the policy it drafted past the head's depth (the n-gram branch)"),
+    Mutation(
+        "pruned_verify_block_too_large", "jspec/speculative/engines/tree.py",
+        "jnp.searchsorted(jnp.asarray(sizes), last)",
+        'jnp.searchsorted(jnp.asarray(sizes), last, side="right")',
+        ("tests/test_tree.py", "-k", "smallest_block or accepts_every_kept"),
+        "pruned verification takes the next block when the kept nodes fill one exactly"),
+    Mutation(
+        "skip_levels_all_rows", "jspec/speculative/engines/tree.py",
+        "jax.lax.cond(jnp.any(depth_cap >= level), run_level, skip, ops)",
+        "jax.lax.cond(jnp.all(depth_cap >= level), run_level, skip, ops)",
+        ("tests/test_tree.py", "-k", "levels_run_exactly"),
+        "a tree level is skipped unless every row keeps it"),
+    Mutation(
+        "calibrate_held_out_prompts", "jspec/tasks.py",
+        "            if index % CHITCHAT_HOLDOUT_EVERY\n            for turn in turns",
+        "            for turn in turns",
+        ("tests/test_calibration.py", "-k", "evaluation_set"),
+        "calibrate's training prompts include chitchat's held-out (evaluation) conversations"),
+    Mutation(
+        "auto_discount_twice", "jspec/speculative/policies/auto.py",
+        "s, t = acceptance_sums(state.successes, state.trials, n_drafted, n_accepted, self.discount)",
+        "s, t = acceptance_sums(self.discount * state.successes, self.discount * state.trials, n_drafted, "
+        "n_accepted, self.discount)",
+        ("tests/test_auto.py", "-k", "estimator"),
+        "auto's per-row estimator discounts the older rounds twice a round"),
+    Mutation(
+        "specbranch_cut_one_before", "jspec/speculative/engines/specbranch.py",
+        "(conf[:, 1:] >= threshold)",
+        "(conf[:, :-1] >= threshold)",
+        ("tests/test_specbranch.py", "-k", "confidence_cut_counts or drafted"),
+        "SpecBranch's cut reads each continuation token's confidence one position early"),
+    Mutation(
+        "cps_weight_nan", "jspec/kernels/cps_search.py",
+        "return jnp.where(lam != 0.0, lam * logq, 0.0) + jnp.where(lam != 1.0, (1.0 - lam) * proxy, 0.0)",
+        "return lam * logq + (1.0 - lam) * proxy",
+        ("tests/test_cps_search.py", "-k", "random"),
+        "CPS weighs a token 0 * -inf = nan at lam 0 or 1 (kernel and portable search disagree)"),
 )
 
 

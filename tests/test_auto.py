@@ -119,6 +119,46 @@ def test_round_limit_follows_acceptance():
     assert make_policy("auto", k_max=4).k_max == 4
 
 
+def test_the_per_row_estimator_discounts_once_a_round_and_weighs_the_prior_as_its_trials():
+    """AutoPolicy's per-row sums on a hand-computed sequence (discount 1/2, prior 1/4 worth 8
+    trials: dyadic, so float32 is exact). A round accepting n of k drafts adds n successes and
+    n + 1 trials (n when all k were accepted), after the older sums were discounted once; a row
+    inactive in a round keeps its sums."""
+    pol = AutoPolicy(k_max=4, alpha0=0.25, discount=0.5, prior_trials=8.0)
+    st = pol.init(2, jax.random.PRNGKey(0))
+    sums = lambda st: (np.asarray(st.successes).tolist(), np.asarray(st.trials).tolist())  # noqa: E731
+    assert sums(st) == ([2.0, 2.0], [8.0, 8.0]) and np.asarray(st.alpha).tolist() == [0.25, 0.25]
+    rounds = [  # (drafted, accepted, active) -> (successes, trials) per row
+        (([3, 4], [3, 1], [True, True]), ([2 / 2 + 3, 2 / 2 + 1], [8 / 2 + 3, 8 / 2 + 1 + 1])),  # [4, 2], [7, 6]
+        (([4, 4], [0, 4], [True, False]), ([4 / 2 + 0, 2.0], [7 / 2 + 0 + 1, 6.0])),  # [2, 2], [4.5, 6]
+        (([2, 4], [1, 4], [True, True]), ([2 / 2 + 1, 2 / 2 + 4], [4.5 / 2 + 1 + 1, 6 / 2 + 4])),  # [2, 5], [4.25, 7]
+    ]
+    for (drafted, accepted, active), want in rounds:
+        st = pol.update(st, jnp.asarray(drafted), jnp.asarray(accepted), jnp.asarray(active))
+        assert sums(st) == (list(want[0]), list(want[1]))
+    assert np.asarray(st.rounds).tolist() == [3, 2]
+    np.testing.assert_allclose(np.asarray(st.alpha), [2 / 4.25, 5 / 7], rtol=1e-6)
+
+
+def test_the_per_row_estimator_is_its_closed_form():
+    """After rounds i = 1..n with (k_i drafted, a_i accepted): successes = d^n alpha0 P + sum_i
+    d^(n-i) a_i and trials = d^n P + sum_i d^(n-i) (a_i + [a_i < k_i]) (d the discount, P the
+    prior's trials), on random rounds and constants."""
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        d, alpha0, prior = float(rng.uniform(0.5, 1.0)), float(rng.uniform(0.1, 0.9)), float(rng.uniform(1.0, 10.0))
+        pol = AutoPolicy(k_max=6, alpha0=alpha0, discount=d, prior_trials=prior)
+        k = rng.integers(1, 7, 12)
+        a = np.minimum(rng.integers(0, 7, 12), k)
+        st = pol.init(1, jax.random.PRNGKey(0))
+        for ki, ai in zip(k, a):
+            st = pol.update(st, jnp.asarray([ki]), jnp.asarray([ai]), jnp.asarray([True]))
+        w = d ** np.arange(len(k) - 1, -1, -1)  # the weight of round i after the last
+        n = len(k)
+        np.testing.assert_allclose(float(st.successes[0]), d**n * alpha0 * prior + np.sum(w * a), rtol=1e-5)
+        np.testing.assert_allclose(float(st.trials[0]), d**n * prior + np.sum(w * (a + (a < k))), rtol=1e-5)
+
+
 def test_acceptance_estimate_is_unbiased_on_geometric_rounds():
     """Rounds of K = 6 drafts whose tokens are each accepted with probability 0.65 (the accepted
     prefix is geometric, cut at K): the discounted success / trial sums estimate 0.65, where a

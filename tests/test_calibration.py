@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from jspec import cli
+from jspec import cli, tasks
 from jspec.bench import calibrate as C
 from jspec.checkpoint.eagle_format import EXTRAS_DIR, save_eagle_head
 from jspec.generate import SpeculativeConfig, generate
@@ -114,7 +114,40 @@ class ShortTokenizer:
         return {"input_ids": [4 + ord(c) % 40 for c in text[:20]]}
 
 
-def test_calibrate_command_writes_beside_the_head(setup, tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def no_evaluation_sets(monkeypatch):
+    """Every evaluation set jspec.tasks can read (MT-Bench, HumanEval, longdoc, chitchat's held-out
+    conversations) raises when read; the training split and a user's own questions file still load."""
+    def refuse(name):
+        def read(*args, **kwargs):
+            raise AssertionError(f"read the evaluation set {name}")
+        return read
+
+    for name in ("mt_bench_file", "humaneval_file", "_load_humaneval", "_load_chitchat", "_load_longdoc", "_module_document"):
+        monkeypatch.setattr(tasks, name, refuse(name))
+    for task in tasks.TASK_NAMES:
+        monkeypatch.setitem(tasks._TASK_LOADERS, task, refuse(task))
+
+
+def test_calibrate_reads_no_evaluation_set_unless_given_one(no_evaluation_sets, tmp_path, monkeypatch):
+    """calibrate's prompts: chitchat's training split by default, the user's file when given one
+    (which may be anything, an evaluation set included: their choice), and the training split never
+    holds a turn of a held-out conversation (every CHITCHAT_HOLDOUT_EVERY-th, which the chitchat
+    task evaluates on)."""
+    parse = lambda *argv: C.add_calibrate_args(__import__("argparse").ArgumentParser()).parse_args(list(argv))  # noqa: E731
+    conversations = tuple((f"c{i}", tuple(f"conversation {i} turn {t} says something long enough" for t in range(2)))
+                          for i in range(30))
+    monkeypatch.setattr(tasks, "_chitchat_conversations", lambda: conversations)
+    held_out = {turn for i, (_, turns) in enumerate(conversations) if i % tasks.CHITCHAT_HOLDOUT_EVERY == 0 for turn in turns}
+    training = {turn for _, turns in conversations for turn in turns} - held_out
+    texts, note = C.calibration_prompts(parse("--n-prompts", str(len(training))))  # the whole training split
+    assert set(texts) == training and "training split" in note
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"question_id": 1, "turns": ["my own question"]}) + "\n")
+    assert C.calibration_prompts(parse("--prompt-file", str(path)))[0] == ["my own question"]
+
+
+def test_calibrate_command_writes_beside_the_head(setup, tmp_path, monkeypatch, capsys, no_evaluation_sets):
     target, drafter, dparams, ldlp, _, _ = setup
     head = tmp_path / "eagle3"
     save_eagle_head(str(head), drafter.head, dparams)

@@ -3,21 +3,28 @@
 chi-square (the machinery of test_lossless_sampling)."""
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import struct
+
 from jspec import model as M
+from jspec.decode import pack_prompts
 from jspec.generate import SpeculativeConfig, generate
 from jspec.sampling import Sampling
 from jspec.speculative.drafters.hybrid import HybridDrafter
-from jspec.speculative.engines.tree import TreeConfig, with_ngram_branch
+from jspec.speculative.engines.chain import start_spec
+from jspec.speculative.engines.tree import TreeConfig, looks_up_first, tree_round, with_ngram_branch
 from jspec.speculative.factory import build_drafter, check_drafter_spec
 from jspec.speculative.drafters.base import DrafterError
 from jspec.speculative.policies import make_policy
 from jspec.speculative.policies.auto import REFERENCE_COSTS, hybrid_tokens, plan
+from jspec.speculative.policies.base import count_rounds
+from jspec.speculative.policies.static import StaticPolicy
 from jspec.speculative.verify.tree import Tree, ancestor_mask
 import spec_tiny
 import test_lossless_sampling as L
@@ -156,6 +163,14 @@ def test_a_hybrid_planned_as_lookup_alone_runs_its_ngram_chain(target):
     assert out.draft_lengths.max() <= lookup.k_max  # a chain of at most K drafts, no tree nodes
 
 
+def successor_cycles():
+    """The cycles `cycling_target` follows: spec_tiny's non-EOS tokens in a fixed random order, 8 at
+    a time (7 in the last)."""
+    cfg = spec_tiny.CFG
+    order = np.random.RandomState(0).permutation([t for t in range(cfg.vocab_size) if t not in cfg.eos_token_ids])
+    return [order[c:c + 8] for c in range(0, len(order), 8)]
+
+
 def cycling_target():
     """spec_tiny's target shape with weak layers and an LM head that scores each token's successor
     in fixed cycles of 8 tokens (7 for the last) by the last token's embedding: greedy text mostly
@@ -164,10 +179,9 @@ def cycling_target():
     cfg = spec_tiny.CFG
     params = M.init_params(cfg, jax.random.PRNGKey(0), scale=0.35)
     params["layers"] = {k: 0.3 * w if w.ndim == 3 else w for k, w in params["layers"].items()}  # the embedding dominates
-    order = np.random.RandomState(0).permutation([t for t in range(cfg.vocab_size) if t not in cfg.eos_token_ids])
     successor = np.arange(cfg.vocab_size)
-    for c in range(0, len(order), 8):
-        successor[order[c:c + 8]] = np.roll(order[c:c + 8], -1)
+    for cycle in successor_cycles():
+        successor[cycle] = np.roll(cycle, -1)
     unit = params["embed"] / jnp.linalg.norm(params["embed"], axis=-1, keepdims=True)
     return {**params, "lm_head": 20.0 * unit[np.argsort(successor)].T}
 
@@ -208,6 +222,83 @@ def test_lookup_first_rounds_skip_the_head_and_stay_greedy_identical_to_ar(targe
         nodes = out.draft_lengths[:, 1:][out.draft_lengths[:, 1:] > 0]
         assert (nodes <= tree.ngram).any() and (nodes > tree.ngram).any()  # lookup rounds and head rounds
         assert out.step_tokens[:, 1:].max() == tree.ngram + 1
+
+
+def test_a_round_looks_up_first_exactly_when_every_running_row_matched_the_order():
+    """The lookup-first rule over batches whose rows differ: every (order, done) combination of
+    three rows against the rule as the docs state it (all running rows matched at least
+    lookup_first; finished rows do not count; a batch with none running looks up)."""
+    orders, dones = [], []
+    for order in itertools.product(range(4), repeat=3):
+        for done in itertools.product((False, True), repeat=3):
+            orders.append(order)
+            dones.append(done)
+    for lookup_first in (1, 2, 3):
+        got = jax.vmap(looks_up_first, in_axes=(0, 0, None))(jnp.asarray(orders), jnp.asarray(dones), lookup_first)
+        want = [all(o >= lookup_first or d for o, d in zip(order, done)) for order, done in zip(orders, dones)]
+        assert np.asarray(got).tolist() == want
+
+
+@struct.dataclass
+class LastUpdate:
+    rounds: jax.Array  # [B] rounds the policy was updated for
+    drafted: jax.Array  # [B] n_drafted of the last update (-1: none, or the row was inactive)
+    accepted: jax.Array  # [B] n_accepted of the last update
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordsUpdates(StaticPolicy):
+    """The static policy, recording what its update receives."""
+
+    name = "records_updates"
+
+    def init(self, batch, key):
+        none = jnp.full((batch,), -1, jnp.int32)
+        return LastUpdate(rounds=jnp.zeros((batch,), jnp.int32), drafted=none, accepted=none)
+
+    def update(self, state, n_drafted, n_accepted, active):
+        return LastUpdate(rounds=count_rounds(state.rounds, active), drafted=jnp.where(active, n_drafted, -1),
+                          accepted=jnp.where(active, n_accepted, -1))
+
+
+def test_hybrid_rounds_run_the_lookup_rule_and_give_the_policy_counts_within_the_heads_depth():
+    """One hybrid round (head depth 2, a 6-node n-gram branch, lookup_first 2) on two rows that
+    differ: row 0 repeats a cycle of the cycling target (a 3-gram match, its branch accepted past
+    the head's depth), row 1 matches a 1-gram only. Both running: the head's tree runs for both
+    rows, and the policy's update gets drafted = accepted capped at the head's depth (the branch
+    past it counts as depth 2). Row 1 finished: the round verifies the n-gram chain alone, and the
+    policy's state is left as it was (a lookup round drafted none of the head's levels)."""
+    params = cycling_target()
+    cfg = spec_tiny.CFG
+    drafter, dparams = spec_tiny._drafters(params)["eagle3"]
+    hybrid = HybridDrafter(drafter)
+    tree = TreeConfig(top_k=3, depth=2, num_nodes=8, ngram=6, lookup_first=2)
+    policy = RecordsUpdates(k_max=tree.depth)
+    cycle = [int(t) for t in successor_cycles()[0]]
+    tokens, lens, cache_len = pack_prompts(cfg, [cycle * 2 + cycle[:2], [40, 41, 7, 30, 22, 9, 17]], 16, tree.cache_slots)
+    start = jax.jit(lambda p, dp, t, n: start_spec(p, cfg, hybrid, dp, policy, None, tree.depth, 16, cache_len, Sampling(),
+                                                   1, t, n, jax.random.PRNGKey(0)))
+    one_round = jax.jit(lambda p, dp, s: tree_round(p, cfg, hybrid, dp, policy, tree, 16, Sampling(), 1, s))
+    state = start(params, dparams, jnp.asarray(tokens), jnp.asarray(lens))
+    _, branch_valid, order = hybrid.ngram.propose_ordered(state.dstate.ngram, tree.ngram)
+    assert np.asarray(order).tolist() == [3, 1] and np.asarray(branch_valid).all()  # both branches 6 deep
+
+    after = one_round(params, dparams, state)  # row 1 short of the order: the head's tree, for both rows
+    nodes, accepted = np.asarray(after.drafted - state.drafted), np.asarray(after.accepted - state.accepted)
+    assert (nodes > tree.ngram).all(), nodes
+    assert accepted[0] > tree.depth, accepted  # the branch accepted past the head's levels
+    seen = after.pstate
+    assert np.asarray(seen.rounds).tolist() == [1, 1]
+    assert np.asarray(seen.drafted).tolist() == [tree.depth, tree.depth]  # 6-deep branches count as the head's 2
+    assert np.asarray(seen.accepted).tolist() == np.minimum(accepted, tree.depth).tolist()
+
+    finished = state.replace(done=jnp.asarray([False, True]))  # every running row matched: lookup alone
+    after = one_round(params, dparams, finished)
+    nodes = np.asarray(after.drafted - finished.drafted)
+    assert 0 < nodes[0] <= tree.ngram and nodes[1] == 0, nodes
+    assert int(after.accepted[0] - finished.accepted[0]) > 0
+    for field in ("rounds", "drafted", "accepted"):
+        np.testing.assert_array_equal(getattr(after.pstate, field), getattr(finished.pstate, field))
 
 
 def test_generate_with_auto_at_batch_1_looks_up_first():

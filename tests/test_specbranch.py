@@ -17,7 +17,8 @@ from jspec.heads import hrad as HR
 from jspec.sampling import GREEDY, Sampling, probs
 from jspec.speculative.engines.pearl import pearl_generate, pearl_mesh
 from jspec.speculative.drafters.model import ModelDrafter
-from jspec.speculative.engines.specbranch import SpecBranchConfig, specbranch_generate
+from jspec.speculative.engines.specbranch import (BranchState, SpecBranchConfig, _decision, _draft_role,
+                                                  confident_continuation, specbranch_generate)
 
 CFG = ModelConfig(
     arch="llama", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=4,
@@ -121,6 +122,75 @@ def test_sampling_is_lossless_chi_square():
     exp = np.append(expected[big], expected[~big].sum())
     _, pval = stats.chisquare(obs, exp * obs.sum() / exp.sum())
     assert pval > 1e-3, pval
+
+
+def test_the_confidence_cut_counts_the_leading_confident_continuation_positions():
+    """The window's decision keeps, of the accepted head's branch, the leading continuation
+    positions (1..G-1; 0 is the head, which the target tests) whose top probability is >= the
+    threshold: the head's own confidence never counts, the first position below the threshold
+    ends the count, a confidence equal to it is confident, and the other branch is not read."""
+    hand = [([0.1, 0.9, 0.9, 0.2], 2),  # a timid head: still 2 kept
+            ([0.9, 0.2, 0.9, 0.9], 0),  # the first continuation position timid: none
+            ([0.3, 0.3, 0.3, 0.3], 3),  # at the threshold: all 3
+            ([0.9, 0.9, 0.9, 0.29], 2),  # the last one just below: 2
+            ([0.2, 0.9, 0.1, 0.9], 1)]  # a confident position after a timid one: 1
+    assert np.asarray(confident_continuation(jnp.asarray([c for c, _ in hand]), 0.3)).tolist() == [k for _, k in hand]
+    R, NB, G = len(hand), 2, 4
+    j = np.asarray([1, 0, 1, 0, 1])  # the head the target accepts in each row
+    conf = np.full((R, NB, G), 0.95, np.float32)  # the other branch: confident everywhere
+    conf[np.arange(R), j] = [c for c, _ in hand]
+    toks = np.zeros((R, NB, G), np.int32)
+    toks[:, :, 0] = [10, 11]
+    t_top = np.zeros((R, G), np.int32)
+    t_top[:, 0] = toks[np.arange(R), j, 0]  # nothing pending: the heads are tested at block index 0
+    zeros = jnp.zeros((R,), jnp.int32)
+    s = BranchState(tcache=M.KVCache(k=None, v=None, lengths=zeros + 9), dcache=None, out=None, n_out=zeros,
+                    done=zeros > 0, last=zeros, pend=jnp.zeros((R, G - 1), jnp.int32), pend_q=None, n_pend=zeros,
+                    row_id=jnp.arange(R, dtype=jnp.int32), target_calls=zeros, drafted=zeros, accepted=zeros,
+                    rolled_back=zeros, branch_saves=zeros)
+    sb = SpecBranchConfig(branches=NB, gamma=G, cut="confidence", threshold=0.3)
+    _, hit, head, _, keep = _decision(s, jnp.asarray(toks), None, jnp.asarray(conf), jnp.asarray(t_top), None, None, None,
+                                      None, GREEDY, sb, jax.random.PRNGKey(0))
+    assert np.asarray(hit).all() and np.asarray(head).tolist() == j.tolist()
+    assert np.asarray(keep).tolist() == [k for _, k in hand]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, Sampling(temperature=1.0)], ids=["greedy", "sampling"])
+def test_a_branchs_confidence_is_read_where_each_token_was_drafted(models, sampling):
+    """The confidence the cut reads at branch position g is the top probability of the draft's
+    distribution that token g was drafted from (after the tail and tokens 0..g-1 of its branch),
+    recomputed here by one teacher-forced forward of each branch: not the one before or after."""
+    tparams, dcfg, dparams = models
+    sb = SpecBranchConfig(branches=2, gamma=4, cut="confidence")
+    prompts = _prompts(batch=2, seed=5)
+    tokens, lens, cache_len = pack_prompts(CFG, prompts, MAX_NEW, 2 * sb.gamma)
+    R, NB, G = len(prompts), sb.branches, sb.gamma
+    last = jnp.asarray([7, 11], jnp.int32)
+
+    @jax.jit
+    def draft(dparams, tokens, lens):
+        cache = M.init_cache(dcfg, R * NB, cache_len, dparams["embed"].dtype)
+        out = M.forward(dparams, dcfg, jnp.repeat(tokens, NB, 0), cache, unroll=1)
+        zeros = jnp.zeros((R,), jnp.int32)
+        s = BranchState(tcache=None, dcache=out.cache.replace(lengths=jnp.repeat(lens, NB).astype(jnp.int32)), out=None,
+                        n_out=zeros, done=zeros > 0, last=last, pend=jnp.zeros((R, G - 1), jnp.int32), pend_q=None,
+                        n_pend=zeros, row_id=jnp.arange(R, dtype=jnp.int32), target_calls=zeros, drafted=zeros,
+                        accepted=zeros, rolled_back=zeros, branch_saves=zeros)
+        toks, _, conf, _ = _draft_role(dparams, dcfg, sampling, sb, jax.random.PRNGKey(2), None, s)
+        return toks, conf
+
+    toks, conf = (np.asarray(x) for x in draft(dparams, jnp.asarray(tokens), jnp.asarray(lens)))
+    # every branch after its prompt and tail, padded at the end (causal: padding changes no earlier logits)
+    seqs = [list(p) + [int(last[r])] + toks[r, b, : G - 1].tolist() for r, p in enumerate(prompts) for b in range(NB)]
+    width = max(map(len, seqs))
+    padded = jnp.asarray([q + [0] * (width - len(q)) for q in seqs], jnp.int32)
+    top = jax.jit(lambda p, x: jnp.max(jax.nn.softmax(M.lm_head(p, dcfg, M.forward(
+        p, dcfg, x, M.init_cache(dcfg, x.shape[0], width), unroll=1).hidden).astype(jnp.float32), -1), -1))(dparams, padded)
+    for r, prompt in enumerate(prompts):
+        for b in range(NB):  # token g is drafted from the distribution at the tail's position + g
+            want = np.asarray(top[r * NB + b, len(prompt) : len(prompt) + G])
+            np.testing.assert_allclose(conf[r, b], want, rtol=1e-4, atol=1e-5, err_msg=f"row {r}, branch {b}")
+    assert len(np.unique(np.round(conf, 4))) > G  # the positions' confidences differ: a shift would show
 
 
 def test_hrad_class_one_cuts_as_the_confidence_rule(models):

@@ -1,21 +1,25 @@
 """EAGLE-2 dynamic trees: structure invariants, greedy identity to AR, lossless tree sampling."""
 
 import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from flax import struct
 from hypothesis import strategies as st
 
 from jspec import model as M
 from jspec.generate import SpeculativeConfig, generate
 from jspec.sampling import Sampling
-from jspec.decode import pack_prompts
+from jspec.decode import pack_prompts, prefill
 from jspec.speculative.engines.chain import start_spec
-from jspec.speculative.engines.tree import TreeConfig, build_tree, tree_round
+from jspec.speculative.engines.tree import TreeConfig, build_tree, draft_tree, tree_round, verify_pruned, verify_size_index
 from jspec.speculative.policies import make_policy
 from jspec.speculative.policies.auto import AutoPolicy
+from jspec.speculative.policies.base import Policy
 from jspec.speculative.verify.tree import Tree, ancestor_mask, path_of, verify_tree_greedy, verify_tree_sampling
 from test_spec import CFG, _drafters, _prompts
 
@@ -179,6 +183,117 @@ def test_a_pruned_tree_stops_drafting_and_verifies_fewer_nodes(target, skip_leve
     tree, index = run(make_policy("static", k_max=PRUNED.depth))
     assert int(index) == len(sizes) - 1 and np.asarray(tree.valid).sum() > 2 * PRUNED.top_k
     assert not make_policy("static", k_max=PRUNED.depth).cuts_trees and make_policy("confidence").cuts_trees
+
+
+def smallest_holding_block(valid: np.ndarray, sizes) -> int:
+    """The rule: the first of the ascending block sizes (draft nodes) that holds every row's last
+    valid node (node 0 the root, so a block of n holds nodes 0..n); the largest if none does."""
+    last = max(int(np.flatnonzero(row).max()) for row in valid)
+    return next((i for i, n in enumerate(sizes) if n >= last), len(sizes) - 1)
+
+
+def test_pruned_verification_picks_the_smallest_block_that_holds_the_kept_nodes():
+    """verify_size_index against the rule, on random valid masks whose rows differ, and on every
+    last valid node 0..N (a node that exactly fills a block takes that block, not the next)."""
+    rng = np.random.default_rng(0)
+    sizes, N = (3, 6, 12), 12
+    masks = [rng.random((3, N + 1)) < rng.uniform(0.05, 0.6) for _ in range(64)]
+    for last in range(N + 1):  # two rows, the other's last valid node below this one
+        mask = np.zeros((2, N + 1), bool)
+        mask[0, last] = mask[1, last // 2] = True
+        masks.append(mask)
+    for mask in masks:
+        mask[:, 0] = True  # the root
+        assert int(verify_size_index(jnp.asarray(mask), sizes)) == smallest_holding_block(mask, sizes), mask.astype(int)
+
+
+def test_a_pruned_verify_block_accepts_every_kept_node(target):
+    """verify_pruned over chains of the target's own greedy tokens whose first v nodes are kept
+    (v differing by row): every kept node is in the block it verifies, so all v are accepted, for
+    v = 0..N, including the v that exactly fill a block."""
+    sizes, N = (3, 6, 12), 12
+    prompts = _prompts(5)  # test_pruned_tree_greedy_identical_to_ar's call: one compiled AR program
+    ar = generate(target, CFG, prompts, max_new_tokens=16)
+    assert (ar.lengths == 16).all()  # no EOS: N + 1 greedy tokens a row
+    B = len(prompts)
+    tokens, lens, cache_len = pack_prompts(CFG, prompts, 16, N + 1)
+    chain = jnp.asarray(ar.tokens[:, : N + 1])  # the root (the first emitted token), then N greedy tokens
+    parent = jnp.broadcast_to(jnp.maximum(jnp.arange(N + 1) - 1, 0), (B, N + 1)).astype(jnp.int32)
+    depth = jnp.broadcast_to(jnp.arange(N + 1), (B, N + 1)).astype(jnp.int32)
+
+    @jax.jit
+    def accepted(target, tokens, lens, kept):
+        _, cache, _ = prefill(target, CFG, tokens, lens, M.init_cache(CFG, B, cache_len, target["embed"].dtype))
+        tree = Tree(chain, parent, depth, ancestor_mask(parent, N), jnp.arange(N + 1)[None] <= kept[:, None])
+        return verify_pruned(target, CFG, (), 1, Sampling(), N, 1, tree, cache, jax.random.PRNGKey(0), sizes)[1]
+
+    for v in range(N + 1):
+        kept = np.asarray([v, (5 * v) % (N + 1), (3 * v + 7) % (N + 1)])
+        got = accepted(target, jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(kept))
+        np.testing.assert_array_equal(np.asarray(got), kept, err_msg=f"kept {kept}")
+
+
+@struct.dataclass
+class CapsState:
+    rounds: jax.Array  # [B]
+    caps: jax.Array  # [B] the depth each row keeps this round
+    observed: jax.Array  # [B] draft distributions the policy saw: one per level that ran
+
+
+@dataclasses.dataclass(frozen=True)
+class RowCaps(Policy):
+    """A cutting policy that keeps each row's tree to its own depth (state.caps) and counts the
+    levels that ran (level 1 always, a skipped level never calls observe)."""
+
+    name = "row_caps"
+
+    def init(self, batch, key):
+        zeros = jnp.zeros((batch,), jnp.int32)
+        return CapsState(rounds=zeros, caps=zeros + self._required_k_max(), observed=zeros)
+
+    def round_limit(self, state, k_max, features=None):
+        return state.caps
+
+    def observe(self, state, step, draft_logits, draft_token=None):
+        return state.replace(observed=state.observed + 1), jnp.zeros(state.caps.shape, bool)
+
+
+# 20 nodes: more than the 12 candidates within depth 2, fewer than the 21 within depth 3 (a row capped at 2
+# keeps all of its candidates, one capped at 3 the best 20 of its)
+WIDE = TreeConfig(top_k=3, depth=4, num_nodes=20, verify_sizes=(3, 12))
+
+
+def test_levels_run_exactly_when_some_row_keeps_them(target):
+    """Level skipping (TreeConfig.skip_levels) on rows with different depth caps: a level runs
+    exactly when some row keeps it (the policy sees max(caps) levels), a row gets no candidate past
+    its own cap (none among its valid nodes, none taking a kept node's place), and the kept tree
+    is the one drafted with every level run."""
+    drafter, dparams = _drafters(target)["eagle3"]
+    tokens, lens, cache_len = pack_prompts(CFG, _prompts(4), 8, WIDE.num_nodes + 1)
+    policy = RowCaps(k_max=WIDE.depth)
+
+    @functools.partial(jax.jit, static_argnames="skip")
+    def drafted(target, dparams, tokens, lens, caps, skip):
+        tc = dataclasses.replace(WIDE, skip_levels=skip)
+        state = start_spec(target, CFG, drafter, dparams, policy, None, tc.depth, 8, cache_len, Sampling(), 1,
+                           tokens, lens, jax.random.PRNGKey(0))
+        pstate, limit = policy.start_round(state.pstate.replace(caps=caps), tc.depth)
+        tree, pstate, _ = draft_tree(drafter, dparams, target, CFG, state.dstate, state.last, tc, policy, pstate, limit)
+        return tree, pstate.observed
+
+    args = (target, dparams, jnp.asarray(tokens), jnp.asarray(lens))
+    for caps in ((1, 1, 1), (1, 3, 2), (2, 1, 4), (4, 4, 4), (1, 1, 2)):
+        (tree, observed), (whole, _) = (drafted(*args, jnp.asarray(caps, jnp.int32), skip) for skip in (True, False))
+        assert np.asarray(observed).tolist() == [max(caps)] * 3, (caps, observed)
+        valid, depth = np.asarray(tree.valid), np.asarray(tree.depth)
+        np.testing.assert_array_equal(valid, np.asarray(whole.valid))
+        for field in ("tokens", "parent", "depth"):
+            np.testing.assert_array_equal(np.where(valid, getattr(tree, field), -1), np.where(valid, getattr(whole, field), -1))
+        for b, cap in enumerate(caps):
+            assert depth[b][valid[b]].max() <= cap, (caps, b, depth[b][valid[b]])
+            if cap < WIDE.depth:  # the best candidates within the cap fill the budget (here no drafted EOS cuts a branch)
+                within = WIDE.top_k + (cap - 1) * WIDE.top_k**2
+                assert valid[b, 1:].sum() == min(WIDE.num_nodes, within), (caps, b, valid[b].sum())
 
 
 def test_auto_keeps_its_planned_tree_whole(target):

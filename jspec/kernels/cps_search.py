@@ -48,6 +48,15 @@ def _take_row(x, i):
     return jnp.take_along_axis(x, i[:, None].reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
 
 
+def log_weight(logq, proxy, lam):
+    """A token's log weight lam * logq + (1 - lam) * proxy, a term whose coefficient is 0 left out:
+    lam = 1 weighs by the DLM alone (q^1 P^0 = q, even where the proxy gives the token no mass)
+    and lam = 0 by the proxy alone. Written out, 0 * -inf is nan, which no ranking orders: the
+    portable top_k's ranks stop being a permutation (out-of-range picks) and the kernel's max
+    drops the beam, so the two searches parted ways, each wrong."""
+    return jnp.where(lam != 0.0, lam * logq, 0.0) + jnp.where(lam != 1.0, (1.0 - lam) * proxy, 0.0)
+
+
 def search_portable(tokens, logq, ok, table, limit, *, beam: int, lam: float, eos_id: int, objective: str = "logprob"):
     """Left-to-right beam search over a lattice: tokens / logq / ok [B, K, C] (candidate ids,
     their DLM log-probs, which may be taken), table [B, K, C, C, C] (the proxy's log-prob of
@@ -55,8 +64,8 @@ def search_portable(tokens, logq, ok, table, limit, *, beam: int, lam: float, eo
     the context, candidate 0), limit [B] (positions < limit[b] are expanded).
 
     A beam that takes EOS is finished and carried unchanged. Each token's log weight is
-    lam * logq + (1 - lam) * proxy. Path score (`objective`): "logprob", the sum of its tokens'
-    log weights (the paper's); "expected", the expected number of its tokens the target accepts
+    lam * logq + (1 - lam) * proxy (`log_weight`: at lam 0 or 1 the other term is absent). Path
+    score (`objective`): "logprob", the sum of its tokens' log weights (the paper's); "expected", the expected number of its tokens the target accepts
     if each is accepted with its weight given the ones before: sum over k of prod_{i <= k} weight_i,
     EOS adding nothing (the draft stops before it). Returns (path [B, K] int32, length [B] int32,
     score [B]): the best final beam (ties: the earlier-found beam)."""
@@ -79,7 +88,7 @@ def search_portable(tokens, logq, ok, table, limit, *, beam: int, lam: float, eo
         live = score > neg
         expanding = (k < limit)[:, None]
         lp_proxy = tab[rows, i2, i1]  # [B, W, C]
-        weight = lam * lq[:, None, :] + (1.0 - lam) * lp_proxy
+        weight = log_weight(lq[:, None, :], lp_proxy, lam)
         ext_logw = logw[:, :, None] + weight
         if expected:
             ext_sc = score[:, :, None] + jnp.where((tok == eos_id)[:, None, :], 0.0, jnp.exp(ext_logw))
@@ -150,7 +159,7 @@ def _kernel(limit_ref, tok_ref, lq_ref, ok_ref, tab_ref, path_ref, len_ref, scor
         expanding = k < limit
         live = score > neg
         ext_ok = (live & (fin == 0))[:, None] & okk[None, :] & expanding & (c_row < C) & (w_col < W)
-        weight = lam * lq[None, :] + (1.0 - lam) * lp_proxy  # [WP, CP] log weights
+        weight = log_weight(lq[None, :], lp_proxy, lam)  # [WP, CP] log weights
         ext_logw = logw[:, None] + weight
         gain = jnp.where(tok[None, :] == eos_id, 0.0, jnp.exp(ext_logw)) if expected else weight
         ext_sc = jnp.where(ext_ok, score[:, None] + gain, neg)

@@ -167,6 +167,14 @@ def _target_role(tparams, tcfg, sampling, hp, kernels, s: BranchState):
     return top, (None if sampling.greedy else probs(logits, sampling)), pre, out.cache
 
 
+def confident_continuation(conf: jax.Array, threshold: float) -> jax.Array:
+    """The confidence cut: [R] how many leading tokens of a branch's continuation (positions 1..G-1;
+    position 0 is the head, which the target tests) were drafted where the draft was confident,
+    max_v q(v) >= threshold at that position. conf [R, G]: that top probability at each position,
+    a function of the position's prefix only (module doc), never of the token drafted there."""
+    return jnp.sum(jnp.cumprod((conf[:, 1:] >= threshold).astype(jnp.int32), -1), -1).astype(jnp.int32)
+
+
 def _decision(s: BranchState, toks, q_all, conf, t_top, p, pre, tparams, hp, sampling, sb: SpecBranchConfig, key):
     """(a = pending drafts accepted [R], hit [R] bool, j = accepted head [R], correction [R], keep [R])."""
     R, NB, G = toks.shape
@@ -220,8 +228,7 @@ def _decision(s: BranchState, toks, q_all, conf, t_top, p, pre, tparams, hp, sam
     # how much of the accepted branch stays pending
     tok_j = jnp.take_along_axis(toks, j[:, None, None], 1)[:, 0]  # [R, G]
     conf_j = jnp.take_along_axis(conf, j[:, None, None], 1)[:, 0]
-    # the leading confident positions; conf is a function of each position's prefix (see the module doc)
-    by_conf = jnp.sum(jnp.cumprod((conf_j[:, 1:] >= sb.threshold).astype(jnp.int32), -1), -1).astype(jnp.int32)
+    by_conf = confident_continuation(conf_j, sb.threshold)
     if sb.cut == "none":
         keep = jnp.full_like(a, G - 1)
     elif sb.cut == "confidence":

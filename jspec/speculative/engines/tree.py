@@ -468,6 +468,14 @@ def verified(tparams, tcfg, capture, unroll, sampling, max_depth: int, tree: Tre
     return n, nxt, path, path_tok, path_out, feature, n_drafted, n_nodes
 
 
+def looks_up_first(order: jax.Array, done: jax.Array, lookup_first: int) -> jax.Array:
+    """Whether a hybrid round verifies the n-gram branch alone (`TreeConfig.lookup_first`): every
+    row still running matched an n-gram of at least `lookup_first` tokens (order [B], the match's
+    n, `NgramDrafter.propose_ordered`); a finished row holds no round back. One row short of the
+    order, and the whole batch runs the head's tree."""
+    return jnp.all((order >= lookup_first) | done)
+
+
 def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new, sampling, unroll, state: SpecState) -> SpecState:
     D, P = tc.depth, tc.path_depth  # the head's levels; the deepest node (a hybrid's n-gram branch may reach past D)
     key, k_verify = jax.random.split(state.key)
@@ -511,7 +519,7 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
 
     lookup = None
     if hybrid and tc.ngram and tc.lookup_first:
-        lookup = jnp.all((order >= tc.lookup_first) | state.done)
+        lookup = looks_up_first(order, state.done, tc.lookup_first)
         head_state, pstate, parts = jax.lax.cond(lookup, lookup_round, head_round, head_state, pstate0)
     else:
         head_state, pstate, parts = head_round(head_state, pstate0)
