@@ -126,23 +126,27 @@ def calibration_file(out_dir: str | None, head: Path) -> Path:
 
 
 def record_rounds(params, cfg, drafter, dparams, prompts: list[list[int]], *, k_max: int, batch: int, max_new: int,
-                  ldlp_params=None) -> Records:
-    """Generate with `RecordingPolicy` (a static chain of k_max) and collect the recorded rounds."""
+                  ldlp_params=None, log=None) -> Records:
+    """Generate with `RecordingPolicy` (a static chain of k_max) and collect the recorded rounds;
+    `log`: a progress line per batch, or None."""
     spec = SpeculativeConfig(drafter=drafter, drafter_params=dparams, k_max=k_max,
                              policy=RecordingPolicy(k_max=k_max, max_rounds=max_new), policy_params=ldlp_params)
     parts = []
     for i in range(0, len(prompts), batch):
         res = generate(params, cfg, prompts[i : i + batch], max_new_tokens=max_new, speculative=spec)
         parts.append(Records.from_state(res.policy_state))
+        if log is not None:
+            log(f"calibrate:   recorded {min(i + batch, len(prompts))}/{len(prompts)} prompts")
     return Records.concat(parts)
 
 
 def time_rounds(params, cfg, drafter, dparams, prompts: list[list[int]], *, k_max: int, batch: int,
-                max_new: int) -> tuple[dict[int, float], float]:
+                max_new: int, log=None) -> tuple[dict[int, float], float]:
     """µs a round of static chains drafting TIMED_LENGTHS and k_max tokens of a k_max block, and µs a
     token of plain decoding, each program compiled on the first `batch` prompts and then timed over
     the next TIMED_PROMPTS (all of them when there are fewer). A round's time is its generate call's
-    wall time over its rounds (the prefill counts as one, as in `rounds`)."""
+    wall time over its rounds (the prefill counts as one, as in `rounds`). `log`: a progress line
+    per program timed, or None."""
     warm, timed = prompts[:batch], prompts[batch : batch + TIMED_PROMPTS] or prompts[:batch]
 
     def per_round(spec) -> float:
@@ -153,7 +157,11 @@ def time_rounds(params, cfg, drafter, dparams, prompts: list[list[int]], *, k_ma
             res = generate(params, cfg, timed[i : i + batch], max_new_tokens=max_new, speculative=spec)
             seconds += time.perf_counter() - t0
             rounds += int(np.max(res.rounds))
-        return 1e6 * seconds / max(rounds, 1)
+        us = 1e6 * seconds / max(rounds, 1)
+        if log is not None:
+            log(f"calibrate:   {'plain decoding' if spec is None else f'static chain drafting {spec.policy.k}'}: "
+                f"{us:.0f} µs a {'token' if spec is None else 'round'}")
+        return us
 
     chains = {L: per_round(SpeculativeConfig(drafter=drafter, drafter_params=dparams, k_max=k_max,
                                              policy=make_policy("static", k=L)))
@@ -194,10 +202,10 @@ def calibration_costs(a, params, cfg, drafter, dparams) -> dict:
 
 
 def calibrate(params, cfg, drafter, dparams, prompts, names, *, costs: dict, k_max: int, batch: int, record_batch: int,
-              max_new: int, ldlp_params=None, timed: tuple[dict[int, float], float] | None = None) -> dict:
+              max_new: int, ldlp_params=None, timed: tuple[dict[int, float], float] | None = None, log=None) -> dict:
     """Record, then fit every named policy: the calibration entry of one card (save_calibration)."""
     records = record_rounds(params, cfg, drafter, dparams, prompts, k_max=k_max, batch=record_batch, max_new=max_new,
-                            ldlp_params=ldlp_params)
+                            ldlp_params=ldlp_params, log=log)
     cost, cost_note = round_cost(costs, batch, k_max, timed)
     fits = fit_all(names, records, k_max, cost)
     return {"k_max": k_max, "batch": batch, "rounds": records.n_rounds, "max_new_tokens": max_new,
@@ -229,6 +237,10 @@ def report_lines(entry: dict) -> list[str]:
     return lines
 
 
+def progress(line: str) -> None:
+    print(line, flush=True)
+
+
 def run_calibrate(a) -> int:
     names = check_calibrate_args(a)
     texts, source = calibration_prompts(a)  # before the model loads: a bad file or count fails fast
@@ -241,11 +253,13 @@ def run_calibrate(a) -> int:
     if a.round_cost == "timed":
         print(f"calibrate: timing plain decoding and static chains drafting {min(TIMED_LENGTHS, a.k_max - 1)} and "
               f"{a.k_max} tokens on {min(len(prompts), a.batch + TIMED_PROMPTS)} prompts (the round cost the fit replays)")
-        timed = time_rounds(params, cfg, drafter, dparams, prompts, k_max=a.k_max, batch=a.batch, max_new=a.max_new_tokens)
+        timed = time_rounds(params, cfg, drafter, dparams, prompts, k_max=a.k_max, batch=a.batch, max_new=a.max_new_tokens,
+                            log=progress)
     costs = calibration_costs(a, params, cfg, drafter, dparams)
     print(f"calibrate: recording static K = {a.k_max} chains on {len(prompts)} prompts, then fitting {', '.join(names)}")
     entry = calibrate(params, cfg, drafter, dparams, prompts, names, costs=costs, k_max=a.k_max, batch=a.batch,
-                      record_batch=a.record_batch, max_new=a.max_new_tokens, ldlp_params=ldlp_params, timed=timed)
+                      record_batch=a.record_batch, max_new=a.max_new_tokens, ldlp_params=ldlp_params, timed=timed,
+                      log=progress)
     entry["prompts"] = source
     fingerprint = head_fingerprint(head)  # the weights recorded, whichever file is written
     for fit in entry["policies"].values():

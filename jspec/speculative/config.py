@@ -38,12 +38,14 @@ class SpeculativeConfig:
     drafter         a spec string for jspec.speculative.factory.build_drafter ("ngram:3",
                     "eagle3", "model:PATH", ...) or a drafter object with `drafter_params`
     drafter_params  the drafter object's weights (None for a spec string: built from it)
-    policy          draft-length policy: a name (jspec.speculative.policies), a Policy, "auto" or
-                    an AutoPlan; None = static K = k_max
+    policy          draft-length policy: a name (jspec.speculative.policies), a Policy, or `auto`
+                    ("auto" or make_policy("auto"): planned for each call; an AutoPlan: that plan);
+                    None = static K = k_max
     policy_params   the policy's weights (LDLP's predictor; SpecBranch's H-RAD weights)
     k_max           most draft tokens per round of a chain (a tree's is its depth)
     tree            None (chains), True (EAGLE-2's default tree), "auto" (num_nodes timed on this
-                    device) or a TreeConfig: EAGLE-2 dynamic trees, EAGLE heads only
+                    device) or a TreeConfig: EAGLE-2 dynamic trees, EAGLE heads only (eagle3+ngram
+                    drafts trees only)
     verify          "lossless" (greedy identity / lossless sampling), or Consultant Decoding's
                     LOSSY rule: "consultant" (eps DEFAULT_EPS) or a ConsultantRule; chains only
     engine          None (chains / trees), "pearl", "ppsd", "specbranch" or a SpecBranchConfig:
