@@ -4,6 +4,7 @@ merge-data, train-ldlp, export-head."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -21,22 +22,24 @@ from .config import UnsupportedModelError, config_from_hf
 from .decode import PromptError, pack_prompts
 from .errors import UsageError
 from .generate import SpeculativeConfig, generate, generate_stream
-from .presets import list_presets, models_dir, resolve_config, resolve_model, resolve_tokenizer
+from .presets import (TOKENIZER_FILES, list_presets, models_dir, resolve_checkpoint, resolve_config, resolve_model,
+                      resolve_tokenizer)
 from .sampling import Sampling
-from .sharding import parse_mesh
+from .sharding import axis_size, check_tensor_parallel, parse_mesh
 from .speculative.drafters.base import DrafterError
+from .speculative.drafters.hybrid import HybridDrafter
 from .heads.hrad import load_hrad
 from .speculative.engines.chain import speculative_stream
 from .speculative.engines.pearl import parse_role_mesh
 from .speculative.engines.specbranch import SpecBranchConfig
 from .speculative.engines.tree import TreeConfig
 from .speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, resolve_policy_spec, shipped_head_path
-from .speculative.policies import POLICY_NAMES, make_policy
-from .speculative.policies.auto import load_costs, mean_context, plan_for
+from .speculative.policies import POLICY_NAMES, is_auto, make_policy
+from .speculative.policies.auto import AutoPlan, auto_budget, load_costs, mean_context, plan_for
 from .speculative.policies.ldlp import load_ldlp
 from .speculative.verify.consultant import DEFAULT_EPS, ConsultantRule
 from .tasks import TaskDataError
-from .tokenizer import prompt_ids
+from .tokenizer import has_chat_template, prompt_ids
 
 # `bench` and `train-head` are imported where they run: they pull heavy optional stacks
 # (transformers/torch peers, matplotlib; optax/orbax training extras, which may be absent).
@@ -131,7 +134,7 @@ def check_generate_args(a) -> None:
         raise UsageError(f"--dtype {a.dtype!r}: choose from {', '.join(DTYPES)}")
     if a.stop is not None and not all(a.stop):
         raise UsageError("--stop needs a non-empty string")
-    a.speculative, a.policy_params = None, None
+    a.speculative, a.policy_params, a.policy_constants = None, None, None
     if getattr(a, "batch_size", None) is not None:
         if a.batch_size < 1:
             raise UsageError(f"--batch-size must be >= 1, got {a.batch_size}")
@@ -166,10 +169,12 @@ def check_generate_args(a) -> None:
     if a.k_max < 1:
         raise UsageError(f"--k-max must be >= 1, got {a.k_max}")
     drafter_cls = check_drafter_spec(a.drafter, model_name=a.model, k_max=a.k_max)
+    if issubclass(drafter_cls, HybridDrafter) and not a.tree:
+        raise UsageError(f"--drafter {a.drafter} drafts trees (the head's tree plus an n-gram branch): add --tree")
     tree = _tree_arg(a)
     depth = (tree if isinstance(tree, TreeConfig) else TreeConfig()).depth if tree is not None else a.k_max
     try:  # "svip" takes the head's calibrated constants when `jspec calibrate` wrote them; "svip:paper" the paper's
-        policy = resolve_policy_spec(a.policy, a.drafter, a.model, depth)
+        policy, a.policy_constants = resolve_policy_spec(a.policy, a.drafter, a.model, depth)
         policy_obj = make_policy(policy, k_max=depth) if isinstance(policy, str) else policy
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -187,7 +192,8 @@ def check_generate_args(a) -> None:
         except ValueError as e:
             raise UsageError(str(e)) from None
     elif any(v is not None for v in consultant.values()):
-        raise UsageError(f"{', '.join(f for f, v in consultant.items() if v is not None)} need --verify consultant")
+        given = [f for f, v in consultant.items() if v is not None]
+        raise UsageError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --verify consultant")
     a.policy_params = None
     if policy_obj.name == "ldlp":
         a.policy_params = find_ldlp_weights(a.drafter, a.model, a.ldlp_weights)  # loaded after the checks
@@ -213,7 +219,11 @@ def _tree_arg(a):
         return "auto"
     if not (a.tree_nodes.isdigit() and int(a.tree_nodes) >= 1):
         raise UsageError(f"--tree-nodes {a.tree_nodes!r}: a positive number of nodes or auto")
-    return TreeConfig(num_nodes=int(a.tree_nodes))
+    default = TreeConfig()
+    if int(a.tree_nodes) > default.max_nodes:
+        raise UsageError(f"--tree-nodes {a.tree_nodes}: EAGLE-2's tree (top_k {default.top_k}, depth {default.depth}) "
+                         f"has at most {default.max_nodes} candidate nodes")
+    return dataclasses.replace(default, num_nodes=int(a.tree_nodes))
 
 
 def _check_engine_args(a) -> None:
@@ -359,20 +369,42 @@ def load_checked(a):
     check_generate_args(a)
     texts = read_prompt_texts(a)
     cfg = resolve_config(a.model)
+    check_mesh_fits(a.mesh, cfg)
     if a.drafter is not None:
         check_drafter_spec(a.drafter, model_name=a.model, k_max=a.k_max, cfg=cfg)
     tok = resolve_tokenizer(a.model)
     if tok is None:
-        raise UsageError(f"{a.model} has no tokenizer (an Orbax checkpoint written without one): convert it again "
-                         "from a source that has one")
+        raise UsageError(no_tokenizer_message(a.model))
+    if a.chat and not has_chat_template(tok):
+        raise UsageError(f"--chat: {a.model} has no chat template (a base model?): drop --chat")
     prompts = [prompt_ids(tok, text, a.chat) for text in texts]
     pack_prompts(cfg, prompts, a.max_new_tokens, speculative_slots(a.speculative))  # lengths vs the context
+    if a.policy_constants:  # which constants a calibrated policy runs: never a silent choice
+        print(f"[jspec] policy {a.policy}: {a.policy_constants}", file=sys.stderr)
     if a.policy_params is not None:  # LDLP's predictor, found by check_generate_args
         a.speculative = a.speculative.replace(policy_params=load_ldlp(str(a.policy_params))[0])
     t0 = time.perf_counter()
     cfg, params, _ = resolve_model(a.model, dtype=_dtype_arg(a.dtype), tokenizer=False)
     print(f"[jspec] {a.model}: loaded in {time.perf_counter() - t0:.1f}s, dtype {params['embed'].dtype}", file=sys.stderr)
     return cfg, params, tok, prompts, texts
+
+
+def check_mesh_fits(mesh, cfg) -> None:
+    """A tensor-parallel --mesh (model=N) splits this model's heads and MLP evenly (read from its
+    header, before the weights load)."""
+    try:
+        check_tensor_parallel(cfg, axis_size(mesh, "model"))
+    except ValueError as e:
+        raise UsageError(f"--mesh: {e}") from None
+
+
+def no_tokenizer_message(model: str) -> str:
+    """Why a model has no tokenizer, in the words of its checkpoint kind."""
+    path, kind, _ = resolve_checkpoint(model)
+    if kind == "orbax":
+        return (f"{model} has no tokenizer (an Orbax checkpoint written without one): convert it again from a source "
+                "that has one")
+    return f"{model} has no tokenizer: {path} holds none of {', '.join(TOKENIZER_FILES)}"
 
 
 def cmd_generate(a) -> int:
@@ -382,9 +414,9 @@ def cmd_generate(a) -> int:
     if spec is not None:
         drafter, dparams = build_drafter(spec.drafter, cfg, params, model_name=a.model, k_max=spec.k_max)
         spec = spec.replace(drafter=drafter, drafter_params=dparams)
-        if spec.policy == "auto":  # planned on the preset's committed cost table for this card, as `jspec bench` plans
+        if is_auto(spec.policy):  # planned on the preset's committed cost table for this card, as `jspec bench` plans
             costs = load_costs(a.model if a.model in list_presets() else None, models_dir=str(models_dir()))
-            rows = min(a.batch_size or len(prompts), len(prompts))  # rows in flight
+            rows = min(a.batch_size or len(prompts), len(prompts)) if a.no_stream else 1  # rows in flight
             plan = plan_for(drafter, costs, batch=rows, k_cap=spec.k_max, tree=spec.tree,
                             context=mean_context([len(p) for p in prompts], a.max_new_tokens), prompts=prompts,
                             sampling=sampling)
@@ -440,6 +472,7 @@ def _print_rows(a, cfg, tok, res, n_prompts: int) -> None:
 def _stream(a, cfg, params, tok, prompt, sampling, spec) -> None:
     """One prompt, printed as it is generated; stops at a stop string (the text up to and
     including it is printed); then why it stopped and the rates."""
+    spec = planned_chain(spec)
     if spec is None:
         chunks = ((chunk, None) for chunk in generate_stream(params, cfg, prompt, max_new_tokens=a.max_new_tokens,
                                                               sampling=sampling, seed=a.seed))
@@ -460,13 +493,27 @@ def _stream(a, cfg, params, tok, prompt, sampling, spec) -> None:
             if stop is not None:
                 chunks.close()  # the rest of this prompt's generation is not run
                 break
-    print(f"\n[jspec] stopped: {stop_reason(ids, stop, cfg, a.max_new_tokens)}", file=sys.stderr)
+    print(flush=True)  # the prompt's text ends its line: the next prompt's header, or the shell's prompt, starts a new one
+    print(f"[jspec] stopped: {stop_reason(ids, stop, cfg, a.max_new_tokens)}", file=sys.stderr)
     print(f"[jspec] {clock.rates(len(ids))}", file=sys.stderr)
     if spec is not None and state is not None:
         calls, drafted, accepted = (int(x) for x in jax.device_get((state.target_calls[0], state.drafted[0], state.accepted[0])))
         print(f"[jspec] drafter {a.drafter} policy {a.policy} verify {a.verify}: target calls {calls}, drafted {drafted}, "
               f"accepted {accepted} (acceptance {accepted / max(drafted, 1):.3f}), "
               f"mean accepted tokens per target call {len(ids) / max(calls, 1):.2f}", file=sys.stderr)
+
+
+def planned_chain(spec: SpeculativeConfig | None) -> SpeculativeConfig | None:
+    """A streamed prompt's settings: under an `auto` plan, the chain it planned (its drafter, policy
+    and K; None when plain decoding is faster), as generate() runs a plan; else `spec` itself."""
+    if spec is None or not isinstance(spec.policy, AutoPlan):
+        return spec
+    drafter, policy, k_max, _ = auto_budget(spec.policy, spec.drafter, 1, spec.k_max, None)
+    if drafter is None:
+        return None
+    if getattr(drafter, "block", False) and drafter.k_max != k_max:  # a block drafter drafts the planned k
+        drafter = dataclasses.replace(drafter, k_max=k_max)
+    return spec.replace(drafter=drafter, policy=policy, k_max=k_max)
 
 
 def cmd_info(a) -> int:
@@ -509,20 +556,21 @@ def add_export_head_args(p) -> None:
 
 
 def _target_config(target: str):
-    """The target's ModelConfig; a config.json (or a directory holding only one) needs no weights."""
+    """The target's ModelConfig, read from its header or config.json (no weights)."""
     if target.endswith(".json") and os.path.isfile(target):
         with open(target) as fh:
             return config_from_hf(json.load(fh))
-    return resolve_model(target, tokenizer=False)[0]
+    return resolve_config(target)
 
 
 def cmd_export_head(a) -> int:
     if os.path.exists(a.out) and os.listdir(a.out):
         raise UsageError(f"{a.out} exists and is not empty: give export-head a new directory")
+    cfg = _target_config(a.target)  # a target that is not there fails first
     head = a.head or shipped_head_path(a.target, a.kind)
     if head is None:
-        raise UsageError(f"no {a.kind} head shipped for {a.target!r}: pass --head DIR")
-    cfg = _target_config(a.target)
+        where = f"preset {a.target!r}" if a.target in list_presets() else f"{a.target} (not a preset)"
+        raise UsageError(f"no {a.kind} head ships with {where}: pass --head DIR")
     hcfg, params = load_eagle_head(str(head), cfg)
     with open(os.path.join(head, CONFIG_FILE)) as fh:
         stored = json.load(fh).get("torch_dtype")

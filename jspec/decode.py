@@ -75,9 +75,26 @@ def plan_cache_len(prompt_bucket: int, max_new_tokens: int, extra: int = 0) -> i
     return -(-need // 128) * 128
 
 
+def check_token_lists(prompts) -> None:
+    """Prompts are a list of token-id lists: a text or one prompt's flat ids, passed as they come,
+    is named as such instead of failing deep in NumPy. Raises PromptError."""
+    if isinstance(prompts, str):
+        raise PromptError("prompts must be a list of token-id lists, got a str: tokenize it (jspec.tokenizer.prompt_ids) "
+                          "and pass [ids]")
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            raise PromptError(f"prompt {i} is a str, not token ids: tokenize it (jspec.tokenizer.prompt_ids)")
+        if np.ndim(prompt) == 0:
+            raise PromptError("prompts must be a list of token-id lists, got a flat list of ids: pass [ids] for one prompt")
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise PromptError(f"prompt {i} is not a list of integer token ids")
+
+
 def pack_prompts(cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int, extra: int = 0, cache_len: int | None = None):
     """Validate prompts and right-pad them into a [B, bucket] array. Raises PromptError."""
-    if not prompts:
+    check_token_lists(prompts)
+    if not len(prompts):
         raise PromptError("no prompts given")
     if max_new_tokens < 1:
         raise PromptError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

@@ -58,8 +58,8 @@ from .speculative.engines.specbranch import SpecBranchConfig, specbranch_generat
 from .speculative.config import SpeculativeConfig
 from .speculative.engines.tree import TreeConfig, autotuned_tree, tree_for, tree_generate, tree_generate_jit
 from .speculative.factory import build_drafter
-from .speculative.policies import resolve_policy
-from .speculative.policies.auto import AutoPlan, auto_budget, mean_context
+from .speculative.policies import is_auto, resolve_policy
+from .speculative.policies.auto import auto_budget, mean_context
 from .speculative.state import result_from_device
 from .speculative.verify.consultant import resolve_verify
 
@@ -181,7 +181,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
         tree = TreeConfig()  # autotune: EAGLE's largest candidate (59 nodes) sizes the cache
     if tree is not None:
         tree = tree_for(drafter, tree)  # a hybrid drafter's n-gram branch
-    if drafter is not None and (policy == "auto" or isinstance(policy, AutoPlan)):  # batch-aware budget
+    if drafter is not None and is_auto(policy):  # batch-aware budget
         drafter, policy, k_max, tree = auto_budget(policy, drafter, rows[0] if rows else len(prompts), k_max, tree,
                                                    context=mean_context([len(p) for p in prompts], max_new_tokens),
                                                    prompts=prompts, sampling=sampling)

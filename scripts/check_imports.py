@@ -23,7 +23,7 @@ LAZY_OK = {"jspec/cli.py", "jspec/bench/cli.py", "jspec/train/cli.py"}
 # (longest matching prefix decides a module's layer).
 LAYERS = [
     ["jspec", "jspec.cards", "jspec.config", "jspec.sampling", "jspec.sharding", "jspec.kernels", "jspec.checkpoint", "jspec.checkpoint.errors",
-     "jspec.checkpoint.layout", "jspec.refill"],
+     "jspec.checkpoint.layout", "jspec.refill", "jspec.user_cache"],
     ["jspec.model"],
     ["jspec.decode", "jspec.scoring"],
     ["jspec.heads"],

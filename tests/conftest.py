@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -74,6 +75,18 @@ def pytest_configure(config):
     if jax.default_backend() == "cpu" and jax.device_count() != 8:  # e.g. jax imported before this file
         raise pytest.UsageError(f"the tests need 8 CPU devices, jax has {jax.device_count()}: "
                                 f"set XLA_FLAGS={TEST_XLA_FLAGS[0]} before jax is imported")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    """Keep the end of a session cheap: every object the tests left behind is frozen out of the
+    garbage collector. After a session pytest's unraisable-exception plugin runs two full gc
+    passes, each calling jax's _xla_gc_callback; over what half the suite leaves in an xdist
+    worker (compiled programs, traces) they outlast the 5 s execnet gives a worker to finish
+    after its session, its SIGINT then lands in that callback, and a KeyboardInterrupt traceback
+    printed at 100%. The process is about to exit; the OS frees its memory."""
+    del session
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(session, config, items):

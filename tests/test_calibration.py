@@ -1,7 +1,8 @@
 """`jspec calibrate` end to end on the tiny target and EAGLE-3 head: recorded rounds replay the
 engine's own draft lengths, every calibrated policy fits at least as well as its paper constants,
-the fit lands beside the head (jspec/calibration.json) and policy specs find it (`svip`,
-`svip:paper`, `svip:calibrated`), and calibrated policies stay greedy-identical to AR."""
+the fit lands in the user cache (the fits shipped beside a head, jspec/calibration.json, are only
+read) and policy specs find this card's (`svip`, `svip:paper`, `svip:calibrated`), and calibrated
+policies stay greedy-identical to AR."""
 
 import dataclasses
 import json
@@ -19,7 +20,7 @@ from jspec.speculative.factory import resolve_policy_spec
 from jspec.speculative.policies import make_policy
 from jspec.speculative.policies.auto import REFERENCE_COSTS
 from jspec.speculative.policies.calibration import (CALIBRATED_POLICIES, CALIBRATION_GRIDS, Records, RoundCost, calibration_path,
-                                                    fit_all, replay)
+                                                    fit_all, replay, user_calibration_path)
 from jspec.speculative.policies.ldlp import init_ldlp, save_ldlp
 from spec_tiny import CFG, _drafters, _prompts, make_target
 
@@ -76,32 +77,45 @@ def test_calibration_fits_every_policy_and_specs_find_it(setup, tmp_path):
     spec = f"eagle3:{head}"
     with pytest.raises(DrafterError, match="jspec calibrate"):
         resolve_policy_spec("svip:calibrated", spec, None, K)
-    assert resolve_policy_spec("svip", spec, None, K) == "svip"  # nothing calibrated: the paper's, built later
-    entry = {"k_max": K, "policies": fits["policies"]}
+    policy, constants = resolve_policy_spec("svip", spec, None, K)
+    assert policy == "svip" and constants.startswith("the paper's constants (no `jspec calibrate` fit")  # built later
+    entry = {"k_max": K, "rounds": 40, "policies": fits["policies"]}
     from jspec.cards import card_key
     from jspec.speculative.policies.calibration import save_calibration
 
-    assert save_calibration(head, card_key(), entry) == calibration_path(head) == head / "jspec" / "calibration.json"
-    svip = resolve_policy_spec("svip", spec, None, K)
+    # another card's fit is not this card's: svip runs the paper's, svip:calibrated is an error
+    save_calibration(calibration_path(head), "another_card", entry)
+    assert resolve_policy_spec("svip", spec, None, K)[0] == "svip"
+    with pytest.raises(DrafterError, match=f"no svip fit for head {head} on {card_key()}"):
+        resolve_policy_spec("svip:calibrated", spec, None, K)
+    assert save_calibration(calibration_path(head), card_key(), entry) == head / "jspec" / "calibration.json"
+    svip, constants = resolve_policy_spec("svip", spec, None, K)
     assert svip.threshold == fits["policies"]["svip"]["constants"]["threshold"] and svip.k_max == K
-    assert resolve_policy_spec("svip:paper", spec, None, K) == make_policy("svip", k_max=K)
-    tapout = resolve_policy_spec("tapout:calibrated", spec, None, K)
+    assert constants == f"calibrated on {card_key()} from 40 recorded rounds ({calibration_path(head)})"
+    assert resolve_policy_spec("svip:paper", spec, None, K) == (make_policy("svip", k_max=K), "the paper's constants (:paper)")
+    tapout = resolve_policy_spec("tapout:calibrated", spec, None, K)[0]
     assert tapout.svip.threshold == fits["policies"]["svip"]["constants"]["threshold"]
-    ldlp_policy = resolve_policy_spec("ldlp", spec, None, K)
+    ldlp_policy = resolve_policy_spec("ldlp", spec, None, K)[0]
     assert ldlp_policy.length_offset == fits["policies"]["ldlp"]["constants"]["length_offset"]
+    # a user's fit (the user cache, `jspec calibrate`'s default) comes before the one shipped beside the head
+    mine = {"k_max": K, "policies": {"svip": {**fits["policies"]["svip"], "constants": {"threshold": 0.05}}}}
+    user = save_calibration(user_calibration_path(head), card_key(), mine)
+    assert resolve_policy_spec("svip", spec, None, K)[0].threshold == 0.05
+    user.unlink()
     # a fit recorded with other weights (the head retrained in place) is not used for this head
     from jspec.speculative.policies.calibration import head_fingerprint
 
     own = head_fingerprint(head)
     assert own is not None and len(own) == 16
     stale = {"k_max": K, "policies": {"svip": {**fits["policies"]["svip"], "head": "0" * 16}}}
-    save_calibration(head, card_key(), stale)
+    save_calibration(calibration_path(head), card_key(), stale)
     with pytest.warns(UserWarning, match="other head weights"):
-        assert resolve_policy_spec("svip", spec, None, K) == "svip"
-    save_calibration(head, card_key(), {"k_max": K, "policies": {"svip": {**fits["policies"]["svip"], "head": own}}})
-    assert resolve_policy_spec("svip", spec, None, K) == svip
+        assert resolve_policy_spec("svip", spec, None, K)[0] == "svip"
+    save_calibration(calibration_path(head), card_key(),
+                     {"k_max": K, "policies": {"svip": {**fits["policies"]["svip"], "head": own}}})
+    assert resolve_policy_spec("svip", spec, None, K)[0] == svip
     ar = generate(target, CFG, prompts, max_new_tokens=16)
-    for policy, params in ((tapout, None), (ldlp_policy, ldlp), (resolve_policy_spec("adaedl", spec, None, K), None)):
+    for policy, params in ((tapout, None), (ldlp_policy, ldlp), (resolve_policy_spec("adaedl", spec, None, K)[0], None)):
         out = generate(target, CFG, prompts, max_new_tokens=16, speculative=SpeculativeConfig(
             drafter=drafter, drafter_params=dparams, policy=policy, policy_params=params, k_max=K))
         assert all(out.row(b) == ar.row(b) for b in range(len(prompts)))
@@ -147,33 +161,45 @@ def test_calibrate_reads_no_evaluation_set_unless_given_one(no_evaluation_sets, 
     assert C.calibration_prompts(parse("--prompt-file", str(path)))[0] == ["my own question"]
 
 
-def test_calibrate_command_writes_beside_the_head(setup, tmp_path, monkeypatch, capsys, no_evaluation_sets):
+def test_calibrate_command_writes_to_the_user_cache(setup, tmp_path, monkeypatch, capsys, no_evaluation_sets):
+    """`jspec calibrate` writes its fits to the user cache, never into the head's folder (a
+    repository's shipped fits are only read) unless --out-dir names it; with timed rounds it
+    measures no cost table."""
     target, drafter, dparams, ldlp, _, _ = setup
     head = tmp_path / "eagle3"
     save_eagle_head(str(head), drafter.head, dparams)
     save_ldlp(str(head / EXTRAS_DIR), ldlp, {"d_model": CFG.hidden_size, "hidden": 16})  # where engines never look
     monkeypatch.setattr(C.presets, "resolve_model", lambda *a, **k: (CFG, target, ShortTokenizer()))
-    monkeypatch.setattr(C, "ensure_costs", lambda *a, **k: REFERENCE_COSTS)  # timing is the round-cost tests' job
+    measured = []
+    monkeypatch.setattr(C, "ensure_costs", lambda *a, **k: measured.append(1) or REFERENCE_COSTS)  # the round-cost tests time
     argv = ["calibrate", "--model", "tiny", "--drafter", f"eagle3:{head}", "--policy", "svip,ldlp", "--k-max", str(K),
             "--n-prompts", "6", "--record-batch", "3", "--max-new-tokens", "12"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "svip calibrated" in out and "static K=4" in out and "oracle stop" in out
-    data = json.loads(calibration_path(head).read_text())
+    assert not calibration_path(head).exists() and not measured and f"calibration: {user_calibration_path(head)}" in out
+    assert "calibrate: timing plain decoding and static chains" in out and "calibrate: recording static K = 4" in out
+    data = json.loads(user_calibration_path(head).read_text())
     (entry,) = data["cards"].values()
     assert set(entry["policies"]) == {"svip", "ldlp"} and entry["k_max"] == K and "training split" in entry["prompts"]
+    from jspec.cards import card_key
     from jspec.speculative.policies.calibration import head_fingerprint
 
     assert {fit["head"] for fit in entry["policies"].values()} == {head_fingerprint(head)}
     rc = entry["round_cost"]  # timed here unless the CPU's timings gave no positive draft step
     assert rc["source"].startswith("timed here") or "timing too noisy" in rc["source"], rc
     assert "round cost: " in out
+    assert cli.main([*argv, "--out-dir", str(head), "--round-cost", "table"]) == 0  # a head's own (shipped) fits
+    assert set(json.loads(calibration_path(head).read_text())["cards"][card_key()]["policies"]) == {"svip", "ldlp"}
+    assert measured and "round cost: cost table" in capsys.readouterr().out
     # without --policy a head with no LDLP predictor yet (freshly trained) gets every other fit
     bare = tmp_path / "bare"
     save_eagle_head(str(bare), drafter.head, dparams)
+    assert user_calibration_path(bare) == user_calibration_path(head)  # the same weights: the same fits
+    user_calibration_path(head).unlink()
     assert cli.main(["calibrate", "--model", "tiny", "--drafter", f"eagle3:{bare}", *argv[7:], "--round-cost", "table"]) == 0
     assert "ldlp is not fit" in capsys.readouterr().out
-    (entry,) = json.loads(calibration_path(bare).read_text())["cards"].values()
+    (entry,) = json.loads(user_calibration_path(bare).read_text())["cards"].values()
     assert set(entry["policies"]) == set(CALIBRATED_POLICIES) - {"ldlp"}
     assert entry["round_cost"]["source"].startswith("cost table")
     assert cli.main(["calibrate", "--policy", "static"]) == 2

@@ -4,6 +4,7 @@ steady-state tok/s; `jspec bench` checks every method before running any."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,7 @@ def no_model(monkeypatch):
     monkeypatch.setattr(cli, "resolve_tokenizer", lambda *a, **k: FakeTokenizer())
     monkeypatch.setattr(cli, "resolve_model", refuse)
     monkeypatch.setattr(bench_cli, "resolve_model", refuse)
+    monkeypatch.setattr(bench_cli, "resolve_config", lambda *a, **k: CFG)
 
 
 @pytest.fixture
@@ -75,7 +77,7 @@ def run(capsys, *argv):
     (["--drafter", "nosuch"], "unknown drafter 'nosuch'"),
     (["--drafter", "early-exit:x"], "positive integer"),
     (["--drafter", "ngram", "--k-max", "0"], "--k-max must be >= 1"),
-    (["--drafter", "ngram", "--consultant-eps", "3"], "--consultant-eps need --verify consultant"),
+    (["--drafter", "ngram", "--consultant-eps", "3"], "--consultant-eps needs --verify consultant"),
     (["--drafter", "ngram", "--verify", "consultant", "--consultant-eps", "-1"], "eps must be > 0"),
     (["--drafter", "ngram", "--policy", "ldlp"], "policy ldlp predicts draft lengths for an EAGLE head"),
     (["--drafter", "ngram", "--ldlp-weights", "x"], "--ldlp-weights needs --policy ldlp"),
@@ -90,11 +92,54 @@ def run(capsys, *argv):
     (["--drafter", "ngram", "--k-max", "100000"], "context of 512 positions"),
     (["--stop", ""], "--stop needs a non-empty string"),
     (["--prompt-file", "/nonexistent.txt"], "--prompt-file /nonexistent.txt: No such file or directory"),
+    (["--mesh", "model=4"], "--mesh: model=4 must divide num_kv_heads=2, num_heads=4 and intermediate_size=64"),
+    (["--drafter", "eagle3", "--tree", "--tree-nodes", "100000"], "--tree-nodes 100000: EAGLE-2's tree (top_k 10, "
+                                                                  "depth 6) has at most 510 candidate nodes"),
+    (["--chat"], "--chat: smollm2-135m-instruct has no chat template (a base model?): drop --chat"),
+    (["--drafter", "eagle3+ngram"], "--drafter eagle3+ngram drafts trees (the head's tree plus an n-gram branch): add --tree"),
 ])
 def test_user_errors_are_one_line_before_the_model_loads(no_model, capsys, tmp_path, argv, message):
     rc, err = run(capsys, "generate", *[a.format(tmp=tmp_path) for a in argv], "hello")
     assert rc == 2
     assert err.startswith("jspec: error: ") and err.count("\n") == 1, err
+    assert message in err, err
+
+
+@pytest.fixture
+def broken_drafters(tmp_path):
+    """Drafters a user may point at that cannot serve CFG, under tmp_path: a truncated EAGLE head
+    and tied draft model, a tied draft model made for another target, an HF model of another vocabulary."""
+    from jspec.checkpoint.draft_format import save_draft_model
+    from jspec.checkpoint.eagle_format import save_eagle_head
+    from jspec.checkpoint.hf import hf_config_dict
+    from jspec.heads import draft_model as DM
+    from jspec.heads import eagle as H
+
+    hcfg = H.default_head_config("eagle1", CFG)
+    save_eagle_head(str(tmp_path / "truncated"), hcfg, H.init_head(hcfg, jax.random.PRNGKey(1)))
+    params = M.init_params(CFG, jax.random.PRNGKey(0))
+    dcfg, dparams = DM.init_from_target(params, CFG, (0,))
+    save_draft_model(str(tmp_path / "truncated-draft"), dcfg, dparams, CFG, (0,), dtype="float32")
+    for file in (tmp_path / "truncated" / "model.safetensors", tmp_path / "truncated-draft" / "model-00000.safetensors"):
+        data = file.read_bytes()
+        file.write_bytes(data[: 8 + int.from_bytes(data[:8], "little") + 16])  # the header, then 16 bytes of tensors
+    other = CFG.replace(vocab_size=64)
+    oparams = M.init_params(other, jax.random.PRNGKey(0))
+    save_draft_model(str(tmp_path / "other-draft"), *DM.init_from_target(oparams, other, (0,)), other, (0,), dtype="float32")
+    (tmp_path / "other-hf").mkdir()
+    (tmp_path / "other-hf" / "config.json").write_text(json.dumps(hf_config_dict(CFG.replace(vocab_size=96))))
+
+
+@pytest.mark.parametrize("drafter, message", [
+    ("eagle3:{tmp}/truncated", "truncated/model.safetensors: tensor"),  # ... "past the end of the file ...; file truncated?"
+    ("model:{tmp}/truncated-draft", "truncated-draft/model-00000.safetensors: tensor"),
+    ("model:{tmp}/other-draft", "draft model was trained for another target (vocab_size 64 != 48"),
+    ("model:{tmp}/other-hf", "the draft model's vocabulary (96 tokens) is not the target's (48 tokens)"),
+])
+def test_drafters_that_cannot_serve_the_target_are_one_line_before_the_weights_load(no_model, broken_drafters, capsys,
+                                                                                    tmp_path, drafter, message):
+    rc, err = run(capsys, "generate", "--drafter", drafter.format(tmp=tmp_path), "hello")
+    assert rc == 2 and err.startswith("jspec: error: ") and err.count("\n") == 1, err
     assert message in err, err
 
 
@@ -269,6 +314,8 @@ def test_prompts_are_checked_before_the_weights_load(no_model, capsys, prompt, m
     (["--dtype", "float16x"], "--dtype: unknown dtype 'float16x'"),
     (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1, got -1"),
     (["--out", "x", "--commit-rows", "y"], "exclude each other"),
+    (["--mesh", "model=4"], "--mesh: model=4 must divide num_kv_heads=2, num_heads=4 and intermediate_size=64"),
+    (["--methods", "ar,spec:ngram:static:kk=1"], "valid options: k, verify, eps, smoothing, constants, nodes"),  # k once
 ])
 def test_bench_argument_errors_are_one_line_before_loading(no_model, capsys, argv, message):
     rc, err = run(capsys, "bench", "--model", "tiny", *argv)
@@ -407,3 +454,194 @@ def test_report_user_errors_keeps_int_codes_and_maps_rows_to_zero(capsys):
 
     assert cli.report_user_errors(bad, "x.py") == 2
     assert capsys.readouterr().err == "x.py: error: --thing must be >= 1, got 0\n"
+
+
+# ---- issue 57: what a new user hit -----------------------------------------------------------------
+
+
+def _eagle_head(directory) -> Path:
+    from jspec.checkpoint.eagle_format import save_eagle_head
+    from jspec.heads import eagle as H
+
+    hcfg = H.default_head_config("eagle1", CFG)
+    save_eagle_head(str(directory), hcfg, H.init_head(hcfg, jax.random.PRNGKey(1)))
+    return Path(directory)
+
+
+def _target_json(tmp_path) -> Path:
+    from jspec.checkpoint.hf import hf_config_dict
+
+    path = tmp_path / "target.json"
+    path.write_text(json.dumps(hf_config_dict(CFG)))
+    return path
+
+
+def test_export_head_errors_are_one_line_and_the_weights_readable(capsys, tmp_path):
+    """export-head: a target that is not there is named as such (not "no head shipped"), a
+    truncated head is one line naming its file, and the written weights are readable by others
+    (0644 under umask 022, as config.json), not safetensors' private 0600."""
+    head, target = _eagle_head(tmp_path / "head"), _target_json(tmp_path)
+    rc, err = run(capsys, "export-head", "--for", "vllm", "--target", "/nonexistent", str(tmp_path / "a"))
+    assert rc == 2 and err.count("\n") == 1 and "'/nonexistent' is neither an existing path nor a preset" in err, err
+    assert cli.main(["export-head", "--for", "vllm", "--target", str(target), "--head", str(head), str(tmp_path / "b")]) == 0
+    capsys.readouterr()
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "b").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] != 0o600, modes
+    weights = head / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: 8 + int.from_bytes(data[:8], "little") + 16])
+    rc, err = run(capsys, "export-head", "--for", "vllm", "--target", str(target), "--head", str(head), str(tmp_path / "c"))
+    assert rc == 2 and err.count("\n") == 1 and f"{weights}: tensor" in err and "file truncated?" in err, err
+
+
+def test_an_hf_directory_without_a_tokenizer_is_named_as_such(capsys, tmp_path, monkeypatch):
+    from jspec.checkpoint.hf import hf_config_dict
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf_config_dict(CFG)))
+    monkeypatch.setattr(cli, "resolve_model", lambda *a, **k: pytest.fail("the weights loaded"))
+    rc, err = run(capsys, "generate", "--model", str(tmp_path / "hf"), "hello")
+    assert rc == 2 and err.count("\n") == 1 and "Orbax" not in err, err
+    assert f"{tmp_path / 'hf'} has no tokenizer: {tmp_path / 'hf'} holds none of tokenizer.json" in err, err
+
+
+@pytest.mark.parametrize("mode", [[], ["--no-stream"]])
+def test_policy_auto_plans_in_generate(tiny_model, capsys, mode):
+    """--policy auto prints its plan and runs it, streamed or batched (it planned nothing when the
+    command line built the policy object: make_policy("auto") is not the name "auto")."""
+    assert cli.main(["generate", "--drafter", "ngram", "--policy", "auto", "--max-new-tokens", "6", *mode, "hello"]) == 0
+    err = capsys.readouterr().err
+    assert "[jspec] auto plan (" in err and "expected" in err and "x plain decoding" in err, err
+
+
+def test_auto_plans_on_every_api_path(monkeypatch):
+    """generate() plans whatever form `auto` takes (the name, make_policy("auto"), a plan already
+    made), and no other policy."""
+    from jspec import generate as G
+    from jspec.speculative.drafters.ngram import NgramDrafter
+    from jspec.speculative.policies import is_auto, make_policy
+    from jspec.speculative.policies.auto import REFERENCE_COSTS, plan_for
+
+    planned = []
+
+    def budget(policy, drafter, batch, k_max, tree, **kw):
+        planned.append(policy)
+        return None, None, k_max, None  # plain decoding: the call stays cheap
+
+    monkeypatch.setattr(G, "auto_budget", budget)
+    params = M.init_params(CFG, jax.random.PRNGKey(0))
+    made = plan_for(NgramDrafter(), REFERENCE_COSTS, batch=1, k_cap=4, tree=None)
+    for policy in ("auto", make_policy("auto", k_max=4), made, "static", make_policy("heuristic", k_max=4)):
+        assert is_auto(policy) == (policy in ("auto",) or policy is made or type(policy).__name__ == "AutoPolicy")
+        G.generate(params, CFG, [[5, 6, 7]], max_new_tokens=2,
+                   speculative=cli.SpeculativeConfig(drafter="ngram", policy=policy, k_max=4))
+    assert len(planned) == 3 and planned[2] is made
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(drafter="foo"), "unknown drafter 'foo'"),
+    (dict(drafter="ngram", policy="foo"), "policy='foo': choose a name (static, confidence"),
+    (dict(drafter="ngram", policy=3), "policy=3: choose a name"),
+    (dict(drafter="ngram", k_max=True), "k_max must be an integer >= 1, got True"),
+    (dict(drafter="eagle3+ngram"), "drafter 'eagle3+ngram' drafts trees (the head's tree plus an n-gram branch): add "
+                                   "tree=True or a TreeConfig"),
+])
+def test_speculative_config_rejects_what_cannot_run(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cli.SpeculativeConfig(**kwargs)
+
+
+@pytest.mark.parametrize("prompts, message", [
+    ("hello", "prompts must be a list of token-id lists, got a str: tokenize it (jspec.tokenizer.prompt_ids)"),
+    ([5, 6, 7], "prompts must be a list of token-id lists, got a flat list of ids: pass [ids] for one prompt"),
+    (["hello"], "prompt 0 is a str, not token ids: tokenize it (jspec.tokenizer.prompt_ids)"),
+])
+def test_generate_names_a_prompt_that_is_not_token_ids(prompts, message):
+    from jspec.decode import PromptError
+
+    with pytest.raises(PromptError, match=re.escape(message)):
+        cli.generate({}, CFG, prompts, max_new_tokens=2)
+
+
+def test_streamed_prompts_end_their_lines(tiny_model, capsys):
+    assert cli.main(["generate", "--max-new-tokens", "4", "hello", "world!"]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\n") and out.splitlines()[0] == "--- [0]" and "--- [1]" in out.splitlines(), out
+
+
+def test_accepted_tokens_never_exceed_the_tokens_emitted():
+    """A round that accepts more drafts than the budget has room for counts only those emitted
+    (the target drafting for itself: every draft is accepted)."""
+    from jspec.speculative.drafters.model import ModelDrafter
+
+    params = M.init_params(CFG, jax.random.PRNGKey(0), scale=0.35)
+    spec = cli.SpeculativeConfig(drafter=ModelDrafter(CFG), drafter_params=params, k_max=8)
+    for max_new in (3, 7):
+        res = cli.generate(params, CFG, [[5, 6, 7], [8, 9]], max_new_tokens=max_new, speculative=spec)
+        assert (res.drafted > 0).all() and (res.accepted <= res.lengths - 1).all(), (res.accepted, res.lengths)
+
+
+def _calibrated_preset(tmp_path, monkeypatch, card: str) -> Path:
+    """A preset "tiny" whose EAGLE head ships an svip fit for `card` only."""
+    from jspec.speculative.policies.calibration import CALIBRATION_FORMAT, calibration_path
+
+    models = tmp_path / "models"
+    head = _eagle_head(models / "tiny" / "heads" / "eagle3")
+    (models / "tiny" / "preset.json").write_text(json.dumps(
+        {"name": "tiny", "source": {"type": "path", "path": "x.gguf"}, "drafters": {"eagle3": "heads/eagle3"}}))
+    calibration_path(head).parent.mkdir(exist_ok=True)
+    calibration_path(head).write_text(json.dumps({"format": CALIBRATION_FORMAT, "cards": {card: {
+        "rounds": 40, "policies": {"svip": {"constants": {"threshold": 0.35}}}}}}))
+    monkeypatch.setenv("JSPEC_MODELS_DIR", str(models))
+    return head
+
+
+def test_a_policy_says_which_cards_constants_it_runs(no_model, capsys, tmp_path, monkeypatch):
+    """Another card's fit is not this card's: svip:calibrated is an error and svip runs the
+    paper's constants, saying so; this card's fit is named with its rounds and file."""
+    from jspec.cards import card_key
+    from jspec.speculative.policies.calibration import calibration_path
+
+    head = _calibrated_preset(tmp_path, monkeypatch, "NVIDIA_H200")
+    rc, err = run(capsys, "generate", "--model", "tiny", "--drafter", "eagle3", "--policy", "svip:calibrated", "hi")
+    assert rc == 2 and err.count("\n") == 1 and f"no svip fit for head {head} on {card_key()}" in err, err
+    with pytest.raises(ModelLoaded):
+        cli.main(["generate", "--model", "tiny", "--drafter", "eagle3", "--policy", "svip", "hi"])
+    assert f"policy svip: the paper's constants (no `jspec calibrate` fit for this head on {card_key()})" in \
+        capsys.readouterr().err
+    _calibrated_preset(tmp_path, monkeypatch, card_key())
+    with pytest.raises(ModelLoaded):
+        cli.main(["generate", "--model", "tiny", "--drafter", "eagle3", "--policy", "svip:calibrated", "hi"])
+    assert f"policy svip:calibrated: calibrated on {card_key()} from 40 recorded rounds ({calibration_path(head)})" in \
+        capsys.readouterr().err
+
+
+def _train_args(tmp_path, *extra) -> list[str]:
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps({"head": {"kind": "eagle3", "draft_vocab_size": 32},
+                                  "train": {"seq_len": 16, "batch_size": 64, "steps": 2}}))
+    return ["train-head", "--target", "tiny", "--recipe", str(recipe), "--compile-cache", "none", "--no-progress", *extra]
+
+
+def test_train_head_asks_before_distilling_on_a_cpu(capsys, tmp_path, monkeypatch):
+    """train-head is meant for GPUs: on a CPU it distils nothing unless asked, and its run directory
+    is --out or the user cache, never ./runs."""
+    from jspec.train import cli as train_cli
+
+    monkeypatch.chdir(tmp_path)
+    rc, err = run(capsys, *_train_args(tmp_path))
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "train-head is meant for GPUs, and this host has none" in err and "--allow-cpu-distill" in err, err
+    assert not (tmp_path / "runs").exists()
+    args = train_cli.add_train_args(__import__("argparse").ArgumentParser()).parse_args(_train_args(tmp_path)[1:])
+    assert Path(train_cli.run_dir(args)) == Path(os.environ["JSPEC_CACHE"]) / "runs" / "r-tiny"
+
+
+def test_train_head_with_too_few_rows_for_a_batch_is_one_line(capsys, tmp_path, monkeypatch):
+    from jspec.train.data import write_dataset
+
+    write_dataset(str(tmp_path / "data"), [([2, 3, 4], [5, 6, 1])] * 6, seq_len=16, pad_id=0, vocab_size=48, rows_per_shard=8)
+    monkeypatch.setattr("jspec.presets.resolve_model", lambda *a, **k: pytest.fail("the weights loaded"))
+    rc, err = run(capsys, *_train_args(tmp_path, "--data", str(tmp_path / "data")))
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "too few rows for a local batch of 64: lower --batch-size (the recipe's 64) or distil more rows" in err, err

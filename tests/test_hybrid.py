@@ -418,9 +418,11 @@ def test_bench_runs_hybrid_auto_trees_and_paper_constants(tmp_path, monkeypatch)
     methods = f"ar,spec:eagle:{head}+ngram:auto:tree,spec:eagle:{head}:svip:paper"
     args = cli.add_bench_args(argparse.ArgumentParser()).parse_args(
         ["--model", "tiny", "--tasks", "longdoc", "--n-prompts", "2", "--max-new-tokens", "4", "--batch", "1",
-         "--methods", methods, "--no-plots", "--models-dir", str(tmp_path / "models"),
+         "--methods", methods, "--no-plots", "--models-dir", str(tmp_path / "models"), "--out", str(tmp_path / "results"),
          "--benchmarks-md", str(tmp_path / "B.md")])
+    monkeypatch.chdir(tmp_path)
     rows = {r["name"]: r for r in cli.run_bench(args)}
+    assert not (tmp_path / "jspec-results").exists()  # the test's rows go to its --out, not the repository
     hybrid = rows[f"spec:eagle:{head}+ngram:auto:tree"]
     assert hybrid["greedy_identical_to_ar"] == 1.0 and hybrid["policy_constants"] is None
     paper = rows[f"spec:eagle:{head}:svip:paper"]

@@ -204,7 +204,7 @@ def test_cli_distills_dataset(tmp_path, monkeypatch):
     path.write_text(json.dumps(recipe))
     out = tmp_path / "run"
     args = cli.add_train_args(__import__("argparse").ArgumentParser()).parse_args(
-        ["--target", "tiny", "--recipe", str(path), "--out", str(out), "--distill-only", "--no-progress",
+        ["--target", "tiny", "--recipe", str(path), "--out", str(out), "--distill-only", "--allow-cpu-distill", "--no-progress",
          "--compile-cache", "none"])  # the default cache would hold every later test's programs
     assert cli.run_train(args) is None
     meta = read_meta(str(out / "data"))

@@ -6,9 +6,10 @@ records rounds of a static K = --k-max chain on training-side prompts (chitchat'
 `jspec.tasks.training_prompts`; never an evaluation set), replays them through each policy's rules
 over a grid of its constants, keeps the constants with the most tokens per µs at --batch on this
 card (the draft step and the rest of a round timed here on static chains, the verify sizes from
-the card's cost table; `--round-cost table` for the table alone), and writes them beside the
-head (<head>/jspec/calibration.json, one entry per card), where a policy spec without a suffix
-finds them (`svip`; `svip:paper` keeps the paper's). The method is in
+the card's cost table; `--round-cost table` for the table alone), and writes them to the user
+cache ($JSPEC_CACHE/calibration/<head fingerprint>.json, one entry per card; `--out-dir HEAD` for
+the file a head ships, <HEAD>/jspec/calibration.json), where a policy spec without a suffix finds
+them (`svip`; `svip:paper` keeps the paper's). The method is in
 jspec.speculative.policies.calibration.
 """
 
@@ -24,14 +25,15 @@ from jspec import presets
 from jspec.bench.cli import preset_name
 from jspec.bench.prompts import encode_questions
 from jspec.bench.round_cost import ensure_costs
+from jspec.speculative.policies.auto import load_costs
 from jspec.cards import card_key
 from jspec.errors import UsageError
 from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.drafters.base import DrafterError
 from jspec.speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, head_dir
 from jspec.speculative.policies import make_policy
-from jspec.speculative.policies.calibration import (CALIBRATED_POLICIES, Records, RecordingPolicy, RoundCost, fit_all,
-                                                    head_fingerprint, save_calibration)
+from jspec.speculative.policies.calibration import (CALIBRATED_POLICIES, Records, RecordingPolicy, RoundCost, calibration_path,
+                                                    fit_all, head_fingerprint, save_calibration, user_calibration_path)
 from jspec.speculative.policies.ldlp import load_ldlp
 from jspec.tasks import Question, TaskDataError, load_questions_file, training_prompts
 
@@ -62,8 +64,12 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "cost table alone (its parts timed one by one)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0, help="which training prompts")
-    p.add_argument("--out-dir", default=None, help="head directory to write jspec/calibration.json into (default: the head's)")
-    p.add_argument("--models-dir", default="models")
+    p.add_argument("--out-dir", default=None, metavar="HEAD_DIR",
+                   help="write HEAD_DIR/jspec/calibration.json, the fits a head directory ships, instead of the user "
+                        "cache ($JSPEC_CACHE or ~/.cache/jspec, calibration/<head fingerprint>.json), where policies "
+                        "using this head find them")
+    p.add_argument("--models-dir", default=None, help="the repository's models/ folder, whose committed cost tables are "
+                   "read (default: jspec's own)")
     return p
 
 
@@ -113,24 +119,34 @@ def calibration_prompts(a) -> tuple[list[str], str]:
     return [q.turns[0] for q in questions[:n]], f"{Path(a.prompt_file).name}: the first {n} of {len(questions)} questions"
 
 
+def calibration_file(out_dir: str | None, head: Path) -> Path:
+    """Where the fits go: --out-dir's jspec/calibration.json, else the user cache's file for this
+    head (never the shipped file beside a repository's head unless --out-dir names that head)."""
+    return calibration_path(out_dir) if out_dir else user_calibration_path(head)
+
+
 def record_rounds(params, cfg, drafter, dparams, prompts: list[list[int]], *, k_max: int, batch: int, max_new: int,
-                  ldlp_params=None) -> Records:
-    """Generate with `RecordingPolicy` (a static chain of k_max) and collect the recorded rounds."""
+                  ldlp_params=None, log=None) -> Records:
+    """Generate with `RecordingPolicy` (a static chain of k_max) and collect the recorded rounds;
+    `log`: a progress line per batch, or None."""
     spec = SpeculativeConfig(drafter=drafter, drafter_params=dparams, k_max=k_max,
                              policy=RecordingPolicy(k_max=k_max, max_rounds=max_new), policy_params=ldlp_params)
     parts = []
     for i in range(0, len(prompts), batch):
         res = generate(params, cfg, prompts[i : i + batch], max_new_tokens=max_new, speculative=spec)
         parts.append(Records.from_state(res.policy_state))
+        if log is not None:
+            log(f"calibrate:   recorded {min(i + batch, len(prompts))}/{len(prompts)} prompts")
     return Records.concat(parts)
 
 
 def time_rounds(params, cfg, drafter, dparams, prompts: list[list[int]], *, k_max: int, batch: int,
-                max_new: int) -> tuple[dict[int, float], float]:
+                max_new: int, log=None) -> tuple[dict[int, float], float]:
     """µs a round of static chains drafting TIMED_LENGTHS and k_max tokens of a k_max block, and µs a
     token of plain decoding, each program compiled on the first `batch` prompts and then timed over
     the next TIMED_PROMPTS (all of them when there are fewer). A round's time is its generate call's
-    wall time over its rounds (the prefill counts as one, as in `rounds`)."""
+    wall time over its rounds (the prefill counts as one, as in `rounds`). `log`: a progress line
+    per program timed, or None."""
     warm, timed = prompts[:batch], prompts[batch : batch + TIMED_PROMPTS] or prompts[:batch]
 
     def per_round(spec) -> float:
@@ -141,7 +157,11 @@ def time_rounds(params, cfg, drafter, dparams, prompts: list[list[int]], *, k_ma
             res = generate(params, cfg, timed[i : i + batch], max_new_tokens=max_new, speculative=spec)
             seconds += time.perf_counter() - t0
             rounds += int(np.max(res.rounds))
-        return 1e6 * seconds / max(rounds, 1)
+        us = 1e6 * seconds / max(rounds, 1)
+        if log is not None:
+            log(f"calibrate:   {'plain decoding' if spec is None else f'static chain drafting {spec.policy.k}'}: "
+                f"{us:.0f} µs a {'token' if spec is None else 'round'}")
+        return us
 
     chains = {L: per_round(SpeculativeConfig(drafter=drafter, drafter_params=dparams, k_max=k_max,
                                              policy=make_policy("static", k=L)))
@@ -154,6 +174,9 @@ def round_cost(costs: dict, batch: int, k_max: int, timed: tuple[dict[int, float
     (time_rounds) gives a positive draft step, else the cost table's."""
     table = RoundCost.from_table(costs, batch, k_max)
     note = {"source": f"cost table {costs.get('card', 'reference')}", "table_step_us": table.step_us}
+    if timed is not None and costs.get("card") != card_key():  # another card's table: its shape, this card's scale
+        table = table.scaled(timed[1] / table.ar_us)
+        note["source"] += " scaled to the AR step timed here"
     if timed is not None:
         chains, ar_us = timed
         try:
@@ -166,11 +189,23 @@ def round_cost(costs: dict, batch: int, k_max: int, timed: tuple[dict[int, float
     return table, {**note, "step_us": table.step_us, "fixed_us": table.fixed_us}
 
 
+def calibration_costs(a, params, cfg, drafter, dparams) -> dict:
+    """The cost table the replay reads. --round-cost table: this card's, measured now when none is
+    committed or cached (announced: minutes on a CPU, then cached). timed: this card's when one is
+    there, else the reference card's, scaled to the AR step timed here: with timed rounds the
+    table gives only the verify shape of the static K < --k-max baselines (a fit at --k-max
+    verifies the timed block), not worth measuring a whole table for."""
+    models_dir = a.models_dir or str(presets.models_dir())
+    if a.round_cost == "table":
+        return ensure_costs(params, cfg, drafter, dparams, batch=a.batch, preset=preset_name(a.model), models_dir=models_dir)
+    return load_costs(preset_name(a.model), models_dir)
+
+
 def calibrate(params, cfg, drafter, dparams, prompts, names, *, costs: dict, k_max: int, batch: int, record_batch: int,
-              max_new: int, ldlp_params=None, timed: tuple[dict[int, float], float] | None = None) -> dict:
+              max_new: int, ldlp_params=None, timed: tuple[dict[int, float], float] | None = None, log=None) -> dict:
     """Record, then fit every named policy: the calibration entry of one card (save_calibration)."""
     records = record_rounds(params, cfg, drafter, dparams, prompts, k_max=k_max, batch=record_batch, max_new=max_new,
-                            ldlp_params=ldlp_params)
+                            ldlp_params=ldlp_params, log=log)
     cost, cost_note = round_cost(costs, batch, k_max, timed)
     fits = fit_all(names, records, k_max, cost)
     return {"k_max": k_max, "batch": batch, "rounds": records.n_rounds, "max_new_tokens": max_new,
@@ -202,25 +237,34 @@ def report_lines(entry: dict) -> list[str]:
     return lines
 
 
+def progress(line: str) -> None:
+    print(line, flush=True)
+
+
 def run_calibrate(a) -> int:
     names = check_calibrate_args(a)
     texts, source = calibration_prompts(a)  # before the model loads: a bad file or count fails fast
     cfg, params, tokenizer = presets.resolve_model(a.model)
     drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)
-    head = Path(a.out_dir) if a.out_dir else head_dir(a.drafter, a.model)
+    head = head_dir(a.drafter, a.model)
     ldlp_params = load_ldlp(str(find_ldlp_weights(a.drafter, a.model)))[0] if "ldlp" in names else None
     prompts = encode_questions(tokenizer, [Question(i, "train", [t]) for i, t in enumerate(texts)])
-    costs = ensure_costs(params, cfg, drafter, dparams, batch=a.batch, preset=preset_name(a.model), models_dir=a.models_dir)
     timed = None
     if a.round_cost == "timed":
-        timed = time_rounds(params, cfg, drafter, dparams, prompts, k_max=a.k_max, batch=a.batch, max_new=a.max_new_tokens)
+        print(f"calibrate: timing plain decoding and static chains drafting {min(TIMED_LENGTHS, a.k_max - 1)} and "
+              f"{a.k_max} tokens on {min(len(prompts), a.batch + TIMED_PROMPTS)} prompts (the round cost the fit replays)")
+        timed = time_rounds(params, cfg, drafter, dparams, prompts, k_max=a.k_max, batch=a.batch, max_new=a.max_new_tokens,
+                            log=progress)
+    costs = calibration_costs(a, params, cfg, drafter, dparams)
+    print(f"calibrate: recording static K = {a.k_max} chains on {len(prompts)} prompts, then fitting {', '.join(names)}")
     entry = calibrate(params, cfg, drafter, dparams, prompts, names, costs=costs, k_max=a.k_max, batch=a.batch,
-                      record_batch=a.record_batch, max_new=a.max_new_tokens, ldlp_params=ldlp_params, timed=timed)
+                      record_batch=a.record_batch, max_new=a.max_new_tokens, ldlp_params=ldlp_params, timed=timed,
+                      log=progress)
     entry["prompts"] = source
-    fingerprint = head_fingerprint(head_dir(a.drafter, a.model))  # the weights recorded, whichever folder is written
+    fingerprint = head_fingerprint(head)  # the weights recorded, whichever file is written
     for fit in entry["policies"].values():
         fit["head"] = fingerprint
-    path = save_calibration(head, card_key(), entry)
+    path = save_calibration(calibration_file(a.out_dir, head), card_key(), entry)
     print("\n".join(report_lines(entry)))
     print(f"calibration: {path}")
     print("(replayed rounds, not timed runs of the fitted rules: time them on your own prompts with `jspec bench "

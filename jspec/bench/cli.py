@@ -20,9 +20,9 @@ from jspec.bench.report import bench_dir, group_tables, write_benchmarks_md, wri
 from jspec.heads.hrad import load_hrad
 from jspec.kernels.decode_attention import split_attention
 from jspec.model import cast_params
-from jspec.sharding import parse_mesh
+from jspec.sharding import axis_size, check_tensor_parallel, parse_mesh
 from jspec.speculative.factory import build_drafter, find_ldlp_weights, resolve_policy_spec
-from jspec.speculative.policies import POLICY_NAMES
+from jspec.speculative.policies import POLICY_NAMES, is_auto
 from jspec.speculative.policies.calibration import CALIBRATED_POLICIES
 from jspec.speculative.policies.ldlp import load_ldlp
 from jspec.speculative.drafters.eagle import EagleDrafter
@@ -245,6 +245,10 @@ def resolve_model(name_or_path: str):
     return presets.resolve_model(name_or_path)
 
 
+def resolve_config(name_or_path: str):
+    return presets.resolve_config(name_or_path)
+
+
 def hf_checkpoint(args: argparse.Namespace) -> tuple[str, str | None]:
     """(directory, gguf file name or None) for transformers' from_pretrained."""
     source = args.hf_checkpoint or args.model
@@ -324,7 +328,9 @@ class MethodFactory:
                 build_drafter(spec.drafter, self.cfg, self.params, model_name=self.args.model, k_max=self.spec_k_max(spec))
                 if spec.policy == "ldlp":
                     find_ldlp_weights(spec.drafter, self.args.model)
-                self.calibrated_policy(spec)  # :calibrated without a fit fails here, before any method runs
+                constants = self.calibrated_policy(spec)  # :calibrated without a fit fails here, before any method runs
+                if constants is not None:  # which constants it runs: never a silent choice
+                    print(f"{spec.name}: {constants[2]}")
 
     def spec_k_max(self, spec: MethodSpec) -> int:
         """A chain method's k_max (its k=, else --k-max, else 8): block drafters (dlm) are built for it."""
@@ -378,26 +384,27 @@ class MethodFactory:
                                                                       k_max=self.spec_k_max(spec))
             if spec.policy == "ldlp":  # the predictor shipped in the EAGLE head's jspec/ folder
                 extra["policy_params"] = load_ldlp(str(find_ldlp_weights(spec.drafter, self.args.model)))[0]
-            if spec.policy == "auto":  # the budget from this card's measured round costs (cached per card)
+            if is_auto(spec.policy):  # the budget from this card's measured round costs (cached per card)
                 extra["policy"] = self.auto_plan(spec, params, extra["drafter"], extra["drafter_params"], batch, context,
                                                  prompts, sampling)
             constants = self.calibrated_policy(spec)
-            if constants is not None:
-                extra["policy"], label = constants
+            if constants is not None and constants[0] is not None:
+                extra["policy"] = constants[0]
         method = JspecMethod(self.jax_params(dtype), self.cfg, spec, dtype=dtype, batch=batch,
                              max_new_tokens=max_new_tokens or a.max_new_tokens, generate_kwargs=extra,
                              queue=getattr(a, "queue", False),
                              refill=getattr(a, "refill", None), sampling=sampling, seed=getattr(a, "seed", 0))
         if spec.method == "spec" and spec.policy in CALIBRATED_POLICIES:
-            method.policy_constants = label if constants is not None else spec.option_dict.get("constants", "paper")
+            method.policy_constants = constants[1] if constants is not None else spec.option_dict.get("constants", "paper")
         if isinstance(extra.get("policy"), AutoPlan):
             method.auto_plan = extra["policy"].describe()
         return method
 
     def calibrated_policy(self, spec: MethodSpec):
-        """(policy, "calibrated" | "paper") for a spec method of a calibrated policy without
-        explicit fields: the head's calibration for this card, unless the spec asks for :paper; None
-        when nothing is calibrated (the paper's constants, built as usual)."""
+        """(policy, "calibrated" | "paper", which constants in one line) for a spec method of a
+        calibrated policy without explicit fields: the head's calibration for this card, unless the
+        spec asks for :paper; the policy is None when nothing is calibrated (the paper's constants,
+        built as usual). None for any other method."""
         if spec.method != "spec" or spec.policy not in CALIBRATED_POLICIES:
             return None
         if any(k not in ENGINE_KEYS for k in spec.option_dict):
@@ -406,8 +413,10 @@ class MethodFactory:
         tree = kw.get("tree")
         k = (TreeConfig().depth if tree in (True, "auto") else tree.depth) if spec.tree else kw["k_max"]
         which = spec.option_dict.get("constants")
-        policy = resolve_policy_spec(spec.policy + (f":{which}" if which else ""), spec.drafter, self.args.model, k)
-        return None if isinstance(policy, str) else (policy, which or "calibrated")
+        policy, note = resolve_policy_spec(spec.policy + (f":{which}" if which else ""), spec.drafter, self.args.model, k)
+        if isinstance(policy, str):
+            return None, "paper", note
+        return policy, which or "calibrated", note
 
 
 # ---- run ---------------------------------------------------------------------------------------
@@ -442,9 +451,15 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             raise UsageError(f"--queue (continuous batching) runs jspec's ar and spec methods, not {', '.join(other)}")
     questions = load_questions(args)
     try:
-        parse_mesh(args.mesh)  # a bad --mesh fails here, before the model loads
+        mesh = parse_mesh(args.mesh)  # a bad --mesh fails here, before the model loads
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if axis_size(mesh, "model") > 1:  # ... and one that does not split this model's heads (read from its header)
+        tp_cfg = resolve_config(args.model)
+        try:
+            check_tensor_parallel(tp_cfg, axis_size(mesh, "model"))
+        except ValueError as e:
+            raise UsageError(f"--mesh: {e}") from None
 
     barrier = parse_timing_barrier(args.timing_barrier)
     cfg, params, tokenizer = resolve_model(args.model)

@@ -196,7 +196,7 @@ def policy_fields(policy: str, text_fields: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, text in text_fields.items():
         if key not in defaults:
-            valid = ", ".join(sorted(set(defaults) - {"k_max"}) + list(ENGINE_KEYS))
+            valid = ", ".join(sorted(set(defaults) - {"k_max"} - set(ENGINE_KEYS)) + list(ENGINE_KEYS))  # each once
             raise MethodSpecError(f"option {key}={text}: policy {policy!r} has no field {key!r}; valid options: {valid}")
         default = defaults[key]
         try:

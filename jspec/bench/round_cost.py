@@ -110,12 +110,14 @@ def random_tree_mask(T: int, batch: int, seed: int = 0):
 
 
 def verify_us(tparams, tcfg, batch: int, Ts=VERIFY_TS, tree_nodes=(), *, cache_len=512, committed=192, n=30, capture=(),
-              reps: int = 3, spread: dict | None = None) -> dict[str, float]:
+              reps: int = 3, spread: dict | None = None, log=None) -> dict[str, float]:
     """µs of a verify forward per block size (the median of `reps` timed loops): {"1": .., "8": ..,
-    "tree60": ..}; `spread`, when given, receives each size's `relative_spread`."""
+    "tree60": ..}; `spread`, when given, receives each size's `relative_spread`; `log`, when given,
+    a line per size timed (progress)."""
     cache = filled_cache(tparams, tcfg, batch, cache_len, committed)
     out = {}
-    for T, tree in [(t, False) for t in Ts] + [(t, True) for t in tree_nodes]:
+    sizes = [(t, False) for t in Ts] + [(t, True) for t in tree_nodes]
+    for i, (T, tree) in enumerate(sizes, 1):
         mask, depth = random_tree_mask(T, batch) if tree else (None, jnp.arange(T, dtype=jnp.int32))
         pos = cache.lengths[:, None] + depth[None]
 
@@ -131,6 +133,9 @@ def verify_us(tparams, tcfg, batch: int, Ts=VERIFY_TS, tree_nodes=(), *, cache_l
         out[f"tree{T}" if tree else str(T)] = float(np.median(times))
         if spread is not None:
             spread[f"tree{T}" if tree else str(T)] = relative_spread(times)
+        if log is not None:
+            log(f"round_cost:   verify {'a tree of ' if tree else ''}{T} token(s): {out[f'tree{T}' if tree else str(T)]:.0f} µs "
+                f"({i}/{len(sizes)} block sizes)")
     return out
 
 
@@ -355,31 +360,40 @@ def commit_us(tparams, tcfg, drafter, dparams, state, T: int, n: int) -> float:
 # ---- the auto policy's per-card cost table ------------------------------------------------------------
 
 
+TABLE_TS = (1, 2, 4, 8, 16)  # chain verify blocks a cost table times (tokens)
+TABLE_TREE_NODES = (16, 24, 32, 48, 60)  # tree verify blocks (nodes)
+
+
 def measure_batch_costs(costs: dict, tparams, tcfg, drafter=None, dparams=None, *, batch: int, k_max: int = 6,
-                        tree: TreeConfig | None = None, Ts=(1, 2, 4, 8, 16), tree_nodes=(16, 24, 32, 48, 60), n: int = 20,
-                        reps: int = 3) -> dict:
+                        tree: TreeConfig | None = None, Ts=TABLE_TS, tree_nodes=TABLE_TREE_NODES, n: int = 20,
+                        reps: int = 3, log=None) -> dict:
     """Add one batch size to a cost table (policies.auto's format): verify_us[B][T], and with an
     autoregressive drafter draft_step_us / draft_first_us / round_overhead_us[B] (chain) and
     tree_level_us / tree_overhead_us[B] (when `tree` is given). Each verify timing is the median of
-    `reps` timed loops; spread[B] records the largest relative spread among them."""
+    `reps` timed loops; spread[B] records the largest relative spread among them. `log`: progress
+    lines (each part as it is timed), or None."""
     b = str(batch)
     costs["version"] = COST_TABLE_VERSION
     costs.setdefault("card", card_key())
     costs.setdefault("dtype", str(tparams["embed"].dtype))
     spreads: dict[str, float] = {}
     v = costs.setdefault("verify_us", {})[b] = verify_us(tparams, tcfg, batch, Ts, tree_nodes if tree is not None else (), n=n,
-                                                         reps=reps, spread=spreads)
+                                                         reps=reps, spread=spreads, log=log)
     costs.setdefault("spread", {})[b] = max(spreads.values())
     costs.setdefault("source", {})[b] = f"measured, median of {reps}"
     if drafter is None or drafter.parallel:
         return costs
     prof = profile_method(tparams, tcfg, drafter, dparams, batch=batch, k_max=k_max, n=n, verify_ts=None, bookkeeping=False)
+    if log is not None:
+        log(f"round_cost:   draft step {prof['draft_step_us']:.0f} µs, chain round {prof['round_us']:.0f} µs")
     costs.setdefault("draft_step_us", {})[b] = prof["draft_step_us"]
     costs.setdefault("draft_first_us", {})[b] = prof["draft_first_us"]
     loop = prof["draft_first_us"] + (k_max - 1) * prof["draft_step_us"]
     costs.setdefault("round_overhead_us", {})[b] = max(prof["round_us"] - loop - row_value(v, str(k_max + 1)), 0.0)
     if tree is not None:
         tp = profile_method(tparams, tcfg, drafter, dparams, batch=batch, tree=tree, n=n, verify_ts=None, bookkeeping=False)
+        if log is not None:
+            log(f"round_cost:   tree level {tp['tree_level_us']:.0f} µs, tree round {tp['round_us']:.0f} µs")
         costs.setdefault("tree_level_us", {})[b] = tp["tree_level_us"]
         costs.setdefault("tree_overhead_us", {})[b] = max(tp["round_us"] - tp["tree_build_us"] - row_value(v, f"tree{tree.num_nodes + 1}"), 0.0)
     return costs
@@ -456,10 +470,15 @@ def ensure_costs(tparams, tcfg, drafter, dparams, *, batch: int, preset: str | N
         path = cost_table_path(preset, models_dir, committed=False)
         costs = next((t for t in reversed(tables) if t.get("version") == COST_TABLE_VERSION), {})
         costs = copy.deepcopy(costs)  # the committed table is only read
-        print(f"round_cost: measuring batch {batch} on {card_key()} for the auto policy -> {path}")
+        parts = f"the target's verify forward at {len(TABLE_TS)} block sizes" + (
+            f" and {len(TABLE_TREE_NODES)} tree sizes" if tree else "")
+        parts += "" if drafter is None or drafter.parallel else ", a draft step and a round" + (" and a tree" if tree else "")
+        print(f"round_cost: no cost table of batch {batch} for {card_key()} yet (the `auto` policy's cost model), so "
+              f"measuring one, once per card: {parts}, {ROBUST_REPS} timed loops each (minutes on a CPU) -> {path}",
+              flush=True)
         b = str(batch)
         measure_batch_costs(costs, tparams, tcfg, drafter, dparams, batch=batch, tree=TreeConfig() if tree else None,
-                            reps=ROBUST_REPS)
+                            reps=ROBUST_REPS, log=lambda line: print(line, flush=True))
         if costs.get("spread", {}).get(b, 0.0) > MAX_SPREAD:
             entries, note = scaled_from_nearest(costs, batch, costs["verify_us"][b]["1"])
             for key, entry in entries.items():

@@ -24,11 +24,11 @@ import os
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import load_file, save_file
-
 from ..config import ModelConfig
 from ..heads import draft_model as DM
-from .errors import CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
+from .files import save_safetensors
+from .hf import check_safetensors_file, load_safetensors
 
 CONFIG_FILE = "config.json"
 WEIGHTS_GLOB = "model-*.safetensors"
@@ -78,13 +78,15 @@ def save_draft_model(path: str, dcfg: ModelConfig, dparams: dict, tcfg: ModelCon
     total = 0
     for i, sd in enumerate(files):
         file = os.path.join(path, f"model-{i:05d}.safetensors")
-        save_file(sd, file)
+        save_safetensors(sd, file)
         total += os.path.getsize(file)
     return total
 
 
-def load_draft_model(path: str, tcfg: ModelConfig, tparams: dict, dtype=None) -> tuple[ModelConfig, dict]:
-    """(draft cfg, draft params tied to `tparams`). dtype defaults to the target's."""
+def check_draft_model(path: str, tcfg: ModelConfig) -> dict:
+    """A draft-model directory's config.json (returned), checked without reading a weight: it was
+    trained for this target (the fingerprint), and each weight file's header covers its tensors.
+    Raises CheckpointError / CorruptCheckpointError, one line naming the directory or file."""
     with open(os.path.join(str(path), CONFIG_FILE)) as fh:
         meta = json.load(fh)
     if MARKER not in meta:
@@ -92,12 +94,23 @@ def load_draft_model(path: str, tcfg: ModelConfig, tparams: dict, dtype=None) ->
     want, have = meta[MARKER]["target"], target_fingerprint(tcfg)
     if want != have:
         diff = ", ".join(f"{k} {want.get(k)} != {have[k]}" for k in have if want.get(k) != have[k])
-        raise ValueError(f"{path}: draft model was trained for another target ({diff})")
+        raise CheckpointError(f"{path}: draft model was trained for another target ({diff})")
+    files = sorted(glob.glob(os.path.join(str(path), WEIGHTS_GLOB)))
+    if not files:
+        raise CorruptCheckpointError(f"{path}: no weight files ({WEIGHTS_GLOB})")
+    for file in files:
+        check_safetensors_file(file)
+    return meta
+
+
+def load_draft_model(path: str, tcfg: ModelConfig, tparams: dict, dtype=None) -> tuple[ModelConfig, dict]:
+    """(draft cfg, draft params tied to `tparams`). dtype defaults to the target's."""
+    meta = check_draft_model(path, tcfg)
     dcfg = ModelConfig.from_dict(meta["config"])
     dtype = jnp.dtype(dtype) if dtype is not None else tparams["embed"].dtype
     sd: dict[str, np.ndarray] = {}
     for file in sorted(glob.glob(os.path.join(str(path), WEIGHTS_GLOB))):
-        sd.update(load_file(file))
+        sd.update(load_safetensors(file))
     names = sorted({k.split(".", 2)[2] for k in sd if k.startswith("layers.")})
     try:
         layers = {n: jnp.asarray(np.stack([sd[f"layers.{i}.{n}"].astype(np.float32) for i in range(dcfg.num_layers)]), dtype)

@@ -62,7 +62,6 @@ import os
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import load_file, save_file
 
 from ..config import ModelConfig, UnsupportedModelError, config_from_hf
 from ..heads.eagle import (
@@ -73,6 +72,8 @@ from ..heads.eagle import (
     head_layer_config,
 )
 from .errors import CheckpointError, CheckpointNotFoundError
+from .files import save_safetensors
+from .hf import check_safetensors_file, load_safetensors
 from .torch_pickle import load_torch_state_dict
 
 WEIGHTS_FILE = "model.safetensors"
@@ -387,7 +388,7 @@ def save_eagle_head(path: str, hcfg: HeadConfig, head_params: dict, dtype: str |
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, CONFIG_FILE), "w") as fh:
         json.dump(cfg, fh, indent=2)
-    save_file(sd, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
+    save_safetensors(sd, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
 
 
 def _sglang_ids_to_inputs(ids: list[int]) -> tuple[int, ...]:
@@ -486,6 +487,17 @@ def weight_files(path: str) -> list[str]:
     )
 
 
+def check_head_files(path: str) -> None:
+    """Every weight file a head directory names exists and, for safetensors, its header covers its
+    tensors (check_safetensors_file): a truncated head is one line naming the file, before any
+    weight is read. Raises CheckpointNotFoundError / CorruptCheckpointError."""
+    for file in weight_files(path):
+        if not os.path.isfile(file):
+            raise CheckpointNotFoundError(f"{file}: named by the index but missing")
+        if file.endswith(".safetensors"):
+            check_safetensors_file(file)
+
+
 def read_head_tensors(path: str) -> dict[str, np.ndarray]:
     """{name: array} over every weight file of a head directory (weight_files); a name in two
     files is an error."""
@@ -493,7 +505,7 @@ def read_head_tensors(path: str) -> dict[str, np.ndarray]:
     for file in weight_files(path):
         if not os.path.isfile(file):
             raise CheckpointNotFoundError(f"{file}: named by the index but missing")
-        part = load_file(file) if file.endswith(".safetensors") else load_torch_state_dict(file)
+        part = load_safetensors(file) if file.endswith(".safetensors") else load_torch_state_dict(file)
         twice = sorted(set(part) & set(sd))
         if twice:
             raise CheckpointError(f"{file}: tensors {', '.join(twice[:5])} also appear in another weight file")

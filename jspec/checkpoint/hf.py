@@ -16,6 +16,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from safetensors.numpy import load_file
 
 from ..config import ModelConfig, UnsupportedModelError, config_from_hf
 from .errors import (
@@ -25,6 +26,7 @@ from .errors import (
     TensorShapeError,
     UnknownArchitectureError,
 )
+from .files import save_safetensors
 from .layout import build_params, check_shape, expected_shape, global_tensor_names, layer_tensor_names, split_params
 from .streaming import place_params
 
@@ -280,6 +282,19 @@ class _SafetensorsFile:
             os.close(self._fd)
 
 
+def check_safetensors_file(path: str | os.PathLike) -> None:
+    """Raise CorruptCheckpointError (naming the file) unless its header parses and every tensor
+    it lists lies inside the file: a truncated download is caught without reading a weight."""
+    _SafetensorsFile(Path(path))
+
+
+def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file, checked first (check_safetensors_file), so a truncated
+    file is one line naming it rather than the reader's own error."""
+    check_safetensors_file(path)
+    return load_file(str(path))
+
+
 class SafetensorsDir:
     """Name -> tensor access over one or several safetensors files of a directory.
 
@@ -528,8 +543,6 @@ def hf_state_dict(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
 
 def export_hf(params: dict, cfg: ModelConfig, out_dir: str | os.PathLike) -> Path:
     """Write config.json + model.safetensors that transformers' AutoModelForCausalLM loads."""
-    from safetensors.numpy import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = hf_state_dict(cfg, params)
@@ -537,25 +550,18 @@ def export_hf(params: dict, cfg: ModelConfig, out_dir: str | os.PathLike) -> Pat
     (out / CONFIG_FILE).write_text(json.dumps(hf_config_dict(cfg, dtype_name), indent=2) + "\n")
     generation = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids) or None}
     (out / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
-    save_file(sd, str(out / SINGLE_FILE), metadata={"format": "pt"})
-    _readable_as_umask_allows(out / SINGLE_FILE)
+    save_safetensors(sd, out / SINGLE_FILE, metadata={"format": "pt"})
     return out
-
-
-def _readable_as_umask_allows(path: Path) -> None:
-    """safetensors writes through a private temporary file (mode 0600); give the file the mode any
-    other written file gets: 0666 less the umask (0644 under the usual 022)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(0o666 & ~umask)
 
 
 __all__ = [
     "config_from_hf_file",
+    "check_safetensors_file",
     "export_hf",
     "hf_config_dict",
     "hf_state_dict",
     "hf_tensor_name",
     "load_hf",
+    "load_safetensors",
     "params_from_hf_state_dict",
 ]

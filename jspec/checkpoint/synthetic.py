@@ -24,9 +24,8 @@ import os
 
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file
-
 from ..config import ModelConfig, config_from_hf
+from .files import save_safetensors
 from .hf import CONFIG_FILE, INDEX_FILE, hf_config_dict, hf_tensor_name
 from .layout import expected_shape, global_tensor_names, layer_tensor_names
 
@@ -162,7 +161,7 @@ def write_tensors(path: str, sd: dict, layout: str = "safetensors", num_shards: 
         raise ValueError(f"layout {layout!r}: one of {', '.join(LAYOUTS)}")
     os.makedirs(path, exist_ok=True)
     if layout == "safetensors":
-        save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         return ["model.safetensors"]
     if layout == "bin":
         _torch_save(sd, os.path.join(path, "pytorch_model.bin"))
@@ -172,7 +171,7 @@ def write_tensors(path: str, sd: dict, layout: str = "safetensors", num_shards: 
     for i, part in enumerate(_shards(sd, num_shards)):
         name = f"{stem}-{i + 1:05d}-of-{num_shards:05d}.{ext}"
         if ext == "safetensors":
-            save_file(part, os.path.join(path, name), metadata={"format": "pt"})
+            save_safetensors(part, os.path.join(path, name), metadata={"format": "pt"})
         else:
             _torch_save(part, os.path.join(path, name))
         files.append(name)
@@ -231,7 +230,7 @@ def write_sharded_target(path: str, cfg: ModelConfig, *, dtype: str = "bfloat16"
 
     def flush():
         name = f"model-part-{len(shards):05d}.safetensors"
-        save_file(current, os.path.join(path, name), metadata={"format": "pt"})
+        save_safetensors(current, os.path.join(path, name), metadata={"format": "pt"})
         shards.append(list(current))
         current.clear()
 

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import model as M
+from ..checkpoint.files import save_safetensors
 from ..config import ModelConfig
 
 SAFETENSORS_FORMAT = "jspec-dlm-v1"
@@ -261,12 +262,10 @@ def two_stream_hidden(own: dict, target_params: dict, dcfg: DLMConfig, clean: ja
 
 
 def save_dlm(path: str, dcfg: DLMConfig, own: dict, dtype=jnp.bfloat16, extra_meta: dict | None = None) -> None:
-    from safetensors.flax import save_file
-
     flat = {"final_norm": own["final_norm"], **{f"layers.{k}": v for k, v in own["layers"].items()}}
-    flat = {k: jnp.asarray(v, dtype) for k, v in flat.items()}
+    flat = {k: np.asarray(jnp.asarray(v, dtype)) for k, v in flat.items()}
     meta = {"format": SAFETENSORS_FORMAT, "config": json.dumps(dcfg.to_json()), **(extra_meta or {})}
-    save_file(flat, path, metadata={k: str(v) for k, v in meta.items()})
+    save_safetensors(flat, path, metadata={k: str(v) for k, v in meta.items()})
 
 
 def load_dlm(path: str, target_cfg: ModelConfig | None = None, dtype=jnp.float32) -> tuple[DLMConfig, dict]:

@@ -25,8 +25,9 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
+from ..checkpoint.files import save_safetensors
 from ..config import ModelConfig
 
 NUM_CLASSES = 3
@@ -91,7 +92,7 @@ def _dropout(x, key, i, rate):
 
 def save_hrad(path: str, hp: dict, cfg: ModelConfig, meta: dict | None = None) -> None:
     os.makedirs(path, exist_ok=True)
-    save_file({k: np.asarray(v, np.float32) for k, v in hp.items()}, os.path.join(path, WEIGHTS_FILE))
+    save_safetensors({k: np.asarray(v, np.float32) for k, v in hp.items()}, os.path.join(path, WEIGHTS_FILE))
     with open(os.path.join(path, CONFIG_FILE), "w") as fh:
         json.dump({"hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers, "vocab_size": cfg.vocab_size,
                    "feature_layers": list(feature_layers(cfg)), **(meta or {})}, fh, indent=1)

@@ -23,6 +23,8 @@ from .drafters.eagle import EagleDrafter
 from .drafters.hybrid import HybridDrafter
 from .engines.specbranch import SpecBranchConfig
 from .engines.tree import TreeConfig
+from .factory import check_drafter_name
+from .policies import POLICY_NAMES, AutoPlan, Policy
 from .verify.consultant import DEFAULT_EPS, ConsultantRule
 
 ENGINES = ("pearl", "ppsd", "specbranch")
@@ -36,12 +38,14 @@ class SpeculativeConfig:
     drafter         a spec string for jspec.speculative.factory.build_drafter ("ngram:3",
                     "eagle3", "model:PATH", ...) or a drafter object with `drafter_params`
     drafter_params  the drafter object's weights (None for a spec string: built from it)
-    policy          draft-length policy: a name (jspec.speculative.policies), a Policy, "auto" or
-                    an AutoPlan; None = static K = k_max
+    policy          draft-length policy: a name (jspec.speculative.policies), a Policy, or `auto`
+                    ("auto" or make_policy("auto"): planned for each call; an AutoPlan: that plan);
+                    None = static K = k_max
     policy_params   the policy's weights (LDLP's predictor; SpecBranch's H-RAD weights)
     k_max           most draft tokens per round of a chain (a tree's is its depth)
     tree            None (chains), True (EAGLE-2's default tree), "auto" (num_nodes timed on this
-                    device) or a TreeConfig: EAGLE-2 dynamic trees, EAGLE heads only
+                    device) or a TreeConfig: EAGLE-2 dynamic trees, EAGLE heads only (eagle3+ngram
+                    drafts trees only)
     verify          "lossless" (greedy identity / lossless sampling), or Consultant Decoding's
                     LOSSY rule: "consultant" (eps DEFAULT_EPS) or a ConsultantRule; chains only
     engine          None (chains / trees), "pearl", "ppsd", "specbranch" or a SpecBranchConfig:
@@ -63,6 +67,9 @@ class SpeculativeConfig:
         if self.drafter is None:
             raise ValueError("SpeculativeConfig needs a drafter (e.g. 'ngram', 'eagle3', 'model:PATH'); "
                              "for autoregressive decoding pass speculative=None")
+        if isinstance(self.drafter, str):
+            check_drafter_name(self.drafter)  # what a path holds is checked where the drafter is built
+        self._check_policy()
         if isinstance(self.verify, str) and self.verify not in ("lossless", "consultant"):
             raise ValueError(f"verify={self.verify!r}: choose 'lossless', 'consultant' or a ConsultantRule")
         if not isinstance(self.verify, (str, ConsultantRule)):
@@ -72,10 +79,24 @@ class SpeculativeConfig:
             return
         if self.gamma is not None:
             raise ValueError("gamma sets PEARL's window: add engine='pearl' (chains take k_max)")
-        if not isinstance(self.k_max, int) or self.k_max < 1:
+        if isinstance(self.k_max, bool) or not isinstance(self.k_max, int) or self.k_max < 1:
             raise ValueError(f"k_max must be an integer >= 1, got {self.k_max!r}")
         if self.tree is not None:
             self._check_tree()
+        elif self._is_hybrid():
+            raise ValueError(f"drafter {getattr(self.drafter, 'name', self.drafter)!r} drafts trees (the head's tree "
+                             "plus an n-gram branch): add tree=True or a TreeConfig")
+
+    def _check_policy(self) -> None:
+        if self.policy is None or isinstance(self.policy, (Policy, AutoPlan)):
+            return
+        if isinstance(self.policy, str) and self.policy in POLICY_NAMES:
+            return
+        raise ValueError(f"policy={self.policy!r}: choose a name ({', '.join(POLICY_NAMES)}), a Policy "
+                         "(jspec.speculative.policies.make_policy) or an AutoPlan")
+
+    def _is_hybrid(self) -> bool:
+        return isinstance(self.drafter, HybridDrafter) or (isinstance(self.drafter, str) and "+" in self.drafter)
 
     def _check_tree(self) -> None:
         if not (self.tree is True or self.tree == "auto" or isinstance(self.tree, TreeConfig)):

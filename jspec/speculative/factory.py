@@ -33,11 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from ..cards import card_key
-from ..checkpoint.draft_format import exit_layer_of, is_draft_model_dir, load_draft_model
-from ..checkpoint.eagle_format import CONFIG_FILE as HEAD_CONFIG, EXTRAS_DIR, WEIGHTS_FILE as HEAD_WEIGHTS, load_eagle_head
-from ..config import ModelConfig
+from ..checkpoint.draft_format import check_draft_model, exit_layer_of, is_draft_model_dir, load_draft_model
+from ..checkpoint.eagle_format import (CONFIG_FILE as HEAD_CONFIG, EXTRAS_DIR, WEIGHTS_FILE as HEAD_WEIGHTS, check_head_files,
+                                       load_eagle_head)
+from ..checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from ..config import ModelConfig, UnsupportedModelError
 from ..heads import dlm as D
-from ..presets import list_presets, load_preset, resolve_model
+from ..presets import list_presets, load_preset, resolve_config, resolve_model
 from .drafters.base import DrafterError
 from .drafters.diffusion import PROXY_FILE, DiffuSpecDrafter, load_proxy
 from .drafters.eagle import EagleDrafter
@@ -46,7 +48,7 @@ from .drafters.early_exit import EarlyExitDrafter
 from .drafters.model import ModelDrafter
 from .drafters.ngram import NgramDrafter
 from .policies import POLICY_NAMES, make_policy
-from .policies.calibration import CALIBRATED_POLICIES, calibrated_constants, calibration_path, policy_from_constants
+from .policies.calibration import CALIBRATED_POLICIES, calibrated_constants, policy_from_constants
 from .policies.ldlp import WEIGHTS_FILE as LDLP_WEIGHTS_FILE
 
 DRAFTER_NAMES = ("ngram", "early-exit", "model", "eagle", "eagle3", "dlm")
@@ -75,6 +77,16 @@ def split_hybrid(spec: str) -> tuple[str, str] | None:
     return heads[0], ngrams[0]
 
 
+def check_drafter_name(spec: str) -> None:
+    """A drafter spec names known drafters (a hybrid: one EAGLE head and n-gram lookup), whatever
+    its arguments say; nothing is read. Raises DrafterError, one line."""
+    hybrid = split_hybrid(spec)
+    for part in hybrid or (spec,):
+        if _split(part)[0] not in DRAFTER_CLASSES:
+            raise DrafterError(f"unknown drafter {spec!r}; choose from {', '.join(DRAFTER_NAMES)} (e.g. ngram, early-exit:8, "
+                               "model:PATH)")
+
+
 def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | None = None,
                        cfg: ModelConfig | None = None) -> type:
     """Validate a drafter spec without loading any weights (so a CLI can reject it before the
@@ -94,9 +106,8 @@ def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | No
         for part in hybrid:
             check_drafter_spec(part, model_name, k_max, cfg)
         return HybridDrafter
+    check_drafter_name(spec)
     name, arg = _split(spec)
-    if name not in DRAFTER_CLASSES:
-        raise DrafterError(f"unknown drafter {spec!r}; choose from {', '.join(DRAFTER_NAMES)} (e.g. ngram, early-exit:8, model:PATH)")
     if name == "dlm":
         if arg is not None or model_name is not None:
             path = dlm_file(spec, model_name)
@@ -117,6 +128,10 @@ def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | No
     if name == "model" and arg is not None and not Path(arg).exists() and arg not in list_presets():
         raise DrafterError(f"drafter {spec!r}: {arg} is neither a draft-model checkpoint path nor a preset "
                            f"(presets: {', '.join(list_presets()) or 'none'})")
+    if name == "model" and cfg is not None:
+        draft = arg or shipped_head_path(model_name, "model")
+        if draft is not None:
+            _check_draft_model(spec, str(draft), cfg)
     if name == "early-exit" and cfg is not None:
         layer = (int(arg) if arg.isdigit() else exit_layer_of(arg)) if arg is not None else None
         if layer is not None and not 0 < layer < cfg.num_layers:
@@ -137,6 +152,26 @@ def _check_eagle_dir(spec: str, path: Path, cfg: ModelConfig | None) -> None:
         raise DrafterError(f"drafter {spec!r}: {path / HEAD_CONFIG} is not an EAGLE head config ({type(e).__name__}: {e})") from None
     if cfg is not None and hidden != cfg.hidden_size:
         raise DrafterError(f"drafter {spec!r}: the head's hidden size {hidden} is not the target's {cfg.hidden_size}")
+    try:
+        check_head_files(str(path))
+    except (CheckpointError, CheckpointNotFoundError) as e:
+        raise DrafterError(f"drafter {spec!r}: {e}") from None
+
+
+def _check_draft_model(spec: str, path: str, cfg: ModelConfig) -> None:
+    """A draft model serves this target: a tied one (jspec.train.draft_model) was trained for it and
+    its files are whole; an independent one (a preset or checkpoint, its header read) shares the
+    target's vocabulary. Nothing but headers is read."""
+    try:
+        if is_draft_model_dir(path):
+            check_draft_model(path, cfg)
+            return
+        vocab = resolve_config(path).vocab_size
+    except (CheckpointError, CheckpointNotFoundError, UnsupportedModelError) as e:
+        raise DrafterError(f"drafter {spec!r}: {' '.join(str(e).split())}") from None
+    if vocab != cfg.vocab_size:
+        raise DrafterError(f"drafter {spec!r}: the draft model's vocabulary ({vocab} tokens) is not the target's "
+                           f"({cfg.vocab_size} tokens); speculative decoding needs a shared tokenizer")
 
 
 def dlm_file(spec: str, model_name: str | None) -> Path:
@@ -328,26 +363,25 @@ def split_policy_spec(text: str) -> tuple[str, str | None]:
     return name, which or None
 
 
-def calibration_for(drafter_spec: str | None, model_name: str | None) -> Path | None:
-    """The calibration file of the EAGLE head a drafter spec uses (<head>/jspec/calibration.json),
-    or None when the drafter has no head. A hybrid "eagle3+ngram" uses its head's."""
-    head = head_dir(drafter_spec, model_name) if drafter_spec else None
-    return None if head is None else calibration_path(head)
-
-
 def resolve_policy_spec(text: str, drafter_spec: str | None, model_name: str | None, k_max: int):
-    """A policy from a spec: "NAME" (the constants `jspec calibrate` fit for this head on this
-    card when they exist, else the paper's), "NAME:paper" (the paper's), "NAME:calibrated" (the
-    fit, or an error saying how to make one). Returns the name itself when nothing is calibrated
-    (the policy is built later as usual), else a Policy."""
+    """(policy, constants) from a policy spec: "NAME" (the constants `jspec calibrate` fit for this
+    head on this card when there are some, else the paper's), "NAME:paper" (the paper's),
+    "NAME:calibrated" (this card's fit, or an error saying how to make one). The policy is the name
+    itself when nothing is calibrated (built later as usual), else a Policy; `constants` says in
+    one line which constants it runs (None for a policy without calibrated constants)."""
     name, which = split_policy_spec(text)
+    if name not in CALIBRATED_POLICIES:
+        return name, None
     if which == "paper":
-        return make_policy(name, k_max=k_max)
-    path = calibration_for(drafter_spec, model_name) if name in CALIBRATED_POLICIES else None
-    found = None if path is None else calibrated_constants(path.parent.parent, name, card_key())
-    if found is None:
-        if which == "calibrated":
-            raise DrafterError(f"policy {text!r}: no calibration for {name} at {path or 'this drafter (no EAGLE head)'}: "
-                               f"run `jspec calibrate --drafter {drafter_spec or 'eagle3'} --policy {name}`")
-        return name
-    return policy_from_constants(name, found[0], k_max)
+        return make_policy(name, k_max=k_max), "the paper's constants (:paper)"
+    head = head_dir(drafter_spec, model_name) if drafter_spec else None
+    card = card_key()
+    found = None if head is None else calibrated_constants(head, name, card)
+    if found is not None:
+        return policy_from_constants(name, found.constants, k_max), found.describe()
+    if which == "calibrated":
+        where = f"head {head}" if head is not None else "this drafter (no EAGLE head)"
+        raise DrafterError(f"policy {text!r}: no {name} fit for {where} on {card}: run `jspec calibrate --drafter "
+                           f"{drafter_spec or 'eagle3'} --policy {name}`")
+    reason = "no EAGLE head to calibrate" if head is None else f"no `jspec calibrate` fit for this head on {card}"
+    return name, f"the paper's constants ({reason})"

@@ -42,6 +42,13 @@ def record_call(state: SpecState, active, n_drafted, n_out_before, n_out_after):
             state.trace_tokens.at[b, i].set(n_out_after - n_out_before, mode="drop"))
 
 
+def accepted_emitted(n_accepted, n_out_before, n_out_after):
+    """Accepted drafts a round emitted: all n of them, unless the token budget or an EOS cut the
+    round's block (the bonus token goes first, then the accepted drafts past the cut), so the
+    statistics never count more accepted tokens than were emitted."""
+    return jnp.minimum(n_accepted, n_out_after - n_out_before)
+
+
 def round_features(state: SpecState, tparams) -> dict:
     return {"target_feature": state.feature, "token_embedding": tparams["embed"][state.last]}
 

@@ -2,7 +2,11 @@
 
     jspec train-head --target smollm2-135m --recipe training/smollm2-eagle3.json [--resume]
 
-Run directory (default runs/<recipe>-<target>/):
+Meant for GPUs: on a host with only a CPU it trains on a dataset given with --data, and distils
+one (hours there) only with --allow-cpu-distill.
+
+Run directory (--out; default <user cache>/runs/<recipe>-<target>/, the user cache being
+$JSPEC_CACHE or ~/.cache/jspec):
     recipe.json        the resolved recipe (after command-line overrides)
     data/              the distilled dataset (jspec.train.data format), built when missing
     checkpoints/       Orbax checkpoints (params, optimizer state, step = data position, RNG)
@@ -24,6 +28,7 @@ import time
 from pathlib import Path
 
 from ..errors import UsageError
+from ..user_cache import user_cache_dir
 
 _T0 = time.perf_counter()  # the time budget counts from when the command started
 
@@ -33,11 +38,15 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     parser.add_argument("--target", required=True, help="target model preset or path (jspec.presets.resolve_model)")
     parser.add_argument("--recipe", required=True, help="recipe JSON, e.g. training/smollm2-eagle3.json")
-    parser.add_argument("--out", default=None, help="run directory (default runs/<recipe>-<target>)")
+    parser.add_argument("--out", default=None, help="run directory (default <user cache>/runs/<recipe>-<target>, the user "
+                        "cache being $JSPEC_CACHE or ~/.cache/jspec)")
     parser.add_argument("--data", default=None, help="distilled dataset directory (default OUT/data, built there "
                         "if missing; a named one must exist unless --distill-only builds it)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT")
     parser.add_argument("--distill-only", action="store_true", help="build the dataset and stop")
+    parser.add_argument("--allow-cpu-distill", action="store_true",
+                        help="distil the recipe's prompts even on a host without a GPU (hours there; train-head is meant "
+                             "for GPUs: distil with `jspec distill` on one and pass --data)")
     parser.add_argument("--export", default=None, help="EAGLE-format output directory (default OUT/eagle)")
     parser.add_argument("--init-head", default=None, metavar="DIR",
                         help="start from this exported head (its draft vocabulary and LM head kept), e.g. the "
@@ -189,13 +198,18 @@ def train_from_args(args: argparse.Namespace):
     from .trainer import train
 
     recipe = _apply_overrides(load_recipe(args.recipe), args)
-    out = args.out or os.path.join("runs", f"{Path(args.recipe).stem}-{Path(args.target).name}")
+    out = run_dir(args)
     data_dir = args.data or os.path.join(out, "data")
     if args.data and not args.distill_only and not _has_dataset(args.data):
         # a named dataset that is not there is a mistake (a distillation that failed or went elsewhere),
         # not a request to distil the recipe's small prompt set and train on that
         raise UsageError(f"--data {args.data}: no dataset there (jspec distill writes one; leave --data out to "
                          f"distil the recipe's {recipe.data.num_prompts} prompts into OUT/data, or add --distill-only)")
+    distils = not _has_dataset(data_dir)
+    check_device_for(distils, recipe, allow_cpu_distill=getattr(args, "allow_cpu_distill", False))
+    if not distils and not args.distill_only:
+        check_batches(data_dir, recipe.train)  # before the target's weights load
+    print(f"train-head: run directory {out}")
     first_host = jax.process_index() == 0
     progress = not args.no_progress
     v2_data = _is_v2(data_dir)  # distilled by `jspec distill`: no tokenizer needed here
@@ -216,6 +230,8 @@ def train_from_args(args: argparse.Namespace):
     _ensure_data(data_dir, recipe, cfg, params, tokenizer, progress)
     if args.distill_only:
         return None
+    if distils:
+        check_batches(data_dir, recipe.train)
     hcfg = _head_config(recipe, cfg)
     init_params = None
     if getattr(args, "init_head", None) and not (args.resume and _has_checkpoint(out)):
@@ -240,6 +256,43 @@ def train_from_args(args: argparse.Namespace):
                         acceptance=estimated_acceptance(os.path.join(out, "holdout_metrics.jsonl")))
         print(f"exported {hcfg.kind} head to {export}")
     return result
+
+
+def run_dir(args: argparse.Namespace) -> str:
+    """--out, else <user cache>/runs/<recipe>-<target>: never a runs/ folder in whatever directory
+    the command happened to start in."""
+    return args.out or str(user_cache_dir() / "runs" / f"{Path(args.recipe).stem}-{Path(args.target).name}")
+
+
+def check_device_for(distils: bool, recipe, *, allow_cpu_distill: bool) -> None:
+    """train-head is meant for GPUs: on a host without one, distilling the recipe's prompts (the
+    target answering each) takes hours, so it runs only when asked (--allow-cpu-distill); training
+    on a dataset already there runs, with a note."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return
+    if distils and not allow_cpu_distill:
+        raise UsageError(f"train-head is meant for GPUs, and this host has none: distilling the recipe's "
+                         f"{recipe.data.num_prompts} prompts on the CPU takes hours. Pass --data DIR (a dataset from "
+                         "`jspec distill` on a GPU host), or --allow-cpu-distill to distil here anyway")
+    print("train-head: no GPU on this host; training runs on the CPU (meant for GPUs: slow)")
+
+
+def check_batches(data_dir: str, train_cfg) -> None:
+    """The dataset fills a batch on every device and process (the loader the trainer reads with);
+    one line naming the fix otherwise."""
+    import jax
+
+    from .trainer import training_loader
+
+    if train_cfg.batch_size % jax.device_count():
+        raise UsageError(f"--batch-size {train_cfg.batch_size} does not split over this host's {jax.device_count()} "
+                         f"devices: use a multiple of {jax.device_count()}")
+    try:
+        training_loader(data_dir, train_cfg)
+    except ValueError as e:
+        raise UsageError(f"{e}: lower --batch-size (the recipe's {train_cfg.batch_size}) or distil more rows") from None
 
 
 def estimated_acceptance(holdout_path: str) -> dict | None:

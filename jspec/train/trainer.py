@@ -117,6 +117,14 @@ class MetricsLog:
         return row
 
 
+def training_loader(data_dir: str, tc: TrainConfig, split: str = "train") -> ShardedLoader:
+    """This process's loader of a dataset's `split` as training reads it (raises ValueError when
+    the split cannot fill a batch)."""
+    return ShardedLoader(data_dir, tc.batch_size, tc.seed, jax.process_index(), jax.process_count(),
+                         seq_len_override=tc.seq_len, split=split, loop_cut=tc.loop_cut,
+                         length_buckets=tc.length_buckets, pack_documents=tc.pack_documents)
+
+
 def capture_rms(hcfg: H.HeadConfig, target_params: dict, batch: dict, rows: int = 8) -> np.ndarray:
     """Median token RMS of each captured layer input over the first `rows` rows of a batch, real
     positions after each document's first only (the first token is an attention sink whose
@@ -139,9 +147,7 @@ def holdout_evaluator(hcfg: H.HeadConfig, tc: TrainConfig, run: RunConfig, mesh:
     if not run.eval_every:
         return None
     try:
-        loader = ShardedLoader(data_dir, tc.batch_size, tc.seed, jax.process_index(), jax.process_count(),
-                               seq_len_override=tc.seq_len, split="holdout", loop_cut=tc.loop_cut,
-                               length_buckets=tc.length_buckets, pack_documents=tc.pack_documents)
+        loader = training_loader(data_dir, tc, split="holdout")
     except ValueError as e:  # no holdout split (v1 datasets, tiny test sets)
         log_fn(f"no held-out metrics: {e}")
         return None
@@ -237,9 +243,7 @@ def train(
         head_params = H.with_draft_vocab(hcfg, head_params, token_counts(data_dir, hcfg.target.vocab_size))
     if lm_head_init == "target" and not warm_start:
         head_params = init_lm_head_from_target(hcfg, jax.device_get(head_params), jax.device_get(target_params))
-    loader = ShardedLoader(data_dir, tc.batch_size, tc.seed, jax.process_index(), jax.process_count(),
-                           seq_len_override=tc.seq_len, loop_cut=tc.loop_cut,
-                           length_buckets=tc.length_buckets, pack_documents=tc.pack_documents)
+    loader = training_loader(data_dir, tc)
     compute_target = cast_params(target_params, jnp.dtype(tc.compute_dtype))
     if input_scale == "rms" and "fc_in_scale" not in head_params:  # a resumed run restores the same leaf
         first_rows = ShardedLoader(data_dir, tc.batch_size, tc.seed, 0, 1, seq_len_override=tc.seq_len,

@@ -30,7 +30,7 @@ from ...refill import run_queue
 from ...sampling import Sampling, probs, sample
 from ..drafters.base import DrafterError, drafter_loop_params
 from ..policies import resolve_policy
-from ..state import SpecState, outputs_of, record_call, result_from_device, round_features, take_row
+from ..state import SpecState, accepted_emitted, outputs_of, record_call, result_from_device, round_features, take_row
 from ..verify.chain import verify_greedy, verify_sampling
 from ..verify.consultant import ConsultantRule, resolve_verify, verify_consultant
 
@@ -161,7 +161,7 @@ def spec_round(tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling
         key=key,
         target_calls=state.target_calls + step,
         drafted=state.drafted + n_drafted * step,
-        accepted=state.accepted + n * step,
+        accepted=state.accepted + accepted_emitted(n, state.n_out, n_out) * step,
         consultant_nll=state.consultant_nll if running_nll is None else jnp.where(active, running_nll, state.consultant_nll),
     )
 

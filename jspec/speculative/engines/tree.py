@@ -67,7 +67,7 @@ from ...refill import run_queue
 from ..drafters.eagle import EagleDrafter
 from ..drafters.hybrid import MAX_NGRAM_BRANCH, HybridDrafter
 from ..policies import resolve_policy
-from ..state import SpecState, outputs_of, record_call, result_from_device, round_features, take_row
+from ..state import SpecState, accepted_emitted, outputs_of, record_call, result_from_device, round_features, take_row
 from ...sampling import logprobs
 from ..verify.sampled_tree import (SampledShape, Siblings, layout_of, sampled_shape, sibling_weights,
                                    verify_sampled_tree)
@@ -546,7 +546,7 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
         feature=jnp.where(active[:, None], feature, state.feature),
         done=done, key=key, target_calls=state.target_calls + step,
         drafted=state.drafted + n_nodes * step,
-        accepted=state.accepted + n * step,
+        accepted=state.accepted + accepted_emitted(n, state.n_out, n_out) * step,
     )
 
 

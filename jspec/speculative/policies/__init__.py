@@ -9,7 +9,7 @@
     auto.py     batch-aware budgets from a measured round-cost model (never planned slower than AR)
 
 `make_policy(name, **fields)` builds one by name; `resolve_policy` turns what a caller passed
-(None, a name or a Policy) into a Policy.
+(None, a name or a Policy) into a Policy; `is_auto` says whether a call plans its budget first.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import dataclasses
 
 from .adaedl import AdaEDLPolicy
 from .adl import ADLPolicy
-from .auto import AutoPolicy
+from .auto import AutoPlan, AutoPolicy
 from .base import Policy
 from .ldlp import LDLPPolicy
 from .static import ConfidencePolicy, HeuristicPolicy, StaticPolicy
@@ -63,3 +63,10 @@ def make_policy(name: str, **overrides) -> Policy:
 def resolve_policy(policy, k_max: int):
     """A Policy object from None (static K), a policy name, or a Policy (returned as is)."""
     return make_policy(policy or "static", k_max=k_max) if policy is None or isinstance(policy, str) else policy
+
+
+def is_auto(policy) -> bool:
+    """Whether a call's policy is `auto`, whose budget is planned for the call before it runs: the
+    name, the policy `make_policy("auto")` builds, or a plan already made (an AutoPlan). The one
+    test `generate`, `jspec generate` and `jspec bench` use to plan."""
+    return isinstance(policy, (AutoPolicy, AutoPlan)) or (isinstance(policy, str) and policy == "auto")

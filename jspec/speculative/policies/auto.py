@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from statistics import NormalDist
 
@@ -83,6 +82,7 @@ import numpy as np
 from flax import struct
 
 from ...cards import card_key
+from ...user_cache import user_cache_dir
 
 from ..drafters.hybrid import MAX_NGRAM_BRANCH
 from ..drafters.ngram import replay_lookup
@@ -634,8 +634,7 @@ def cost_table_path(preset: str | None = None, models_dir: str = "models", *, co
     name = f"round_cost_{card_key()}.json"
     if committed and preset and (Path(models_dir) / preset).is_dir():
         return Path(models_dir) / preset / name
-    root = Path(os.environ.get("JSPEC_CACHE", Path.home() / ".cache" / "jspec"))
-    return root / (f"{preset}_{name}" if preset else name)
+    return user_cache_dir() / (f"{preset}_{name}" if preset else name)
 
 
 def cost_table_paths(preset: str | None = None, models_dir: str = "models") -> list[Path]:

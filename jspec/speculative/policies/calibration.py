@@ -21,9 +21,11 @@ in other places, and SVIP with its paper constants drafts 1.35 tokens a round wi
    point replayed at once (`jax.vmap` over the constants). TapOut's arms take the SVIP, max-
    confidence and AdaEDL fits of the same run; LDLP fits an offset added to its prediction.
 
-The result is written beside the head (`save_calibration`: <head>/jspec/calibration.json, one
-entry per card) and read back by `calibrated_constants`; `policy_from_constants` builds the
-policy. The paper's constants stay the dataclass defaults (`svip:paper` in a policy spec).
+The result is written to the user cache (`user_calibration_path`: $JSPEC_CACHE/calibration/<head
+fingerprint>.json, one entry per card; `save_calibration`), never into the repository: the fits
+shipped beside a head (<head>/jspec/calibration.json) are only read. `calibrated_constants` reads
+this card's fit back, the user's first; `policy_from_constants` builds the policy. The paper's
+constants stay the dataclass defaults (`svip:paper` in a policy spec).
 Each fit records the fingerprint of the head weights it was recorded with (`head_fingerprint`):
 a head retrained in place accepts differently, so a fit of its predecessor is not used for it.
 """
@@ -44,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from ...user_cache import user_cache_dir
 from . import make_policy
 from .auto import CostModel
 from .base import DraftStats, Policy, draft_stats, full_limit
@@ -52,6 +55,7 @@ from .ldlp import ldlp_apply, length_from_prediction
 CALIBRATION_DIR = "jspec"  # a jspec-only folder beside the head's own files (other loaders never read it)
 CALIBRATION_FILE = "calibration.json"
 CALIBRATION_FORMAT = "jspec-calibration-1"
+USER_CALIBRATION_DIR = "calibration"  # under the user cache: `jspec calibrate`'s fits, a file per head's weights
 
 # The constants each calibrated policy fits, with the grid searched. The other fields keep the
 # paper's values. TapOut's svip / adaedl arms and its max-confidence arm's start come from the fits
@@ -202,6 +206,10 @@ class RoundCost:
     def ar_us(self) -> float:
         return self.verify_us[0]
 
+    def scaled(self, factor: float) -> "RoundCost":
+        """Every part `factor` times as long (another card's table at this card's speed)."""
+        return RoundCost(self.fixed_us * factor, self.step_us * factor, tuple(v * factor for v in self.verify_us))
+
 
 def replay(policy: Policy, rec: Records, k_max: int, cost: RoundCost, limits: jax.Array | None = None) -> dict[str, jax.Array]:
     """Run `policy` over the recorded rounds (module doc): totals of tokens, drafted tokens, rounds
@@ -334,16 +342,32 @@ def fit_all(names, rec: Records, k_max: int, cost: RoundCost) -> dict[str, Any]:
     return {"policies": {n: fits[n] for n in names}, "static": static, "oracle": oracle_summary(rec, k_max, cost)}
 
 
-# ---- the file beside the head ------------------------------------------------------------------
+# ---- the files: the user's fits and those shipped beside a head ----------------------------------
 
 
 def calibration_path(head_dir) -> Path:
+    """The fits shipped beside a head (<head>/jspec/calibration.json): only read, unless
+    `jspec calibrate --out-dir HEAD` is asked to write them."""
     return Path(head_dir) / CALIBRATION_DIR / CALIBRATION_FILE
 
 
-def save_calibration(head_dir, card: str, entry: dict) -> Path:
-    """Merge one card's calibration (entry["policies"] per policy) into <head>/jspec/calibration.json."""
-    path = calibration_path(head_dir)
+def user_calibration_path(head_dir) -> Path | None:
+    """Where `jspec calibrate` writes a user's fits for a head by default: the user cache, one file
+    per head weights (head_fingerprint), wherever the head lives. None for a head without weights."""
+    fingerprint = head_fingerprint(head_dir)
+    return None if fingerprint is None else user_cache_dir() / USER_CALIBRATION_DIR / f"{fingerprint}.json"
+
+
+def calibration_files(head_dir) -> list[Path]:
+    """The files a head's fits are read from, first hit wins: the user's, then the shipped ones.
+    (The head's weights are hashed only when the user has fits at all.)"""
+    user = user_calibration_path(head_dir) if (user_cache_dir() / USER_CALIBRATION_DIR).is_dir() else None
+    return [p for p in (user, calibration_path(head_dir)) if p is not None]
+
+
+def save_calibration(path, card: str, entry: dict) -> Path:
+    """Merge one card's calibration (entry["policies"] per policy) into the calibration file `path`."""
+    path = Path(path)
     data = load_calibration_file(path) or {"format": CALIBRATION_FORMAT, "cards": {}}
     old = data["cards"].get(card, {})
     data["cards"][card] = {**old, **entry, "policies": {**old.get("policies", {}), **entry.get("policies", {})}}
@@ -379,25 +403,37 @@ def load_calibration_file(path) -> dict | None:
     return data if isinstance(data, dict) and data.get("format") == CALIBRATION_FORMAT else None
 
 
-def calibrated_constants(head_dir, name: str, card: str) -> tuple[dict, str] | None:
-    """(constants, the card they were fit on) for policy `name` beside a head: this card's, else
-    the first card's (by name) that has the policy; None when none has. A fit recorded with other
-    weights than the head's own (its `head` fingerprint differs) is skipped, with a warning."""
-    data = load_calibration_file(calibration_path(head_dir))
-    if data is None:
-        return None
-    cards = [card] + sorted(c for c in data["cards"] if c != card)
+@dataclasses.dataclass(frozen=True)
+class CalibrationFit:
+    """A policy's calibrated constants and where they come from."""
+
+    constants: dict
+    card: str
+    path: Path
+    rounds: int | None  # the recorded rounds the fit replayed
+
+    def describe(self) -> str:
+        rounds = f" from {self.rounds} recorded rounds" if self.rounds else ""
+        return f"calibrated on {self.card}{rounds} ({self.path})"
+
+
+def calibrated_constants(head_dir, name: str, card: str) -> CalibrationFit | None:
+    """The fit of policy `name` for a head on this card: the user's (`jspec calibrate`), else the
+    one shipped beside the head; None when neither has one. Only this card's: another card's
+    constants were fit to another card's round costs. A fit recorded with other weights than the
+    head's own (its `head` fingerprint differs) is skipped, with a warning."""
     current = None
-    for c in cards:
-        fit = data["cards"].get(c, {}).get("policies", {}).get(name)
+    for path in calibration_files(head_dir):
+        data = load_calibration_file(path)
+        entry = (data or {}).get("cards", {}).get(card, {})
+        fit = entry.get("policies", {}).get(name)
         if fit is None:
             continue
         if fit.get("head") is not None:  # fits written before fingerprints were kept carry none
             current = current or head_fingerprint(head_dir)
             if current is not None and fit["head"] != current:
-                warnings.warn(f"{calibration_path(head_dir)}: the {name} fit for {c} was recorded with other head "
-                              f"weights ({fit['head']}, this head {current}); not used: rerun `jspec calibrate`",
-                              stacklevel=2)
+                warnings.warn(f"{path}: the {name} fit for {card} was recorded with other head weights ({fit['head']}, "
+                              f"this head {current}); not used: rerun `jspec calibrate`", stacklevel=2)
                 continue
-        return fit["constants"], c
+        return CalibrationFit(fit["constants"], card, path, entry.get("rounds"))
     return None

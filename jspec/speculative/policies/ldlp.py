@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from ...checkpoint.files import save_safetensors
 from .base import Features, Policy, clip_limit, draft_log_probs, full_limit, never_stop
 
 DEFAULT_HIDDEN = 256
@@ -339,10 +340,9 @@ def save_ldlp(directory: str, params: dict, config: dict) -> None:
     import os
 
     import numpy as np
-    from safetensors.numpy import save_file
 
     os.makedirs(directory, exist_ok=True)
-    save_file({k: np.asarray(v, np.float32) for k, v in params.items()}, os.path.join(directory, WEIGHTS_FILE))
+    save_safetensors({k: np.asarray(v, np.float32) for k, v in params.items()}, os.path.join(directory, WEIGHTS_FILE))
     with open(os.path.join(directory, CONFIG_FILE), "w") as fh:
         json.dump(config, fh, indent=1)
 
