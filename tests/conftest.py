@@ -46,6 +46,9 @@ def with_test_xla_flags(existing: str) -> tuple[str, str | None]:
 
 os.environ["XLA_FLAGS"], _XLA_FLAGS_ERROR = with_test_xla_flags(os.environ.get("XLA_FLAGS", ""))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No persistent compilation cache (jspec.compile_cache turns it on by default): the suite's programs
+# would fill the user's cache, and tests that need one name their own directory.
+os.environ["JSPEC_COMPILE_CACHE"] = "off"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

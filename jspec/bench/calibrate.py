@@ -25,6 +25,7 @@ from jspec.bench.cli import preset_name
 from jspec.bench.prompts import encode_questions
 from jspec.bench.round_cost import ensure_costs
 from jspec.cards import card_key
+from jspec.compile_cache import add_compile_cache_arg, use_compile_cache
 from jspec.errors import UsageError
 from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.drafters.base import DrafterError
@@ -64,6 +65,7 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="which training prompts")
     p.add_argument("--out-dir", default=None, help="head directory to write jspec/calibration.json into (default: the head's)")
     p.add_argument("--models-dir", default="models")
+    add_compile_cache_arg(p)
     return p
 
 
@@ -204,6 +206,7 @@ def report_lines(entry: dict) -> list[str]:
 
 def run_calibrate(a) -> int:
     names = check_calibrate_args(a)
+    use_compile_cache(a.compile_cache)
     texts, source = calibration_prompts(a)  # before the model loads: a bad file or count fails fast
     cfg, params, tokenizer = presets.resolve_model(a.model)
     drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)
