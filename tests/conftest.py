@@ -65,7 +65,7 @@ _LONGEST_FIRST = [
     "test_smollm2_gguf.py", "test_lossless_sampling.py", "test_spec.py", "test_rules.py", "test_cli.py",
     "test_specbranch.py", "test_ppsd.py", "test_shipped_head.py", "test_shipped_gemma_head.py",
     "test_spec_heads.py", "test_train.py", "test_greedy_reference.py", "test_head_kernels.py",
-    "test_parallel.py", "test_calibration.py", "test_hybrid.py", "test_auto.py", "test_pearl.py", "test_tensor_parallel.py", "test_examples.py", "test_kernels.py",
+    "test_parallel.py", "test_calibration.py", "test_export.py", "test_compile_cache.py", "test_hybrid.py", "test_auto.py", "test_pearl.py", "test_tensor_parallel.py", "test_examples.py", "test_kernels.py",
     "test_spec_sampling.py", "test_tree.py", "test_dlm.py", "test_packing.py", "test_policies.py", "test_head_pipeline.py",
     "test_draft_model.py", "test_checkpoint.py", "test_engine_contracts.py",
 ]

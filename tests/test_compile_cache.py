@@ -1,5 +1,5 @@
-"""The persistent compilation cache (jspec.compile_cache): where it lives, and that a second process
-loads every program the first compiled"""
+"""The persistent compilation cache (jspec.compile_cache): where it lives, that a second process
+loads every program the first compiled, and that program keys do not change between processes."""
 
 import os
 import subprocess
@@ -62,3 +62,41 @@ def test_a_second_process_compiles_nothing(tmp_path):
     hits, misses = map(int, _run(AR_GENERATE, cache).split())
     assert misses == 0 and hits == len(written)
     assert sorted(os.listdir(cache)) == written
+
+
+PROGRAM_HASHES = """
+import hashlib
+import jax
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir, passmanager
+from jspec import model as M
+import test_export as T
+
+def key_text(text):  # what the cache key hashes: the module without its debug locations
+    with mlir.make_ir_context():
+        module = ir.Module.parse(text)
+        passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(module.operation)
+        return str(module)
+
+for name in ("ar", "chain", "tree", "pearl"):  # this host's programs
+    print(name, hashlib.sha256(key_text(T.program(name).trace().lower().as_text()).encode()).hexdigest())
+jax.default_backend = lambda: "gpu"  # as traced on one GPU: the Triton kernels' serialized IR included
+with M.per_device_program():
+    for name in ("ar", "tree"):
+        text = T.program(name, T.GPU_CFG).export(("cuda",), disabled_checks=T.TRITON_OK).mlir_module()
+        print("gpu_" + name, hashlib.sha256(key_text(text).encode()).hexdigest())
+"""
+
+
+def test_program_keys_do_not_change_between_processes():
+    """No object ids, random constants or unordered sets in any program: two processes lower the
+    same text for each (the persistent cache's key is a hash of it)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": PATHS}
+    procs = [subprocess.Popen([sys.executable, "-c", PROGRAM_HASHES], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    first, second = (dict(line.split() for line in out.splitlines()) for out, _ in outs)
+    assert len(first) == 6 and first == second
