@@ -18,6 +18,7 @@ from . import __version__
 from .checkpoint.convert import add_convert_args, run_convert
 from .checkpoint.eagle_format import CONFIG_FILE, ENGINES, load_eagle_head, save_eagle_head
 from .checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from .compile_cache import add_compile_cache_arg, use_compile_cache
 from .config import UnsupportedModelError, config_from_hf
 from .decode import PromptError, pack_prompts
 from .errors import UsageError
@@ -119,6 +120,7 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--hrad", default=None, metavar="DIR",
                    help="--engine specbranch: H-RAD weights (scripts/train_hrad.py; a preset's ship in "
                         "models/<preset>/drafters/hrad); without it branches are cut by draft confidence")
+    add_compile_cache_arg(p)
 
 
 def check_generate_args(a) -> None:
@@ -408,6 +410,7 @@ def no_tokenizer_message(model: str) -> str:
 
 
 def cmd_generate(a) -> int:
+    use_compile_cache(a.compile_cache)  # before the weights load: loading compiles programs too
     cfg, params, tok, prompts, _ = load_checked(a)
     sampling = Sampling(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
     spec = a.speculative

@@ -40,6 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from . import model as M
+from .compile_cache import enable_default_compile_cache
 from .config import ModelConfig
 from .errors import UsageError
 from .refill import default_refill
@@ -110,6 +111,7 @@ def generate(
     DeprecationWarning; they build the same config.
     """
     speculative = _speculative_from_keywords(speculative, legacy)
+    enable_default_compile_cache()
     # Every program below runs whole on each device (tensor parallelism too: it runs under a
     # shard_map), so the GPU kernels may run on a host with several GPUs (model.default_kernels).
     rows = queue_rows(len(prompts), batch_size, refill, mesh, speculative)
@@ -424,6 +426,7 @@ def generate_stream(
 ) -> Iterator[list[int]]:
     """Yield new tokens as they come, `chunk` jitted decode steps at a time (one host sync per chunk)."""
     sampling = sampling or GREEDY
+    enable_default_compile_cache()
     tokens, lens, cache_len = pack_prompts(cfg, [prompt], max_new_tokens)
     with M.per_device_program():  # one device: GPU kernels even on a host with several GPUs
         state = start_decode_jit(

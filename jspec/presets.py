@@ -31,6 +31,7 @@ from .checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
 from .checkpoint.gguf_io import config_from_gguf, load_gguf, open_gguf
 from .checkpoint.hf import config_from_hf_file, load_hf
 from .checkpoint.orbax_io import is_orbax_dir, read_config, restore_params
+from .compile_cache import user_cache_dir
 from .model import cast_params
 from .tokenizer import ORBAX_TOKENIZER_DIR, load_tokenizer
 
@@ -43,10 +44,6 @@ def models_dir() -> Path:
     if env:
         return Path(env)
     return Path(__file__).resolve().parent.parent / "models"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("JSPEC_CACHE_DIR") or Path.home() / ".cache" / "jspec")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +99,7 @@ def _assembled_gguf(package: str, file: str) -> Path:
         module = importlib.import_module(package)
     except ImportError as e:
         raise CheckpointNotFoundError(f"pip package {package!r} (which assembles {file}) is not installed") from e
-    target = cache_dir() / file
+    target = user_cache_dir() / file
     return Path(module.assemble(target))  # verifies the sha256 of an existing file, else writes it
 
 

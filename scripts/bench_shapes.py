@@ -79,6 +79,8 @@ SHAPES = {
                                 tie_word_embeddings=True),
     "llama-3.1-8b": ModelConfig(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                                 num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0),
+    "llama-3.1-70b": ModelConfig(arch="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                                 num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=500000.0),
     "qwen3-8b": ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                             num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0,
                             qk_norm=True, rms_norm_eps=1e-6),
@@ -118,6 +120,14 @@ def random_params(cfg: ModelConfig, dtype=jnp.bfloat16):
         if n in params["layers"]:
             params["layers"][n] = jnp.ones_like(params["layers"][n])
     return params
+
+
+def random_eagle3_head(cfg: ModelConfig):
+    """An EAGLE-3 head at the target's shape (draft vocabulary 32k), random, bfloat16: (config, params)."""
+    hcfg = H.default_head_config("eagle3", cfg, draft_vocab_size=min(32000, cfg.vocab_size))
+    head = jax.jit(lambda k: jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a,
+                                          H.init_head(hcfg, k, jnp.float32)))(jax.random.PRNGKey(5))
+    return hcfg, head
 
 
 class Rows:
@@ -529,9 +539,7 @@ def verify_part(shape, cfg, params, rows_out: Rows, batch=1, n=20):
 
 def draft_part(shape, cfg, params, rows_out: Rows, batch=1, n=50, head_and_config=None, variant="jspec"):
     if head_and_config is None:
-        hcfg = H.default_head_config("eagle3", cfg, draft_vocab_size=min(32000, cfg.vocab_size))
-        head = jax.jit(lambda k: jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a,
-                                              H.init_head(hcfg, k, jnp.float32)))(jax.random.PRNGKey(5))
+        hcfg, head = random_eagle3_head(cfg)
     else:
         hcfg, head = head_and_config
     hbytes = weight_bytes({k: v for k, v in head.items() if k != "d2t"})

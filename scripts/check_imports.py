@@ -22,8 +22,8 @@ LAZY_OK = {"jspec/cli.py", "jspec/bench/cli.py", "jspec/train/cli.py"}
 # Layers, lowest first: a module may import only modules of its own layer or lower ones
 # (longest matching prefix decides a module's layer).
 LAYERS = [
-    ["jspec", "jspec.cards", "jspec.config", "jspec.sampling", "jspec.sharding", "jspec.kernels", "jspec.checkpoint", "jspec.checkpoint.errors",
-     "jspec.checkpoint.layout", "jspec.refill", "jspec.user_cache"],
+    ["jspec", "jspec.cards", "jspec.compile_cache", "jspec.config", "jspec.sampling", "jspec.sharding", "jspec.kernels",
+     "jspec.checkpoint", "jspec.checkpoint.errors", "jspec.checkpoint.layout", "jspec.refill", "jspec.user_cache"],
     ["jspec.model"],
     ["jspec.decode", "jspec.scoring"],
     ["jspec.heads"],

@@ -47,6 +47,9 @@ def with_test_xla_flags(existing: str) -> tuple[str, str | None]:
 
 os.environ["XLA_FLAGS"], _XLA_FLAGS_ERROR = with_test_xla_flags(os.environ.get("XLA_FLAGS", ""))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No persistent compilation cache (jspec.compile_cache turns it on by default): the suite's programs
+# would fill the user's cache, and tests that need one name their own directory.
+os.environ["JSPEC_COMPILE_CACHE"] = "off"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -63,7 +66,7 @@ _LONGEST_FIRST = [
     "test_smollm2_gguf.py", "test_lossless_sampling.py", "test_spec.py", "test_rules.py", "test_cli.py",
     "test_specbranch.py", "test_ppsd.py", "test_shipped_head.py", "test_shipped_gemma_head.py",
     "test_spec_heads.py", "test_train.py", "test_greedy_reference.py", "test_head_kernels.py",
-    "test_parallel.py", "test_calibration.py", "test_hybrid.py", "test_auto.py", "test_pearl.py", "test_tensor_parallel.py", "test_examples.py", "test_kernels.py",
+    "test_parallel.py", "test_calibration.py", "test_export.py", "test_compile_cache.py", "test_hybrid.py", "test_auto.py", "test_pearl.py", "test_tensor_parallel.py", "test_examples.py", "test_kernels.py",
     "test_spec_sampling.py", "test_tree.py", "test_dlm.py", "test_packing.py", "test_policies.py", "test_head_pipeline.py",
     "test_draft_model.py", "test_checkpoint.py", "test_engine_contracts.py",
 ]

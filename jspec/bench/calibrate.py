@@ -27,6 +27,7 @@ from jspec.bench.prompts import encode_questions
 from jspec.bench.round_cost import ensure_costs
 from jspec.speculative.policies.auto import load_costs
 from jspec.cards import card_key
+from jspec.compile_cache import add_compile_cache_arg, use_compile_cache
 from jspec.errors import UsageError
 from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.drafters.base import DrafterError
@@ -70,6 +71,7 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "using this head find them")
     p.add_argument("--models-dir", default=None, help="the repository's models/ folder, whose committed cost tables are "
                    "read (default: jspec's own)")
+    add_compile_cache_arg(p)
     return p
 
 
@@ -243,6 +245,7 @@ def progress(line: str) -> None:
 
 def run_calibrate(a) -> int:
     names = check_calibrate_args(a)
+    use_compile_cache(a.compile_cache)
     texts, source = calibration_prompts(a)  # before the model loads: a bad file or count fails fast
     cfg, params, tokenizer = presets.resolve_model(a.model)
     drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)

@@ -17,6 +17,7 @@ from jspec.bench.prompts import encode_questions
 from jspec.bench.protocol import ENGINE_KEYS, METHOD_GRAMMAR, PARALLEL_METHODS, MethodSpec, parse_method_specs
 from jspec.bench.law import law_row, law_samples
 from jspec.bench.report import bench_dir, group_tables, write_benchmarks_md, write_rows
+from jspec.compile_cache import add_compile_cache_arg, use_compile_cache
 from jspec.heads.hrad import load_hrad
 from jspec.kernels.decode_attention import split_attention
 from jspec.model import cast_params
@@ -111,6 +112,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="jspec AR and spec methods: layers per step of the layer scan (generate's unroll): "
                              "auto (every layer unrolled on the GPU kernels' decode/verify path, scanned "
                              "elsewhere) or a number; recorded in each row")
+    add_compile_cache_arg(parser)
     return parser
 
 
@@ -462,6 +464,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             raise UsageError(f"--mesh: {e}") from None
 
     barrier = parse_timing_barrier(args.timing_barrier)
+    use_compile_cache(getattr(args, "compile_cache", None))
     cfg, params, tokenizer = resolve_model(args.model)
     chat = False if args.no_chat_template else None
     prompts = {task: encode_questions(tokenizer, qs, chat=chat) for task, qs in questions.items()}

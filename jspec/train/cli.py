@@ -27,6 +27,7 @@ import os
 import time
 from pathlib import Path
 
+from ..compile_cache import add_compile_cache_arg, use_compile_cache
 from ..errors import UsageError
 from ..user_cache import user_cache_dir
 
@@ -34,8 +35,6 @@ _T0 = time.perf_counter()  # the time budget counts from when the command starte
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from .step import add_compile_cache_arg
-
     parser.add_argument("--target", required=True, help="target model preset or path (jspec.presets.resolve_model)")
     parser.add_argument("--recipe", required=True, help="recipe JSON, e.g. training/smollm2-eagle3.json")
     parser.add_argument("--out", default=None, help="run directory (default <user cache>/runs/<recipe>-<target>, the user "
@@ -185,7 +184,7 @@ def run_train(args: argparse.Namespace) -> None:
 
 def train_from_args(args: argparse.Namespace):
     """run_train's work; returns the TrainResult (None with --distill-only)."""
-    from .step import maybe_initialize_distributed, use_compile_cache
+    from .step import maybe_initialize_distributed
 
     maybe_initialize_distributed()  # before any other JAX call
     use_compile_cache(getattr(args, "compile_cache", None))

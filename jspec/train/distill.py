@@ -54,13 +54,13 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .. import model as M
+from ..compile_cache import add_compile_cache_arg, use_compile_cache
 from ..config import ModelConfig
 from ..decode import bucket, emit, prefill
 from ..presets import list_presets, load_preset, resolve_model
 from . import corpus as C
 from .config import recipe_json
 from .shards import LoopCut, RowWriter, load_rows, read_meta, row_tokens, shard_files
-from .step import add_compile_cache_arg, use_compile_cache
 
 SELF_SOURCE = "self_instruct"
 DATA_SOURCES = tuple(C.SOURCES) + (SELF_SOURCE,) + tuple(f"eval_{t}" for t in C.EVAL_TASKS)

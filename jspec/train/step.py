@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..heads import eagle as H
@@ -31,7 +30,7 @@ BATCH_AXES = ("data", "fsdp")
 
 
 # ---------------------------------------------------------------------------------------------
-# Multi-host, mesh and compilation cache
+# Multi-host and mesh
 # ---------------------------------------------------------------------------------------------
 
 
@@ -47,31 +46,6 @@ def maybe_initialize_distributed() -> None:
         )
     elif os.environ.get("JSPEC_DISTRIBUTED") == "1":
         jax.distributed.initialize()
-
-
-def default_compile_cache() -> str:
-    """$JAX_COMPILATION_CACHE_DIR when set, else ~/.cache/jspec/xla."""
-    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jspec", "xla")
-
-
-def use_compile_cache(path: str | None) -> str | None:
-    """Keep every compiled program in `path` (JAX's persistent compilation cache; on GPUs XLA's
-    autotuning results go there too), so a second run on the same host loads the train step
-    instead of compiling it (minutes on a GPU). None = `default_compile_cache()`; "none" turns it
-    off. Returns the directory used."""
-    path = default_compile_cache() if path is None else path
-    if path.lower() in ("", "none"):
-        if jax.config.jax_compilation_cache_dir:  # also when $JAX_COMPILATION_CACHE_DIR set it
-            jax.config.update("jax_compilation_cache_dir", None)
-            compilation_cache.reset_cache()
-        return None
-    path = os.path.abspath(os.path.expanduser(path))
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every program: reads cost less
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    compilation_cache.reset_cache()  # a process that compiled before reads the new directory from now on
-    return path
 
 
 # XLA's GPU compiler times several Triton tilings of every matrix product in a program and keeps the
@@ -112,12 +86,6 @@ class training_jit:
 
     def lower(self, *args, **kwargs):
         return self.jitted().lower(*args, **kwargs)
-
-
-def add_compile_cache_arg(parser) -> None:
-    parser.add_argument("--compile-cache", default=None, metavar="DIR",
-                        help="persistent compilation cache: a second run on this host starts without compiling "
-                             "(default $JAX_COMPILATION_CACHE_DIR, else ~/.cache/jspec/xla; 'none' turns it off)")
 
 
 def make_mesh(fsdp: int = 1, devices=None) -> Mesh:
