@@ -60,7 +60,7 @@ KINDS = (("collective", re.compile(r"nccl|psum|all.?reduce|all.?gather|reduce.?s
 
 # XLA option sets the tensor-parallel program can be compiled with (--variants): the layer's two
 # all-reduces are 8-128 KB at decode, where a collective's fixed cost is several µs a call. On a
-# 2xH200 host none of these moved the 8B step (3.74-3.77 ms at batch 1; BENCHMARKS.md, fifteenth run).
+# 2xH200 host none of these moved the 8B step (3.74-3.77 ms at batch 1; benchmarks/shapes/h200x2_s15_tp_variants.json).
 ALL_REDUCE_ONE_SHOT = {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}
 COMMAND_BUFFER_COLLECTIVES = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,COLLECTIVES"}
 VARIANTS = {
