@@ -59,6 +59,11 @@ class ModelConfig:
     # (wo, w_down) over the mesh's model axis. A static field, so such a trace is never reused
     # for a whole model of the same shape.
     tensor_parallel_shards: int = 1
+    # The preset this config was loaded from (jspec.presets.resolve_model / resolve_config), so
+    # generate() finds the drafters, calibrated constants and cost tables it ships, as the CLI
+    # does; None for a checkpoint path. Not compared or hashed (two loads of one model share their
+    # compiled programs) and not saved by to_dict (where a model was loaded from is not the model).
+    preset: str | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHITECTURES:
@@ -97,6 +102,7 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         if self.tensor_parallel_shards == 1:  # a run-time split, not part of a saved model's config
             del d["tensor_parallel_shards"]
+        del d["preset"]
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
 
     @classmethod

@@ -58,9 +58,10 @@ from .speculative.engines.ppsd import ppsd_generate
 from .speculative.engines.specbranch import SpecBranchConfig, specbranch_generate
 from .speculative.config import SpeculativeConfig
 from .speculative.engines.tree import TreeConfig, autotuned_tree, tree_for, tree_generate, tree_generate_jit
-from .speculative.factory import build_drafter
+from .presets import models_dir
+from .speculative.factory import build_drafter, policy_for_drafter
 from .speculative.policies import is_auto, resolve_policy
-from .speculative.policies.auto import auto_budget, mean_context
+from .speculative.policies.auto import auto_budget, load_costs, mean_context
 from .speculative.state import result_from_device
 from .speculative.verify.consultant import resolve_verify
 
@@ -176,15 +177,18 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
         drafter, drafter_params, policy, policy_params = spec.drafter, spec.drafter_params, spec.policy, spec.policy_params
         k_max, verify, tree = spec.k_max, spec.verify_rule, spec.tree
     mesh = parse_mesh(mesh)
-    if isinstance(drafter, str):
-        drafter, drafter_params = build_drafter(drafter, cfg, params, k_max=k_max)
     autotune = tree == "auto"
     if tree is True or autotune:
         tree = TreeConfig()  # autotune: EAGLE's largest candidate (59 nodes) sizes the cache
+    if isinstance(drafter, str):  # read as `jspec generate` reads it: what cfg's preset ships, if any
+        policy, policy_params = policy_for_drafter(policy, policy_params, drafter, cfg.preset,
+                                                   tree.depth if tree is not None else k_max)
+        drafter, drafter_params = build_drafter(drafter, cfg, params, k_max=k_max)
     if tree is not None:
         tree = tree_for(drafter, tree)  # a hybrid drafter's n-gram branch
     if drafter is not None and is_auto(policy):  # batch-aware budget
         drafter, policy, k_max, tree = auto_budget(policy, drafter, rows[0] if rows else len(prompts), k_max, tree,
+                                                   costs=load_costs(cfg.preset, models_dir=str(models_dir())),
                                                    context=mean_context([len(p) for p in prompts], max_new_tokens),
                                                    prompts=prompts, sampling=sampling)
         if getattr(drafter, "block", False) and drafter.k_max != k_max:  # a block drafter drafts the planned k

@@ -192,18 +192,27 @@ def resolve_model(name_or_path: str | os.PathLike, dtype=None, *, tokenizer: boo
         dtype = preset.default_dtype() if preset else DEFAULT_DTYPES.get(_backend(), "float32")
     cfg, params = load_checkpoint(path, kind, jnp.dtype(dtype))
     tok = load_tokenizer_if_any(path, kind) if tokenizer else None
-    return cfg, params, tok
+    return named_for(cfg, preset), params, tok
 
 
 def resolve_config(name_or_path: str | os.PathLike):
     """The ModelConfig of a preset or checkpoint, read from its header or config file alone (no
     weights): what a command line checks its arguments against before the model loads."""
-    path, kind, _ = resolve_checkpoint(name_or_path)
+    path, kind, preset = resolve_checkpoint(name_or_path)
     if kind == "gguf":
-        return config_from_gguf(open_gguf(path), path)
-    if kind == "hf":
-        return config_from_hf_file(path)
-    return read_config(path)
+        cfg = config_from_gguf(open_gguf(path), path)
+    elif kind == "hf":
+        cfg = config_from_hf_file(path)
+    else:
+        cfg = read_config(path)
+    return named_for(cfg, preset)
+
+
+def named_for(cfg, preset: Preset | None):
+    """`cfg` carrying the name of the preset it was loaded from (its folder's name, the one
+    resolve_model takes and the drafter factory looks shipped heads up by), so that
+    `SpeculativeConfig(drafter="eagle3")` finds the preset's head; unchanged for a checkpoint path."""
+    return cfg if preset is None else cfg.replace(preset=preset.dir.name)
 
 
 def resolve_tokenizer(name_or_path: str | os.PathLike):

@@ -29,6 +29,9 @@ Writes OUT/profile_tp.json (a row per device count and batch) and prints each ro
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
+import gzip
 import json
 import os
 import re
@@ -49,7 +52,6 @@ from jspec import model as M  # noqa: E402
 from jspec import sharding as S  # noqa: E402
 from jspec.cards import card_name  # noqa: E402
 from jspec.sampling import Sampling  # noqa: E402
-from profile_draft import kernel_table  # noqa: E402
 
 KINDS = (("collective", re.compile(r"nccl|psum|all.?reduce|all.?gather|reduce.?scatter|collective", re.IGNORECASE)),
          ("products", re.compile(r"matvec|gemm|cublas|dot", re.IGNORECASE)),
@@ -58,7 +60,7 @@ KINDS = (("collective", re.compile(r"nccl|psum|all.?reduce|all.?gather|reduce.?s
 
 # XLA option sets the tensor-parallel program can be compiled with (--variants): the layer's two
 # all-reduces are 8-128 KB at decode, where a collective's fixed cost is several µs a call. On a
-# 2xH200 host none of these moved the 8B step (3.74-3.77 ms at batch 1; BENCHMARKS.md, fifteenth run).
+# 2xH200 host none of these moved the 8B step (3.74-3.77 ms at batch 1; benchmarks/shapes/h200x2_s15_tp_variants.json).
 ALL_REDUCE_ONE_SHOT = {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}
 COMMAND_BUFFER_COLLECTIVES = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,COLLECTIVES"}
 VARIANTS = {
@@ -68,6 +70,29 @@ VARIANTS = {
     "one_shot_cmdbuf": {**ALL_REDUCE_ONE_SHOT, **COMMAND_BUFFER_COLLECTIVES},
     "sync_all_reduce": {"xla_gpu_disable_async_collectives": "ALLREDUCE"},
 }
+
+
+def kernel_table(trace_dir: str) -> dict[int, dict[str, list[float]]]:
+    """{GPU index: {kernel name: [total µs, launches]}} from the Perfetto trace in trace_dir (each
+    GPU's tracks; an empty dict off a GPU)."""
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
+    with gzip.open(path) as fh:
+        events = json.load(fh)["traceEvents"]
+    gpu_of = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            found = re.search(r"GPU:(\d+)", str(e.get("args", {}).get("name", "")), re.IGNORECASE)
+            if found:
+                gpu_of[e["pid"]] = int(found.group(1))
+    if not gpu_of and jax.default_backend() == "gpu":
+        print("no GPU track among the trace's processes", flush=True)
+    table: dict[int, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0]))
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu_of:
+            entry = table[gpu_of[e["pid"]]][e["name"]]
+            entry[0] += float(e.get("dur", 0.0))
+            entry[1] += 1
+    return {gpu: dict(kernels) for gpu, kernels in table.items()}
 
 
 def kind_of(kernel: str) -> str:

@@ -1,8 +1,7 @@
 """The Pallas fast paths of `model.forward` compute the same function as the portable einsum path.
 
 On CPU the kernels run in Pallas interpret mode (same kernel code, no Triton), in float32, so the
-paths must agree to float32 rounding. On a GPU the same kernels compile through Triton;
-scripts/profile_decode.py compares their bf16 logits there.
+paths must agree to float32 rounding. On a GPU the same kernels compile through Triton.
 """
 
 import jax

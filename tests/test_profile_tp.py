@@ -28,7 +28,7 @@ def write_trace(path, events):
 
 
 def test_kernel_table_splits_the_trace_by_gpu(tmp_path):
-    P = load("profile_draft")
+    P = load("profile_tp")
     meta = [dict(ph="M", name="process_name", pid=pid, args=dict(name=name))
             for pid, name in ((1, "/host:CPU"), (2, "/device:GPU:0"), (3, "/device:GPU:1"), (4, "/device:GPU:10"))]
     kernels = [dict(ph="X", pid=2, name="jspec_matvec", dur=10.0), dict(ph="X", pid=2, name="jspec_matvec", dur=5.0),
@@ -37,7 +37,6 @@ def test_kernel_table_splits_the_trace_by_gpu(tmp_path):
     write_trace(tmp_path, meta + kernels)
     table = P.kernel_table(str(tmp_path))
     assert table == {0: {"jspec_matvec": [15.0, 2]}, 1: {"psum_fusion": [4.0, 1]}, 10: {"jspec_matvec": [1.0, 1]}}
-    assert P.device_kernels(str(tmp_path)) == ({"jspec_matvec": 15.0}, 2)
 
 
 def test_step_profile_is_the_long_runs_excess_by_kind():

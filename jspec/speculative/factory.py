@@ -49,7 +49,7 @@ from .drafters.model import ModelDrafter
 from .drafters.ngram import NgramDrafter
 from .policies import POLICY_NAMES, make_policy
 from .policies.calibration import CALIBRATED_POLICIES, calibrated_constants, policy_from_constants
-from .policies.ldlp import WEIGHTS_FILE as LDLP_WEIGHTS_FILE
+from .policies.ldlp import WEIGHTS_FILE as LDLP_WEIGHTS_FILE, load_ldlp
 
 DRAFTER_NAMES = ("ngram", "early-exit", "model", "eagle", "eagle3", "dlm")
 DEFAULT_DLM_K_MAX = 8  # DiffuSpec drafts a block of k_max tokens; the engine's k_max must be the same
@@ -283,7 +283,9 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
                   k_max: int | None = None) -> tuple[Any, Any]:
     """(drafter, drafter_params) for a spec string; raises DrafterError with the fix in the message.
     ``k_max``: the engine's k_max, which a block drafter (``dlm``) drafts every round (default
-    ``DEFAULT_DLM_K_MAX``); other drafters take it per call."""
+    ``DEFAULT_DLM_K_MAX``); other drafters take it per call. Without a PATH a drafter is the one
+    ``model_name``'s preset ships, by default the preset ``cfg`` was loaded from (``cfg.preset``)."""
+    model_name = cfg.preset if model_name is None else model_name
     hybrid = split_hybrid(spec)
     if hybrid is not None:
         head, head_params = build_drafter(hybrid[0], cfg, params, model_name=model_name, dtype=dtype)
@@ -361,6 +363,18 @@ def split_policy_spec(text: str) -> tuple[str, str | None]:
     if which and (which not in POLICY_CONSTANTS or name not in CALIBRATED_POLICIES):
         raise DrafterError(f"policy {text!r}: the suffix :paper or :calibrated applies to {', '.join(CALIBRATED_POLICIES)}")
     return name, which or None
+
+
+def policy_for_drafter(policy, policy_params, drafter_spec: str, model_name: str | None, k_max: int):
+    """(policy, policy_params) for a policy given by name beside a drafter given by spec, read as
+    `jspec generate` reads them: "svip", "adaedl", ... with the constants `jspec calibrate` fit for
+    the spec's EAGLE head on this card (resolve_policy_spec), "ldlp" with the predictor weights
+    beside that head unless ``policy_params`` are given. A Policy object is returned as is."""
+    if not isinstance(policy, str):
+        return policy, policy_params
+    if split_policy_spec(policy)[0] == "ldlp" and policy_params is None:
+        policy_params = load_ldlp(str(find_ldlp_weights(drafter_spec, model_name)))[0]
+    return resolve_policy_spec(policy, drafter_spec, model_name, k_max)[0], policy_params
 
 
 def resolve_policy_spec(text: str, drafter_spec: str | None, model_name: str | None, k_max: int):

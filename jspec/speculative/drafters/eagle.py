@@ -47,7 +47,7 @@ class EagleDrafter:
     acceptance_by_temperature: tuple[tuple[float, float], ...] | None = None
     # how the head's draft steps run attention (model.KERNEL_IMPLS; None: model.default_kernels() at
     # trace time, the fused kernel on a single GPU). A set value is part of the drafter, a static jit
-    # argument, so one process can compile and time both paths (scripts/profile_draft.py)
+    # argument, so one process can compile and time both paths
     kernels: str | None = None
     name = "eagle"
     parallel = False

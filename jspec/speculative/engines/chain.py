@@ -204,7 +204,7 @@ _STATIC = ("tcfg", "drafter", "policy", "k_max", "max_new", "cache_len", "sampli
 # generations compile with loops and branches in command buffers. Other programs keep XLA's
 # default: on an H200 (head v7, all 80 MT-Bench questions) these options made static K = 6 4.5%
 # slower, and the confidence chain went from 2.27-2.28x AR to 2.35x, SVIP from 2.20-2.24x to
-# 2.30x (BENCHMARKS.md, tenth run).
+# 2.30x (BENCHMARKS.md at commit b3813a1, tenth run).
 DEVICE_LOOPS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CONDITIONAL,WHILE"}
 DEVICE_LOOP_MODES = ("auto", "off", "all")
 

@@ -39,8 +39,8 @@ batches); on TPUs, whose control flow runs on the device without a host round tr
 whose cuts cannot pay (static; `auto`, whose plan already sized the tree for this batch and card)
 compiles none of this: its rounds are the static tree's program. Compiling a cutting tree with its
 branches on the device instead (the chain engine's DEVICE_LOOPS, with level skipping) was timed on
-an H200 and did not help: 0.85-0.87x the static tree, against 0.86-0.90x without (BENCHMARKS.md,
-eleventh run).
+an H200 and did not help: 0.85-0.87x the static tree, against 0.86-0.90x without (BENCHMARKS.md
+at commit b3813a1, eleventh run).
 
 Hybrid drafters (drafters.hybrid) may look up first (`TreeConfig.lookup_first`): one `lax.cond` a
 round runs either the n-gram branch alone (a block of ngram + 1, no head levels) when every row's
