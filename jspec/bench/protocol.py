@@ -77,6 +77,9 @@ Methods (--methods, comma-separated; all are checked before any runs):
              nodes=N|auto    tree: draft nodes kept, i.e. EAGLE's total_token - 1 (auto: timed on
                              this device over EAGLE's candidates, default tree shape); implies tree
              topk=N depth=N  tree shape; imply tree
+             siblings=top_k|sampled|auto   tree children when sampling: the head's top-k (EAGLE-2's rule),
+                             or drawn from its q (recursive rejection; default auto: sampled unless the
+                             policy cuts trees)
              ngram=N         eagle3+ngram: nodes of the n-gram branch beside the head's tree, up to 8,
                              deeper than the tree if need be (default the depth; with auto, the plan picks it)
              k=N             chain: most draft tokens per round (k_max; default --k-max, else 8)
@@ -102,7 +105,7 @@ PARALLEL_METHODS = ("pearl", "specbranch", "ppsd")
 PARALLEL_KEYS = {"pearl": ("pairs", "gamma"), "specbranch": ("pairs", "gamma", "branches", "cut", "threshold", "hrad"),
                  "ppsd": ("pairs",)}
 
-TREE_KEYS = ("nodes", "topk", "depth", "ngram")
+TREE_KEYS = ("nodes", "topk", "depth", "ngram", "siblings")
 # constants=paper|calibrated: which constants a calibrated policy runs with (written POLICY:paper)
 ENGINE_KEYS = ("k", "verify", "eps", "smoothing", "constants") + TREE_KEYS
 POLICY_CONSTANTS = ("paper", "calibrated")
@@ -157,7 +160,8 @@ class MethodSpec:
             else:
                 base = TreeConfig()
                 tree = TreeConfig(top_k=int(opts.get("topk", base.top_k)), depth=int(opts.get("depth", base.depth)),
-                                  num_nodes=int(opts.get("nodes", base.num_nodes)), ngram=int(opts.get("ngram", 0)))
+                                  num_nodes=int(opts.get("nodes", base.num_nodes)), ngram=int(opts.get("ngram", 0)),
+                                  siblings=opts.get("siblings", base.siblings))
                 tree = True if tree == base else tree
             kwargs["tree"] = tree
         fields = {k: v for k, v in self.options if k not in ENGINE_KEYS}
@@ -337,6 +341,8 @@ def check_method_spec(spec: MethodSpec) -> None:
         raise MethodSpecError(f"method {text!r}: {spec.drafter} drafts trees (a head tree plus an n-gram branch): add :tree")
     if "ngram" in opts and not issubclass(drafter_cls, HybridDrafter):
         raise MethodSpecError(f"method {text!r}: ngram=N sets a hybrid tree's n-gram branch: use eagle3+ngram")
+    if "siblings" in opts and opts["siblings"] not in ("auto", "top_k", "sampled"):
+        raise MethodSpecError(f"method {text!r}: siblings={opts['siblings']}: choose auto, top_k or sampled")
     if "nodes" in opts and opts["nodes"] != "auto":
         _positive_int("nodes", opts["nodes"], text)
     if opts.get("nodes") == "auto" and ({"topk", "depth"} & set(opts)):
