@@ -70,6 +70,11 @@ def test_missing_parts_are_named_in_one_line(site, tmp_path):
     assert msg == ("m.gguf: parts 2, 3 of 3 not installed (pip packages not-installed-part2 not-installed-part3); "
                    "install with `make models-x`")
     assert not (tmp_path / "cache" / "m.gguf").exists()
+    for part in parts:
+        part["package"] = "absent_" + part["package"]
+    with pytest.raises(CheckpointNotFoundError) as e:
+        assembled_gguf(split_gguf_from_source(source(parts), "preset.json"), tmp_path / "cache")
+    assert str(e.value) == "m.gguf: not installed (pip packages absent-fake-model-part1 … absent-not-installed-part3); install with `make models-x`"
 
 
 def test_truncated_part_fails_before_anything_is_written(site, tmp_path):

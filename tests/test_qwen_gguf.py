@@ -18,7 +18,9 @@ import torch
 from gguf_reference import jspec_greedy, preset_gguf, transformers_from_gguf, until_eos
 
 from jspec.checkpoint.gguf_io import open_gguf
+from jspec.generate import generate
 from jspec.presets import resolve_model, resolve_tokenizer
+from jspec.speculative.config import SpeculativeConfig
 from jspec.tasks import TaskDataError, load_task
 from jspec.tokenizer import apply_chat
 
@@ -85,3 +87,16 @@ def test_qwen_greedy_matches_transformers(preset):
         with torch.no_grad():
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
         assert out[0, len(prompt):].tolist() == ours[b], prompts[b][0]
+
+
+def test_qwen_half_billion_drafts_for_the_1_5b_losslessly():
+    """The 0.5B as an independent draft model of the 1.5B (one tokenizer, one 151,936-row vocabulary):
+    greedy speculative output equals AR, with several tokens per target call."""
+    preset_gguf("qwen2.5-coder-1.5b-instruct"), preset_gguf("qwen2.5-coder-0.5b-instruct")
+    cfg, params, tok = resolve_model("qwen2.5-coder-1.5b-instruct", dtype="float32")
+    prompts = [ids for _, ids in task_prompts(tok)[:1]]
+    spec = SpeculativeConfig(drafter="model:qwen2.5-coder-0.5b-instruct", k_max=4)
+    ar = generate(params, cfg, prompts, max_new_tokens=32)
+    sd = generate(params, cfg, prompts, max_new_tokens=32, speculative=spec)
+    assert sd.row(0) == ar.row(0)
+    assert sd.mean_accepted_tokens[0] > 2.0  # at 64 tokens, measured: 3.37 (HumanEval/0), 2.67 (MT-Bench 81)

