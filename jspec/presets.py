@@ -7,20 +7,22 @@ preset.json fields:
     name, description
     source    {"type": "pip_gguf", "package": P, "file": F}           GGUF file inside pip package P,
                                                                      located without importing P
-              {"type": "pip_gguf_assemble", "package": P, "file": F}  P.assemble(path) writes the
-                                                                     GGUF; cached in JSPEC_CACHE_DIR
+              {"type": "pip_gguf_parts", "file": F, "sha256": H,     a GGUF split across pip packages
+               "parts": [{"package", "file", "bytes", "sha256"}, ...], (in order), assembled into
+               "install": "make ..."}                               JSPEC_CACHE / F
+                                                                     (jspec.checkpoint.gguf_parts)
               {"type": "path", "path": X}                            X relative to the preset dir
     dtype     default parameter dtype per backend, e.g. {"cpu": "float32", "gpu": "bfloat16"}
     chat      whether prompts go through the chat template
     drafters  default drafter-head checkpoints by method name (paths relative to the preset dir)
 
-The presets folder is the repository's top-level models/ unless JSPEC_MODELS_DIR says otherwise.
+The presets folder is the repository's top-level models/ unless JSPEC_MODELS_DIR says otherwise;
+assembled GGUF files are cached in $JSPEC_CACHE (default ~/.cache/jspec).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import importlib.util
 import json
 import os
@@ -29,9 +31,10 @@ from typing import Any
 
 from .checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
 from .checkpoint.gguf_io import config_from_gguf, load_gguf, open_gguf
+from .checkpoint.gguf_parts import assembled_gguf, split_gguf_from_source
 from .checkpoint.hf import config_from_hf_file, load_hf
 from .checkpoint.orbax_io import is_orbax_dir, read_config, restore_params
-from .compile_cache import user_cache_dir
+from .user_cache import user_cache_dir
 from .model import cast_params
 from .tokenizer import ORBAX_TOKENIZER_DIR, load_tokenizer
 
@@ -44,6 +47,11 @@ def models_dir() -> Path:
     if env:
         return Path(env)
     return Path(__file__).resolve().parent.parent / "models"
+
+
+def cache_dir() -> Path:
+    """Where assembled GGUF presets are cached: jspec's user cache (jspec.user_cache)."""
+    return user_cache_dir()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +76,8 @@ class Preset:
         kind = self.source.get("type")
         if kind == "pip_gguf":
             return _pip_package_file(self.source["package"], self.source["file"], self.name)
-        if kind == "pip_gguf_assemble":
-            return _assembled_gguf(self.source["package"], self.source["file"])
+        if kind == "pip_gguf_parts":
+            return assembled_gguf(split_gguf_from_source(self.source, str(self.dir / PRESET_FILE)), cache_dir())
         if kind == "path":
             return (self.dir / self.source["path"]).resolve()
         raise CorruptCheckpointError(f"{self.dir / PRESET_FILE}: unknown source type {kind!r}")
@@ -92,15 +100,6 @@ def _pip_package_file(package: str, file: str, preset: str) -> Path:
         if candidate.is_file():
             return candidate
     raise CheckpointNotFoundError(f"{file}: not found in the installed package {package!r}")
-
-
-def _assembled_gguf(package: str, file: str) -> Path:
-    try:
-        module = importlib.import_module(package)
-    except ImportError as e:
-        raise CheckpointNotFoundError(f"pip package {package!r} (which assembles {file}) is not installed") from e
-    target = user_cache_dir() / file
-    return Path(module.assemble(target))  # verifies the sha256 of an existing file, else writes it
 
 
 def list_presets() -> list[str]:

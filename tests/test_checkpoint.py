@@ -28,7 +28,7 @@ from jspec.checkpoint import (
     UnsupportedQuantizationError,
 )
 from jspec.checkpoint.convert import add_convert_args, convert, run_convert
-from jspec.checkpoint.gguf_io import load_gguf
+from jspec.checkpoint.gguf_io import dequantize_tensor, load_gguf, open_gguf
 from jspec.checkpoint.hf import export_hf, load_hf, params_from_hf_state_dict
 from jspec.checkpoint.orbax_io import restore_params, save_params
 from jspec.model import cast_params
@@ -313,6 +313,37 @@ def test_load_gguf_matches_source(tiny, family, qtype, tmp_path):
         want_cfg = want_cfg.replace(query_pre_attn_scalar=float(cfg.head_dim))
     assert got_cfg == want_cfg
     assert_trees_equal(got, params_from_hf_state_dict(cfg, expected_sd))
+
+
+# Where each block keeps its float16 scales (ggml's block layouts); every other byte of a block is
+# quant bits, valid whatever its value, so random bytes with finite scales are a valid block.
+F16_SCALE_BYTES = {Q.Q8_0: (0, 2), Q.Q5_0: (0, 2), Q.Q4_K: (0, 4), Q.Q6_K: (208, 210)}
+
+
+@pytest.mark.parametrize("qtype", list(F16_SCALE_BYTES))  # the quantized types of the Qwen2.5-Coder GGUFs
+def test_gguf_random_blocks_dequantize_as_the_gguf_reference(qtype, tmp_path):
+    """Random blocks written to a GGUF and read back through jspec's reader: the gguf package's
+    reference dequantization, bit for bit, in [rows, columns] orientation."""
+    rng = np.random.default_rng(int(qtype))
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = 3, 512
+    raw = rng.integers(0, 256, (rows, cols // block, type_size), dtype=np.uint8)
+    lo, hi = F16_SCALE_BYTES[qtype]
+    scales = rng.uniform(-2, 2, (rows, cols // block, (hi - lo) // 2)).astype(np.float16)
+    raw[..., lo:hi] = scales.view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    path = tmp_path / "q.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    (tensor,) = open_gguf(path).tensors
+    got = dequantize_tensor(tensor, path)
+    want = gguf.quants.dequantize(raw, qtype)
+    assert got.shape == (rows, cols) and got.dtype == np.float32 and np.isfinite(got).all()
+    np.testing.assert_array_equal(got, want)
 
 
 def test_gguf_missing_file(tmp_path):

@@ -14,11 +14,11 @@ PATHS = os.pathsep.join([str(TESTS.parent), str(TESTS)])
 
 
 def test_the_cache_directory_is_the_flag_then_the_environment_then_the_default(monkeypatch, tmp_path):
-    for name in (C.ENV, "JAX_COMPILATION_CACHE_DIR", "JSPEC_CACHE_DIR"):
+    for name in (C.ENV, "JAX_COMPILATION_CACHE_DIR", "JSPEC_CACHE_DIR", "JSPEC_CACHE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert C.compile_cache_dir() == str(tmp_path / ".cache" / "jspec" / "xla")
-    monkeypatch.setenv("JSPEC_CACHE_DIR", str(tmp_path / "user"))
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "user"))
     assert C.compile_cache_dir() == str(tmp_path / "user" / "xla")
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))  # a user's own JAX setting
     assert C.compile_cache_dir() == str(tmp_path / "jax")
