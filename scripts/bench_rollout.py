@@ -40,7 +40,7 @@ from jspec.scoring import completion_logprobs
 from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.factory import build_drafter
 from jspec.speculative.policies.auto import load_costs, mean_context, plan_for
-from jspec.tasks import load_task
+from jspec.tasks import load_questions_file, load_task
 
 
 def tiny_model():
@@ -103,6 +103,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--tiny", action="store_true", help="a random tiny model and random prompts (CPU)")
     ap.add_argument("--methods", default="ar,spec:eagle3:auto", help="ar and spec:... methods (jspec bench's grammar)")
     ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--questions", default=None,
+                    help="a Spec-Bench questions .jsonl to take the prompts from instead (default: the chit-chat task)")
     ap.add_argument("--rows", default="64", help="comma list of rows in flight")
     ap.add_argument("--max-new-tokens", type=int, default=1024)
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -128,10 +130,10 @@ def main(argv=None) -> list[dict]:
         cfg, params = tiny_model()
         prompts, model_name = tiny_prompts(a.prompts), None
     else:
-        cfg, params, tok = resolve_model(a.model)
-        questions = load_task("chitchat", a.prompts)
+        questions = (load_questions_file(a.questions) if a.questions else load_task("chitchat"))[: a.prompts]
         if len(questions) < a.prompts:
-            raise UsageError(f"--prompts {a.prompts}: the chit-chat task holds {len(questions)}")
+            raise UsageError(f"--prompts {a.prompts}: {a.questions or 'the chit-chat task'} holds {len(questions)}")
+        cfg, params, tok = resolve_model(a.model)
         prompts, model_name = encode_questions(tok, questions), a.model
     out_path = Path(a.out or f"benchmarks/rollout/{card_key()}.json")
     rows_out: list[dict] = []

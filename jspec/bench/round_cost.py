@@ -34,6 +34,7 @@ import functools
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -225,40 +226,60 @@ def profile_method(tparams, tcfg, drafter, dparams, *, batch: int, policy="stati
     return prof
 
 
+def _loop_program(body, n: int, tcfg=None):
+    """The jitted n-iteration fori_loop of `loop_times`."""
+    def program(k, c):
+        if tcfg is not None:
+            k = (M.loop_params(k[0], tcfg), *k[1:])
+        return jax.lax.fori_loop(0, n, lambda i, x: body(k, x), c)
+
+    return jax.jit(program)
+
+
+def _time_compiled(run, consts, carry, n: int, reps: int) -> float:
+    """Median µs per iteration of a compiled loop (after one warm-up run)."""
+    jax.block_until_ready(run(consts, carry))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(consts, carry))
+        ts.append(1e6 * (time.perf_counter() - t0) / n)
+    return float(np.median(ts))
+
+
 def sampled_us(tparams, tcfg, drafter, dparams, *, batch: int, sampling, k_max: int = 6, tree: TreeConfig | None = None,
-               prompt_len: int = 128, n: int = 20, reps: int = 3) -> dict[str, float]:
+               prompt_len: int = 128, n: int = 20, reps: int = 3, workers: int = 6) -> dict[str, float]:
     """µs sampling adds at this batch to an AR step ("ar"), a chain round of static K ("chain") and a
     tree round ("tree": the sampled-sibling tree against the greedy tree of the same TreeConfig), each
-    the difference of the same loop under `sampling` and greedy (`policies.auto.CostModel.sampled`)."""
+    the difference of the same loop under `sampling` and greedy (`policies.auto.CostModel.sampled`).
+    The six loops compile at once (`workers` threads), then run one after another."""
     tree = tree or TreeConfig()
     max_new = 256 + (n + 1) * (tree.num_nodes + 1)
     cache_len = prompt_len + max_new + tree.num_nodes + 8
     toks = jax.random.randint(jax.random.PRNGKey(3), (batch, prompt_len), 0, tcfg.vocab_size)
     lens = jnp.full((batch,), prompt_len, jnp.int32)
-    out = {}
-    start_ar = jax.jit(lambda tp, t, ln, key, s: start_decode(tp, tcfg, t, ln, key, max_new=max_new, cache_len=cache_len,
-                                                              sampling=s), static_argnums=4)
-    times = {}
+    loops = {}  # (kind, greedy or sampled) -> (program, consts, carry)
     for name, setting in (("greedy", GREEDY), ("sampled", sampling)):
-        state = start_ar(tparams, toks, lens, jax.random.PRNGKey(0), setting)
-        body = lambda k, st, setting=setting: decode_step(k, tcfg, setting, max_new, st)  # noqa: E731
-        times[name] = loop_us(body, tparams, state, n, reps, tcfg=None)
-    out["ar"] = times["sampled"] - times["greedy"]
-    pol = resolve_policy("static", k_max)
+        state = jax.jit(lambda tp, t, ln, key, s=setting: start_decode(tp, tcfg, t, ln, key, max_new=max_new,
+                                                                       cache_len=cache_len, sampling=s))(
+            tparams, toks, lens, jax.random.PRNGKey(0))
+        body = lambda k, st, s=setting: decode_step(k, tcfg, s, max_new, st)  # noqa: E731
+        loops[("ar", name)] = (_loop_program(body, n), tparams, state)
     for kind in ("chain", "tree"):
-        times = {}
         depth = tree.depth if kind == "tree" else k_max
         pol = resolve_policy("static", depth)
         state = _start(tparams, tcfg, drafter, dparams, pol, None, depth, batch, prompt_len, max_new, cache_len)
         for name, setting in (("greedy", GREEDY), ("sampled", sampling)):
             if kind == "chain":
-                body = lambda k, st, s=setting: spec_round(k[0], tcfg, drafter, k[1], pol, k_max, max_new, s, "lossless",  # noqa: E731
-                                                           None, st)
+                body = lambda k, st, s=setting, p=pol: spec_round(k[0], tcfg, drafter, k[1], p, k_max, max_new, s,  # noqa: E731
+                                                                  "lossless", None, st)
             else:
-                body = lambda k, st, s=setting: tree_round(k[0], tcfg, drafter, k[1], pol, tree, max_new, s, None, st)  # noqa: E731
-            times[name] = loop_us(body, (tparams, dparams), state, n, reps, tcfg=tcfg)
-        out[kind] = times["sampled"] - times["greedy"]
-    return out
+                body = lambda k, st, s=setting, p=pol: tree_round(k[0], tcfg, drafter, k[1], p, tree, max_new, s, None, st)  # noqa: E731
+            loops[(kind, name)] = (_loop_program(body, n, tcfg), (tparams, dparams), state)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        compiled = dict(zip(loops, pool.map(lambda v: v[0].lower(v[1], v[2]).compile(), loops.values())))
+    times = {key: _time_compiled(compiled[key], *loops[key][1:], n, reps) for key in loops}
+    return {kind: times[(kind, "sampled")] - times[(kind, "greedy")] for kind in ("ar", "chain", "tree")}
 
 
 def block_draft_us(tparams, tcfg, drafter, dparams, state, n: int) -> dict[str, float]:

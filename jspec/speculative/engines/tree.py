@@ -136,7 +136,7 @@ class TreeConfig:
             return False
         return True
 
-    def shape(self, temperature: float) -> SampledShape:
+    def sibling_shape(self, temperature: float) -> SampledShape:
         """The static shape of this tree's sampled form at this temperature."""
         return sampled_shape(self.num_nodes, self.depth, self.top_k, sibling_weights(temperature, self.sibling_weights))
 
@@ -310,12 +310,12 @@ def _sampled_children(hcfg: H.HeadConfig, dparams, logits, sampling, k: int, key
 
 
 def draft_sampled_tree(drafter: EagleDrafter, dparams, tparams, tcfg, dstate, last, tc: TreeConfig, sampling, key):
-    """Draft one sampled-sibling tree per row on `tc.shape()` (verify.sampled_tree): every
+    """Draft one sampled-sibling tree per row on `tc.sibling_shape()` (verify.sampled_tree): every
     expansion's children are the first of its draws from q. The head's levels run as in
     `draft_tree` (a top_k frontier per level, the pending buffer, the scratch cache). Returns
     (Tree, Siblings, dstate)."""
     B = last.shape[0]
-    k, hcfg, shape = tc.top_k, drafter.head, tc.shape(sampling.temperature)
+    k, hcfg, shape = tc.top_k, drafter.head, tc.sibling_shape(sampling.temperature)
     fused = H.fused_head_attention(hcfg, (tc.depth - 1) * k, drafter.kernels)
     cache, base = dstate.cache, dstate.cache.lengths
     depth = np.asarray(shape.depth)
@@ -510,7 +510,7 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
                                                                                        jnp.int32), sib.draft_index[:, 1:]], 1))
         d2t = dparams["d2t"] if head_drafter.head.reduced_vocab else None
         return head_state, pstate, verify(tree, state.cache, k_check, (tc.total_nodes,),
-                                          sampled=(sib, layout_of(tc.shape(sampling.temperature), m), d2t))
+                                          sampled=(sib, layout_of(tc.sibling_shape(sampling.temperature), m), d2t))
 
     def lookup_round(head_state, pstate):
         # the n-gram branch alone: a chain of tc.ngram nodes, and no head work this round
