@@ -164,10 +164,13 @@ DEFAULT_ROW_SPREAD = 0.04
 # drafts, accepted with the target's p of the drafted token): a guess from the head's top-1 child,
 # which falls from 0.53 (T = 0.7) to 0.30 (T = 1) on the same positions.
 TEMPERATURE_RATIO = {"eagle": ((0.0, 1.0), (0.7, 0.88), (1.0, 0.74)), "ngram": ((0.0, 1.0), (0.7, 0.8), (1.0, 0.6))}
-# [I] µs sampling adds to a round beyond what the greedy cost table prices (processing the target's
+# µs sampling adds to a round beyond what the greedy cost table prices (processing the target's
 # logits and drawing from them; sampled trees: the recursive rejection's passes over the tree's
-# expansions), by batch size. A table's "sampled_us" replaces them.
-SAMPLED_US = {"ar": {"1": 15.0, "16": 30.0}, "chain": {"1": 40.0, "16": 90.0}, "tree": {"1": 150.0, "16": 500.0}}
+# expansions), by batch size: SmolLM2-135M on an H200, T = 1 (scripts/measure_card_costs.py
+# --sampled 1.0), used where a card's table has no "sampled_us" of its own. The sampled tree's
+# passes grow with the batch (a tree's expansions times the vocabulary, per row).
+SAMPLED_US = {"ar": {"1": 4.8, "16": 11.1, "64": 29.0}, "chain": {"1": 49.5, "16": 127.1, "64": 324.8},
+              "tree": {"1": 118.9, "16": 907.8, "64": 3235.6}}
 
 
 def acceptance_at(alpha0: float, temperature: float, drafter_name: str, measured=None) -> float:
