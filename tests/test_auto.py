@@ -11,7 +11,8 @@ from jspec import model as M
 from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.policies import make_policy
-from jspec.speculative.policies.auto import PLAN_TOLERANCE, REFERENCE_COSTS, ROW_SPREAD, TREE_SIZES, AutoPolicy, plan
+from jspec.speculative.policies.auto import (PLAN_TOLERANCE, REFERENCE_COSTS, ROW_SPREAD, TREE_SIZES, AutoPolicy, acceptance_at,
+                                             plan, sampled_tree_reach)
 from test_spec import CFG, _drafters, _prompts
 
 # verify grows steeply with the block: speculation cannot pay
@@ -443,3 +444,25 @@ def test_alpha_from_ttt_accuracy_reads_the_steps_as_a_chain():
     assert abs(alpha_from_ttt_accuracy([0.673, 0.640, 0.625, 0.615, 0.607, 0.596, 0.588]) - 0.647) < 2e-3
     with pytest.raises(ValueError, match="no training-time-test accuracies"):
         alpha_from_ttt_accuracy([])
+
+
+def test_auto_plans_for_the_sampling_in_force():
+    """Sampling lowers the acceptance the plan expects (the drafter's own table when it has one),
+    prices what sampling adds to rounds, plans sampled-sibling trees, and falls back to a chain or
+    plain decoding where a tree would lose; greedy plans are unchanged by a table's sampled_us."""
+    assert acceptance_at(0.7, 0.0, "eagle") == 0.7
+    assert acceptance_at(0.7, 1.0, "eagle") < acceptance_at(0.7, 0.7, "eagle") < 0.7
+    assert acceptance_at(0.7, 1.0, "eagle", ((0.7, 0.6), (1.0, 0.5))) == pytest.approx(0.5)
+    costs = dict(REFERENCE_COSTS)
+    kw = dict(batch=1, drafter_name="eagle", parallel=False, tree=True, alpha=0.71)
+    greedy, warm, hot = (plan(costs, **kw, temperature=t) for t in (0.0, 0.7, 1.0))
+    assert greedy.gain > warm.gain > hot.gain > 1.0
+    assert plan(dict(costs, sampled_us={"tree": {"1": 1e5}}), **kw) == greedy  # greedy plans ignore it
+    dear_trees = dict(costs, sampled_us={"ar": {"1": 0.0}, "chain": {"1": 0.0}, "tree": {"1": 1e5}})
+    assert plan(dear_trees, **kw, temperature=1.0).mode == "chain"
+    dear_rounds = dict(costs, sampled_us={"ar": {"1": 0.0}, "chain": {"1": 1e5}, "tree": {"1": 1e5}})
+    assert plan(dear_rounds, **kw, temperature=1.0).mode == "ar"
+    # a sampled tree's reach: each depth at most 1, and it falls with depth and with the acceptance
+    reach = sampled_tree_reach(31, 5, 10, 0.55, 1.0)
+    assert (reach <= 1).all() and (np.diff(reach) < 0).all()
+    assert (sampled_tree_reach(31, 5, 10, 0.4, 1.0) < reach).all()

@@ -385,7 +385,7 @@ def run(request, target):
             mp.setattr(module, fn, by_row_group(variants, N))
         jitted.clear_cache()  # trace the patched verifiers, and leave no patched program behind
         try:
-            res = generate(target, CFG, [PROMPT] * (N * len(variants)), max_new_tokens=MAX_NEW, sampling=sampling,
+            res = generate(target, CFG, [PROMPT] * (N * len(names)), max_new_tokens=MAX_NEW, sampling=sampling,
                            seed=4, cache_len=CACHE_LEN, speculative=speculative(target))
         finally:
             jitted.clear_cache()

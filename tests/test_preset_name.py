@@ -17,7 +17,7 @@ from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.drafters.base import DrafterError
 from jspec.speculative.factory import policy_for_drafter
 from jspec.speculative.policies import make_policy
-from jspec.speculative.policies.calibration import save_calibration
+from jspec.speculative.policies.calibration import calibration_path, save_calibration
 from jspec.speculative.policies.ldlp import init_ldlp, save_ldlp
 
 CALIBRATED_THRESHOLD = 100.0  # never stops a draft; the paper's 0.3 stops the random head's at once
@@ -33,7 +33,7 @@ def tiny_preset(tmp_path_factory):
     drafter, head_params = spec_tiny._drafters(target)["eagle3"]
     head = root / "tiny" / "heads" / "eagle3"
     save_eagle_head(str(head), drafter.head, head_params)
-    save_calibration(head, card_key(), {"policies": {"svip": {"constants": {"threshold": CALIBRATED_THRESHOLD}}}})
+    save_calibration(calibration_path(head), card_key(), {"policies": {"svip": {"constants": {"threshold": CALIBRATED_THRESHOLD}}}})
     save_ldlp(str(head / "jspec"), init_ldlp(spec_tiny.CFG.hidden_size, jax.random.PRNGKey(5), hidden=16),
               {"d_model": spec_tiny.CFG.hidden_size})
     (root / "tiny" / "preset.json").write_text(json.dumps(

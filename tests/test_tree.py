@@ -225,7 +225,7 @@ def test_a_pruned_verify_block_accepts_every_kept_node(target):
     def accepted(target, tokens, lens, kept):
         _, cache, _ = prefill(target, CFG, tokens, lens, M.init_cache(CFG, B, cache_len, target["embed"].dtype))
         tree = Tree(chain, parent, depth, ancestor_mask(parent, N), jnp.arange(N + 1)[None] <= kept[:, None])
-        return verify_pruned(target, CFG, (), 1, Sampling(), N, 1, tree, cache, jax.random.PRNGKey(0), sizes)[1]
+        return verify_pruned(target, CFG, (), 1, Sampling(), N, tree, cache, jax.random.PRNGKey(0), sizes)[1]
 
     for v in range(N + 1):
         kept = np.asarray([v, (5 * v) % (N + 1), (3 * v + 7) % (N + 1)])

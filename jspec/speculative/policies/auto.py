@@ -533,7 +533,7 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
         head_chains = []
         add_chains("head" if hybrid else "", head_chains, min(k_cap, tree_depth))
         best_head = max(head_chains, key=lambda c: c[0])
-        if best_head[0] > max(c[0] for c in candidates) * (1 + PLAN_TOLERANCE):
+        if not candidates or best_head[0] > max(c[0] for c in candidates) * (1 + PLAN_TOLERANCE):
             candidates = head_chains
     else:
         add_chains("")
