@@ -151,6 +151,12 @@ MUTATIONS = (
         "return lam * logq + (1.0 - lam) * proxy",
         ("tests/test_cps_search.py", "-k", "random"),
         "CPS weighs a token 0 * -inf = nan at lam 0 or 1 (kernel and portable search disagree)"),
+    Mutation(
+        "cps_weight_nan_lam0", "jspec/kernels/cps_search.py",
+        "return jnp.where(lam != 0.0, lam * logq, 0.0) + jnp.where",
+        "return lam * logq + jnp.where",
+        ("tests/test_cps_search.py", "-k", "random"),
+        "CPS weighs a token 0 * -inf = nan at lam 0 only (the proxy alone)"),
 )
 
 

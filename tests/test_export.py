@@ -166,3 +166,18 @@ def test_a_gpu_kernel_has_no_tpu_lowering():
     kernel = jax.jit(lambda x, w: MV.matvec(x, w, blocks=MV.Blocks(64, 64, 1, 4, 2)))
     with pytest.raises(ValueError, match="cannot be used for tpu lowering"):
         jax.export.export(kernel, platforms=("tpu",))(x, w)
+
+
+@pytest.mark.parametrize("name", ("ar", "tree"))
+def test_gpu_kernels_lower_once_per_shape_not_once_per_layer(name, traced_as_on):
+    """Each kernel launch is a program of its own (kernels/*.py `_kernel_call`), so a forward's
+    layers share one traced and lowered Triton kernel per shape: the module holds as many kernels
+    at twice the depth, and lowering time does not grow with the layer count."""
+    counts = []
+    for layers in (GPU_CFG.num_layers, 2 * GPU_CFG.num_layers):
+        traced_as_on("gpu")
+        with M.per_device_program():
+            text = program(name, GPU_CFG.replace(num_layers=layers)).export(
+                ("cuda",), disabled_checks=TRITON_OK).mlir_module()
+        counts.append(len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)))
+    assert counts[0] == counts[1], counts

@@ -244,25 +244,37 @@ def fused_block_attention(qkv, cos, sin, k_cache, v_cache, layer, lengths, new_m
     causal = new_mask is None
     mask = jnp.zeros((1, 1, 1), jnp.int32) if causal else new_mask.astype(jnp.int32)
     splits = attention_splits(B, num_heads, k_cache.shape[2]) if splits is None else splits
-    kernel = functools.partial(_kernel, T=T, BT=BT, G=num_heads // num_kv_heads, Hq=num_heads, Hkv=num_kv_heads,
-                               hd=hd, scale=float(scale), causal=causal, drop_past_end=drop_past_end,
-                               splits=splits, dtype=dtype, window=int(window or 0))
+    shape = dict(T=T, BT=BT, G=num_heads // num_kv_heads, Hq=num_heads, Hkv=num_kv_heads, hd=hd, scale=float(scale),
+                 causal=causal, drop_past_end=drop_past_end, splits=splits, dtype=dtype, window=int(window or 0))
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    out, k_cache, v_cache, *split_stats = _kernel_call(layer, lengths.astype(jnp.int32), qkv, cos, sin, mask, k_cache,
+                                                       v_cache, shape=tuple(shape.items()), num_warps=num_warps,
+                                                       interpret=interpret)
+    if splits > 1:
+        out = combine_splits(out, *split_stats, dtype)
+    return out, k_cache, v_cache
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "num_warps", "interpret"))
+def _kernel_call(layer, lengths, qkv, cos, sin, mask, k_cache, v_cache, *, shape, num_warps, interpret):
+    """The kernel's launch as a program of its own: every layer of a forward launches it with the
+    same shapes, and JAX traces and lowers such a call once per program instead of once per layer
+    (the Triton lowering of each launch was most of a program's lowering); XLA inlines it."""
+    kw = dict(shape)
+    B, T, _, hd = qkv.shape
+    Hq, splits, dtype = kw["Hq"], kw["splits"], kw["dtype"]
     if splits == 1:
-        outs = (jax.ShapeDtypeStruct((B, T, num_heads, hd), dtype),)
+        outs = (jax.ShapeDtypeStruct((B, T, Hq, hd), dtype),)
     else:
-        outs = (jax.ShapeDtypeStruct((B, splits, T, num_heads, hd), jnp.float32),)
+        outs = (jax.ShapeDtypeStruct((B, splits, T, Hq, hd), jnp.float32),)
     caches = (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
-    stats = (jax.ShapeDtypeStruct((B, splits, T, num_heads), jnp.float32),) * 2 if splits > 1 else ()
-    out, k_cache, v_cache, *split_stats = pl.pallas_call(
-        kernel,
-        grid=(B, num_heads, splits) if splits > 1 else (B, num_heads),
+    stats = (jax.ShapeDtypeStruct((B, splits, T, Hq), jnp.float32),) * 2 if splits > 1 else ()
+    return pl.pallas_call(
+        functools.partial(_kernel, **kw),
+        grid=(B, Hq, splits) if splits > 1 else (B, Hq),
         out_shape=(*outs, *caches, *stats),
         input_output_aliases={6: 1, 7: 2},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="jspec_block_attention",
-    )(layer, lengths.astype(jnp.int32), qkv, cos, sin, mask, k_cache, v_cache)
-    if splits > 1:
-        out = combine_splits(out, *split_stats, dtype)
-    return out, k_cache, v_cache
+    )(layer, lengths, qkv, cos, sin, mask, k_cache, v_cache)

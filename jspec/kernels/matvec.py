@@ -160,14 +160,22 @@ def _pallas_matvec(x, w, *, layer, transposed, blocks: Blocks, out_dtype, interp
     fma = len(blocks) > 5 and bool(blocks[5]) and M == 1  # (a one-row product only)
     ks, split = k_partition(K, bk, split)
     summed = split == 1
-    kernel = functools.partial(_kernel, M=M, BM=_pad_rows(M), K=K, N=N, BK=bk, BN=bn, KS=ks, transposed=transposed,
-                               stacked=stacked, mask_n=N % bn != 0, mask_k=(split * ks) != K, summed=summed,
-                               fma=fma)
+    shape = dict(M=M, BM=_pad_rows(M), K=K, N=N, BK=bk, BN=bn, KS=ks, transposed=transposed, stacked=stacked,
+                 mask_n=N % bn != 0, mask_k=(split * ks) != K, summed=summed, fma=fma)
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     out_shape = jax.ShapeDtypeStruct((M, N), out_dtype) if summed else jax.ShapeDtypeStruct((split, M, N), jnp.float32)
+    return _kernel_call(layer_arr, x, w, shape=tuple(shape.items()), grid=(pl.cdiv(N, bn), split),
+                        out_shape=out_shape, warps=warps, stages=stages, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "grid", "out_shape", "warps", "stages", "interpret"))
+def _kernel_call(layer_arr, x, w, *, shape, grid, out_shape, warps, stages, interpret):
+    """The kernel's launch as a program of its own: a forward's layers call one product of one
+    shape with the same blocks many times, and JAX traces and lowers such a call once per program
+    (the Triton lowering of each launch was most of a tree program's lowering); XLA inlines it."""
     return pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(N, bn), split),
+        functools.partial(_kernel, **dict(shape)),
+        grid=grid,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
