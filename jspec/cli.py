@@ -16,7 +16,7 @@ from jax._src import xla_bridge  # backends_are_initialized: no public API says 
 
 from . import __version__
 from .checkpoint.convert import add_convert_args, run_convert
-from .checkpoint.eagle_format import CONFIG_FILE, ENGINES, load_eagle_head, save_eagle_head
+from .checkpoint.eagle_format import CONFIG_FILE, ENGINES, load_eagle_head, mib_limit, save_eagle_head
 from .checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from .compile_cache import add_compile_cache_arg, use_compile_cache
 from .config import UnsupportedModelError, config_from_hf
@@ -555,6 +555,8 @@ def add_export_head_args(p) -> None:
     p.add_argument("--kind", default="eagle3", choices=("eagle3", "eagle"), help="which shipped head, without --head")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                    help="stored dtype (default: the head's own torch_dtype)")
+    p.add_argument("--max-file-mb", type=float, default=0.0,
+                   help="write the weights as Hugging Face shards of at most this many MiB each (0: one file)")
     p.add_argument("out", help="new directory to write (config.json + model.safetensors)")
 
 
@@ -569,6 +571,8 @@ def _target_config(target: str):
 def cmd_export_head(a) -> int:
     if os.path.exists(a.out) and os.listdir(a.out):
         raise UsageError(f"{a.out} exists and is not empty: give export-head a new directory")
+    if a.max_file_mb < 0:
+        raise UsageError(f"--max-file-mb {a.max_file_mb:g}: must be 0 (one file) or a positive size")
     cfg = _target_config(a.target)  # a target that is not there fails first
     head = a.head or shipped_head_path(a.target, a.kind)
     if head is None:
@@ -579,8 +583,8 @@ def cmd_export_head(a) -> int:
         stored = json.load(fh).get("torch_dtype")
     dtype = a.dtype or (stored if stored in ("bfloat16", "float16", "float32") else "bfloat16")
     try:
-        save_eagle_head(a.out, hcfg, params, dtype=dtype, engine=a.engine)
-    except ValueError as e:  # the engine cannot hold this head: nothing was written
+        save_eagle_head(a.out, hcfg, params, dtype=dtype, engine=a.engine, max_file_bytes=mib_limit(a.max_file_mb))
+    except ValueError as e:  # the engine cannot hold this head, or a tensor outgrows a file: nothing was written
         raise UsageError(str(e)) from None
     with open(os.path.join(a.out, CONFIG_FILE)) as fh:
         written = json.load(fh)

@@ -487,6 +487,12 @@ def test_export_head_errors_are_one_line_and_the_weights_readable(capsys, tmp_pa
     capsys.readouterr()
     modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "b").iterdir()}
     assert modes["model.safetensors"] == modes["config.json"] != 0o600, modes
+    rc, err = run(capsys, "export-head", "--for", "vllm", "--target", str(target), "--head", str(head),
+                  "--max-file-mb", "0.000001", str(tmp_path / "d"))
+    assert rc == 2 and err.count("\n") == 1 and "over the per-file limit" in err and not (tmp_path / "d").exists(), err
+    rc, err = run(capsys, "export-head", "--for", "vllm", "--target", str(target), "--head", str(head),
+                  "--max-file-mb", "-1", str(tmp_path / "d"))
+    assert rc == 2 and err.count("\n") == 1 and "--max-file-mb -1" in err, err
     weights = head / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: 8 + int.from_bytes(data[:8], "little") + 16])

@@ -180,3 +180,28 @@ def test_tensors_that_contradict_the_config_are_refused(tmp_path):
     json.dump({**cfg, "draft_vocab_size": 40}, open(path, "w"))
     with pytest.raises(CheckpointError, match="draft_vocab_size 40 but the d2t table has 48"):
         eagle_format.load_eagle_head(str(tmp_path), TARGET)
+
+
+def test_a_head_over_the_file_limit_is_written_as_indexed_shards(tmp_path):
+    """max_file_bytes: Hugging Face shards of at most that size with their index, read back to the
+    same logits; one file again when re-exported without a limit (no shard left behind); a tensor
+    larger than the limit is refused before anything is written."""
+    hcfg = H.HeadConfig("eagle3", TARGET, (1, 3, 5), 48)
+    hparams = _head(hcfg)
+    sd = eagle_format.eagle_state_dict(hcfg, hparams)
+    biggest = max(a.nbytes for a in sd.values())
+    path = str(tmp_path / "head")
+    eagle_format.save_eagle_head(path, hcfg, hparams, max_file_bytes=biggest)
+    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) == files
+    assert all(os.path.getsize(os.path.join(path, f)) <= biggest + 4096 for f in files)  # + the header
+    assert set(index["weight_map"]) == set(sd) and index["metadata"]["total_size"] == sum(a.nbytes for a in sd.values())
+    hcfg2, hparams2 = eagle_format.load_eagle_head(path, TARGET)
+    np.testing.assert_array_equal(_logits(hcfg2, hparams2)[1], _logits(hcfg, hparams)[1])
+
+    eagle_format.save_eagle_head(path, hcfg, hparams)
+    assert sorted(f for f in os.listdir(path) if f != "config.json") == ["model.safetensors"]
+    with pytest.raises(ValueError, match="over the per-file limit"):
+        eagle_format.save_eagle_head(str(tmp_path / "new"), hcfg, hparams, max_file_bytes=biggest - 1)
+    assert not (tmp_path / "new").exists()

@@ -373,22 +373,65 @@ def draft_to_target_ids(d2t_offsets, target_vocab: int) -> np.ndarray:
 
 
 def save_eagle_head(path: str, hcfg: HeadConfig, head_params: dict, dtype: str | None = None,
-                    engine: str | None = None, acceptance: dict | None = None) -> None:
+                    engine: str | None = None, acceptance: dict | None = None,
+                    max_file_bytes: int | None = None) -> None:
     """Write config.json + model.safetensors for `engine` ("sglang", "vllm", or None: jspec's
     own layout). dtype: "bfloat16" / "float16" / "float32", or None to keep the parameters' own
     dtype (exact round trip). `acceptance` ({"alpha": a, "from": ...}, jspec's layout only) goes
     to the jspec block, where `auto` reads the head's acceptance (factory.head_acceptance).
-    Raises ValueError, before writing, when the engine cannot hold the head."""
+    A head larger than `max_file_bytes` is written as Hugging Face shards with their index
+    (`weight_shards`), which both engines and `load_eagle_head` read.
+    Raises ValueError, before writing, when the engine cannot hold the head or one tensor is
+    larger than `max_file_bytes`."""
     cfg = eagle_config_json(hcfg, dtype or str(np.asarray(head_params["fc"]).dtype), engine)
     if acceptance is not None and "jspec" in cfg:
         cfg["jspec"]["acceptance"] = acceptance
     sd = eagle_state_dict(hcfg, head_params, _NP_DTYPES[dtype] if dtype else None, engine)
     if "layers.0.self_attn.o_proj.bias" in sd:  # vLLM's EAGLE-1 with a folded fc bias
         cfg["attention_bias"] = True
+    shards = weight_shards(sd, max_file_bytes)
     os.makedirs(path, exist_ok=True)
+    for stale in glob.glob(os.path.join(path, "*.safetensors")) + [os.path.join(path, SAFETENSORS_INDEX)]:
+        if os.path.isfile(stale):  # the engines read every weight file in the folder
+            os.remove(stale)
     with open(os.path.join(path, CONFIG_FILE), "w") as fh:
         json.dump(cfg, fh, indent=2)
-    save_safetensors(sd, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
+    if len(shards) == 1:
+        save_safetensors(sd, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_safetensors({n: sd[n] for n in names}, os.path.join(path, file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in names})
+    total = sum(a.nbytes for a in sd.values())
+    with open(os.path.join(path, SAFETENSORS_INDEX), "w") as fh:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
+
+
+def mib_limit(mib: float) -> int | None:
+    """A per-file limit given in MiB as bytes; 0 (or less) means one file (None)."""
+    return int(mib * 2**20) if mib > 0 else None
+
+
+def weight_shards(sd: dict[str, np.ndarray], max_file_bytes: int | None) -> list[list[str]]:
+    """Tensor names grouped into files of at most `max_file_bytes` (None: one file), in the state
+    dict's order, a file closed when the next tensor would not fit. Raises ValueError for a tensor
+    larger than the limit."""
+    if max_file_bytes is None:
+        return [list(sd)]
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, a in sd.items():
+        if a.nbytes > max_file_bytes:
+            raise ValueError(f"tensor {name} is {a.nbytes / 2**20:.1f} MiB, over the per-file limit of "
+                             f"{max_file_bytes / 2**20:.1f} MiB")
+        if shards[-1] and size + a.nbytes > max_file_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += a.nbytes
+    return shards
 
 
 def _sglang_ids_to_inputs(ids: list[int]) -> tuple[int, ...]:

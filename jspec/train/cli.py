@@ -190,7 +190,7 @@ def train_from_args(args: argparse.Namespace):
     use_compile_cache(getattr(args, "compile_cache", None))
     import jax
 
-    from ..checkpoint.eagle_format import save_eagle_head
+    from ..checkpoint.eagle_format import mib_limit, save_eagle_head
     from ..heads.eagle import MIN_ATTENTION_WINDOW
     from ..presets import resolve_model
     from .config import load_recipe, recipe_to_dict
@@ -252,7 +252,8 @@ def train_from_args(args: argparse.Namespace):
         window = max(recipe.train.seq_len, hcfg.attention_window or 0, MIN_ATTENTION_WINDOW)
         save_eagle_head(export, dataclasses.replace(hcfg, attention_window=window), result.head_params,
                         dtype=recipe.run.export_dtype,
-                        acceptance=estimated_acceptance(os.path.join(out, "holdout_metrics.jsonl")))
+                        acceptance=estimated_acceptance(os.path.join(out, "holdout_metrics.jsonl")),
+                        max_file_bytes=mib_limit(recipe.run.export_max_file_mb))
         print(f"exported {hcfg.kind} head to {export}")
     return result
 

@@ -106,6 +106,9 @@ class RunConfig:
     eval_batches: int = 4
     fsdp: int = 1  # devices per fsdp group; the rest of the devices form the data axis
     export_dtype: str = "bfloat16"
+    # the exported head in files of at most this many MiB (Hugging Face shards with their index;
+    # 0: one file). A head shipped in a repository keeps each file small.
+    export_max_file_mb: float = 0.0
 
 
 @dataclass(frozen=True)
