@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 from jax._src import xla_bridge  # backends_are_initialized: no public API says whether they started
 
 from . import __version__
@@ -449,14 +450,21 @@ def cmd_generate(a) -> int:
         res = generate(params, cfg, prompts, **kw)
     _print_rows(a, cfg, tok, res, len(prompts))
     n = int(res.lengths.sum())
-    print(f"[jspec] {clock.rates(n)}; target calls {res.target_calls.tolist()}", file=sys.stderr)
+    print(f"[jspec] {clock.rates(n)}; target calls {per_row(res.target_calls)}", file=sys.stderr)
     if spec is not None:
-        mat = (res.lengths / res.target_calls).round(2).tolist()
-        rate = (res.accepted / res.drafted.clip(1)).round(3).tolist()
+        mat = per_row((res.lengths / res.target_calls).round(2))
+        rate = per_row((res.accepted / res.drafted.clip(1)).round(3))
         print(f"[jspec] drafter {a.drafter} policy {a.policy} verify {a.verify}{' tree' if spec.tree else ''}: "
-              f"rounds {res.rounds.tolist()}, drafted {res.drafted.tolist()}, accepted {res.accepted.tolist()}, "
+              f"rounds {per_row(res.rounds)}, drafted {per_row(res.drafted)}, accepted {per_row(res.accepted)}, "
               f"acceptance {rate}, mean accepted tokens per target call {mat}", file=sys.stderr)
     return 0
+
+
+def per_row(values) -> str:
+    """A statistic of each prompt: one prompt's as a number (as a streamed prompt's is printed),
+    several as a list in prompt order."""
+    values = np.asarray(values).tolist()
+    return str(values[0] if len(values) == 1 else values)
 
 
 def _print_rows(a, cfg, tok, res, n_prompts: int) -> None:

@@ -217,7 +217,7 @@ def calibrate(params, cfg, drafter, dparams, prompts, names, *, costs: dict, k_m
 def report_lines(entry: dict) -> list[str]:
     """One line per policy: its constants (paper -> calibrated) and the replayed rates."""
     static = entry["static"].get(str(STATIC_REFERENCE))
-    lines = [f"{entry['rounds']} rounds recorded at K = {entry['k_max']}; costs at batch {entry['batch']} ({entry['cost_table']})"]
+    lines = [f"{entry['rounds']} rounds recorded at K = {entry['k_max']}; costs at batch {entry['batch']} (verify shape: the {entry['cost_table']} table)"]
     rc = entry.get("round_cost")
     if rc:
         lines.append(f"  round cost: {rc['source']}: draft step {rc['step_us']:.0f} µs (the table's {rc['table_step_us']:.0f}), "

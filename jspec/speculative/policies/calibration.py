@@ -199,7 +199,8 @@ class RoundCost:
         (lo, r_lo), (hi, r_hi) = min(round_us.items()), max(round_us.items())
         step = (r_hi - r_lo) / max(hi - lo, 1)
         if not step > 0:
-            raise ValueError(f"timed rounds {round_us} give a draft step of {step:.1f} µs")
+            timed = ", ".join(f"K = {k}: {v:.0f} µs" for k, v in sorted(round_us.items()))
+            raise ValueError(f"timed rounds ({timed}) give a draft step of {step:.0f} µs")
         return cls(r_hi - hi * step - table.verify_us[k_max], step, (ar_us, *table.verify_us[1:]))
 
     @property
