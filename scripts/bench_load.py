@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 from jspec.cards import card_name
-from jspec.checkpoint.hf import CONFIG_FILE, INDEX_FILE, hf_config_dict
+from jspec.checkpoint.files import SAFETENSORS_INDEX
+from jspec.checkpoint.hf import CONFIG_FILE, hf_config_dict
 from jspec.checkpoint.synthetic import llama31_8b_target, write_sharded_target
 
 _LLAMA31_8B = llama31_8b_target()
@@ -53,7 +54,7 @@ def proc_status_bytes(field: str) -> int:
 
 def write_checkpoint(cfg, path: Path, dtype: str, shard_bytes: int) -> None:
     want = hf_config_dict(cfg, dtype)
-    config, index = path / CONFIG_FILE, path / INDEX_FILE
+    config, index = path / CONFIG_FILE, path / SAFETENSORS_INDEX
     if config.is_file() and index.is_file() and json.loads(config.read_text()) == want:
         print(f"{path}: checkpoint of this shape already there", flush=True)
         return
@@ -81,7 +82,7 @@ def load_and_measure(path: Path, shape: str, dtype: str, mesh_spec: str | None) 
     seconds = time.perf_counter() - t0
     peak = proc_status_bytes("VmHWM")
     weight_bytes = int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params)))
-    index = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+    index = json.loads((path / SAFETENSORS_INDEX).read_text())["weight_map"]
     last = cfg.num_layers - 1
     checks = {"wqkv": ("self_attn.q_proj.weight", np.s_[last, :, : cfg.q_size]),
               "w_down": ("mlp.down_proj.weight", np.s_[last])}

@@ -72,7 +72,7 @@ from ..heads.eagle import (
     head_layer_config,
 )
 from .errors import CheckpointError, CheckpointNotFoundError
-from .files import save_safetensors
+from .files import SAFETENSORS_INDEX, save_safetensors, save_safetensors_shards, shards_of_at_most
 from .hf import check_safetensors_file, load_safetensors
 from .torch_pickle import load_torch_state_dict
 
@@ -81,7 +81,6 @@ CONFIG_FILE = "config.json"
 EXTRAS_DIR = "jspec"  # jspec-only files beside a head (LDLP predictor): a subfolder no engine reads
 ENGINES = ("sglang", "vllm")
 # Files a head's weights may come in, in the order the engines prefer them.
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_FILE = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 _ARCH = {  # (kind, engine) -> architectures[0]
@@ -398,15 +397,8 @@ def save_eagle_head(path: str, hcfg: HeadConfig, head_params: dict, dtype: str |
         json.dump(cfg, fh, indent=2)
     if len(shards) == 1:
         save_safetensors(sd, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, names in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_safetensors({n: sd[n] for n in names}, os.path.join(path, file), metadata={"format": "pt"})
-        weight_map.update({n: file for n in names})
-    total = sum(a.nbytes for a in sd.values())
-    with open(os.path.join(path, SAFETENSORS_INDEX), "w") as fh:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
+    else:
+        save_safetensors_shards(path, shards)
 
 
 def mib_limit(mib: float) -> int | None:
@@ -414,24 +406,16 @@ def mib_limit(mib: float) -> int | None:
     return int(mib * 2**20) if mib > 0 else None
 
 
-def weight_shards(sd: dict[str, np.ndarray], max_file_bytes: int | None) -> list[list[str]]:
-    """Tensor names grouped into files of at most `max_file_bytes` (None: one file), in the state
-    dict's order, a file closed when the next tensor would not fit. Raises ValueError for a tensor
-    larger than the limit."""
+def weight_shards(sd: dict[str, np.ndarray], max_file_bytes: int | None) -> list[dict[str, np.ndarray]]:
+    """The state dict as the files it is written to: one without a limit, else groups of at most
+    `max_file_bytes` in its order. Raises ValueError for a tensor larger than the limit."""
     if max_file_bytes is None:
-        return [list(sd)]
-    shards: list[list[str]] = [[]]
-    size = 0
+        return [sd]
     for name, a in sd.items():
         if a.nbytes > max_file_bytes:
             raise ValueError(f"tensor {name} is {a.nbytes / 2**20:.1f} MiB, over the per-file limit of "
                              f"{max_file_bytes / 2**20:.1f} MiB")
-        if shards[-1] and size + a.nbytes > max_file_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += a.nbytes
-    return shards
+    return list(shards_of_at_most(sd.items(), max_file_bytes))
 
 
 def _sglang_ids_to_inputs(ids: list[int]) -> tuple[int, ...]:

@@ -26,14 +26,13 @@ from .errors import (
     TensorShapeError,
     UnknownArchitectureError,
 )
-from .files import save_safetensors
+from .files import SAFETENSORS_INDEX, save_safetensors
 from .layout import build_params, check_shape, expected_shape, global_tensor_names, layer_tensor_names, split_params
 from .streaming import place_params
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 # model_type values config_from_hf understands (gemma3 = the multimodal wrapper with text_config).
 _HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
@@ -305,7 +304,7 @@ class SafetensorsDir:
         self.source = str(model_dir)
         self.files: dict[str, _SafetensorsFile] = {}  # normalized tensor name -> its file
         self.original: dict[str, str] = {}  # normalized -> name as stored
-        index = model_dir / INDEX_FILE
+        index = model_dir / SAFETENSORS_INDEX
         single = model_dir / SINGLE_FILE
         if index.is_file():
             weight_map = read_json(index).get("weight_map")
@@ -315,11 +314,11 @@ class SafetensorsDir:
             for shard in sorted(set(weight_map.values())):
                 file = model_dir / shard
                 if not file.is_file():
-                    raise CheckpointNotFoundError(f"{file}: shard listed in {INDEX_FILE} is missing")
+                    raise CheckpointNotFoundError(f"{file}: shard listed in {SAFETENSORS_INDEX} is missing")
                 opened[shard] = _SafetensorsFile(file)
             for name, shard in weight_map.items():
                 if name not in opened[shard].tensors:
-                    raise MissingTensorError(f"{model_dir / shard}: tensor {name!r} listed in {INDEX_FILE} is not in this shard")
+                    raise MissingTensorError(f"{model_dir / shard}: tensor {name!r} listed in {SAFETENSORS_INDEX} is not in this shard")
                 self._add(name, opened[shard])
         elif single.is_file():
             file = _SafetensorsFile(single)
@@ -327,7 +326,7 @@ class SafetensorsDir:
                 self._add(name, file)
         else:
             raise CheckpointNotFoundError(
-                f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)"
+                f"{model_dir}: no {SINGLE_FILE} or {SAFETENSORS_INDEX} (only safetensors checkpoints are supported)"
             )
 
     def _add(self, name: str, file: _SafetensorsFile) -> None:

@@ -25,8 +25,8 @@ import os
 import ml_dtypes
 import numpy as np
 from ..config import ModelConfig, config_from_hf
-from .files import save_safetensors
-from .hf import CONFIG_FILE, INDEX_FILE, hf_config_dict, hf_tensor_name
+from .files import save_safetensors, save_safetensors_shards, shards_of_at_most
+from .hf import CONFIG_FILE, hf_config_dict, hf_tensor_name
 from .layout import expected_shape, global_tensor_names, layer_tensor_names
 
 LAYOUTS = ("safetensors", "sharded", "bin", "sharded-bin")
@@ -166,21 +166,18 @@ def write_tensors(path: str, sd: dict, layout: str = "safetensors", num_shards: 
     if layout == "bin":
         _torch_save(sd, os.path.join(path, "pytorch_model.bin"))
         return ["pytorch_model.bin"]
-    ext, stem = ("safetensors", "model") if layout == "sharded" else ("bin", "pytorch_model")
-    files, weight_map = [], {}
+    if layout == "sharded":
+        return save_safetensors_shards(path, _shards(sd, num_shards))
+    files, weight_map = [], {}  # sharded_bin: torch's files, the same index
     for i, part in enumerate(_shards(sd, num_shards)):
-        name = f"{stem}-{i + 1:05d}-of-{num_shards:05d}.{ext}"
-        if ext == "safetensors":
-            save_safetensors(part, os.path.join(path, name), metadata={"format": "pt"})
-        else:
-            _torch_save(part, os.path.join(path, name))
+        name = f"pytorch_model-{i + 1:05d}-of-{num_shards:05d}.bin"
+        _torch_save(part, os.path.join(path, name))
         files.append(name)
         weight_map.update({k: name for k in part})
-    index = f"{stem}.{ext}.index.json"
     total = int(sum(v.nbytes for v in sd.values()))
-    with open(os.path.join(path, index), "w") as fh:
+    with open(os.path.join(path, "pytorch_model.bin.index.json"), "w") as fh:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
-    return files + [index]
+    return files + ["pytorch_model.bin.index.json"]
 
 
 def write_published_eagle3_head(path: str, target: ModelConfig, *, layout: str = "safetensors", seed: int = 0,
@@ -224,36 +221,12 @@ def write_sharded_target(path: str, cfg: ModelConfig, *, dtype: str = "bfloat16"
     for layer in range(cfg.num_layers):
         order += sorted(((n, layer) for n in layer_tensor_names(cfg)), key=lambda t: hf_tensor_name(cfg, *t))
     order += [(n, None) for n in global_tensor_names(cfg) if n != "embed"]
-    shards: list[list[str]] = []
-    current: dict[str, np.ndarray] = {}
-    current_bytes = total = 0
 
-    def flush():
-        name = f"model-part-{len(shards):05d}.safetensors"
-        save_safetensors(current, os.path.join(path, name), metadata={"format": "pt"})
-        shards.append(list(current))
-        current.clear()
-
-    for name, layer in order:
-        t = tensor(name)
-        if current and current_bytes + t.nbytes > max_shard_bytes:
-            flush()
-            current_bytes = 0
-        current[hf_tensor_name(cfg, name, layer)] = t
-        current_bytes += t.nbytes
-        total += t.nbytes
-    flush()
-    files, weight_map = [], {}
-    for i, names in enumerate(shards):
-        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        os.replace(os.path.join(path, f"model-part-{i:05d}.safetensors"), os.path.join(path, final))
-        files.append(final)
-        weight_map.update({n: final for n in names})
-    with open(os.path.join(path, INDEX_FILE), "w") as fh:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
+    tensors = ((hf_tensor_name(cfg, name, layer), tensor(name)) for name, layer in order)  # made as written
+    files = save_safetensors_shards(path, shards_of_at_most(tensors, max_shard_bytes))
     with open(os.path.join(path, CONFIG_FILE), "w") as fh:
         json.dump(hf_config_dict(cfg, dtype), fh, indent=2)
-    return files + [INDEX_FILE, CONFIG_FILE]
+    return files + [CONFIG_FILE]
 
 
 def main(argv=None) -> int:
