@@ -37,7 +37,7 @@ from .speculative.engines.specbranch import SpecBranchConfig
 from .speculative.engines.tree import TreeConfig
 from .speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, resolve_policy_spec, shipped_head_path
 from .speculative.policies import POLICY_NAMES, is_auto, make_policy
-from .speculative.policies.auto import AutoPlan, auto_budget, load_costs, mean_context, plan_for
+from .speculative.policies.auto import AutoPlan, auto_budget, load_costs, mean_context, plan_for, tail_rows
 from .speculative.policies.ldlp import load_ldlp
 from .speculative.verify.consultant import DEFAULT_EPS, ConsultantRule
 from .tasks import TaskDataError
@@ -108,6 +108,9 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--batch-size", type=int, default=None, metavar="N",
                    help="at most N rows in flight: a finished row takes the next prompt (continuous batching; "
                         "with --mesh, N over the data shards); implies --no-stream")
+    p.add_argument("--tail-rows", type=int, default=None, metavar="R",
+                   help="--batch-size: once no prompt waits and at most R rows run, finish them in a batch of R rows "
+                        "(re-prefilled; 0: never; default: --policy auto's choice, else never)")
     p.add_argument("--mesh", default=None,
                    help="run on several devices: data=N (rows split, each device loops on its own), "
                         "model=N (tensor-parallel target) or both; with --engine: role=2 or data=N,role=2 (device pairs); "
@@ -144,6 +147,11 @@ def check_generate_args(a) -> None:
         if getattr(a, "engine", None):
             raise UsageError("--batch-size (continuous batching) runs AR, chains or trees: drop --engine")
         a.no_stream = True
+    if getattr(a, "tail_rows", None) is not None:
+        if a.batch_size is None:
+            raise UsageError("--tail-rows applies to continuous batching: give --batch-size too")
+        if not 0 <= a.tail_rows < a.batch_size:
+            raise UsageError(f"--tail-rows {a.tail_rows}: 0 (never) up to fewer than --batch-size {a.batch_size}")
     if getattr(a, "engine", None):
         _check_engine_args(a)
         return
@@ -424,8 +432,14 @@ def cmd_generate(a) -> int:
             plan = plan_for(drafter, costs, batch=rows, k_cap=spec.k_max, tree=spec.tree,
                             context=mean_context([len(p) for p in prompts], a.max_new_tokens), prompts=prompts,
                             sampling=sampling)
+            tail = a.tail_rows
+            if tail is None and a.batch_size is not None and a.batch_size < len(prompts) and a.mesh is None:
+                tail = tail_rows(drafter, costs, rows=rows, k_cap=spec.k_max, tree=spec.tree,
+                                 context=mean_context([len(p) for p in prompts], a.max_new_tokens), prompts=prompts,
+                                 sampling=sampling)
             print(f"[jspec] auto plan ({costs.get('card', '?')} costs, {rows} row(s)): {plan.describe()}, "
-                  f"expected {plan.gain:.2f}x plain decoding", file=sys.stderr)
+                  f"expected {plan.gain:.2f}x plain decoding"
+                  f"{f'; the last {tail} rows in a {tail}-row tail, planned afresh' if tail else ''}", file=sys.stderr)
             spec = spec.replace(policy=plan)
     if not a.no_stream:  # each prompt streamed in turn
         for i, prompt in enumerate(prompts):
@@ -446,6 +460,7 @@ def cmd_generate(a) -> int:
         return 0
     if getattr(a, "batch_size", None) is not None:
         kw["batch_size"] = a.batch_size
+        kw["tail_rows"] = a.tail_rows
     with CompileClock() as clock:
         res = generate(params, cfg, prompts, **kw)
     _print_rows(a, cfg, tok, res, len(prompts))

@@ -91,8 +91,11 @@ def check_token_lists(prompts) -> None:
             raise PromptError(f"prompt {i} is not a list of integer token ids")
 
 
-def pack_prompts(cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int, extra: int = 0, cache_len: int | None = None):
-    """Validate prompts and right-pad them into a [B, bucket] array. Raises PromptError."""
+def pack_prompts(cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int, extra: int = 0, cache_len: int | None = None,
+                 min_width: int = 0):
+    """Validate prompts and right-pad them into a [B, bucket] array, the bucket of the longest
+    prompt or of `min_width` if that is longer (one shape for calls whose prompts vary). Raises
+    PromptError."""
     check_token_lists(prompts)
     if not len(prompts):
         raise PromptError("no prompts given")
@@ -106,7 +109,7 @@ def pack_prompts(cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int
         if arr.size and (arr.min() < 0 or arr.max() >= cfg.vocab_size):
             bad = int(arr[(arr < 0) | (arr >= cfg.vocab_size)][0])
             raise PromptError(f"prompt {i} has token id {bad} outside the vocabulary [0, {cfg.vocab_size})")
-    pb = bucket(int(lens.max()))
+    pb = bucket(max(int(lens.max()), min_width))
     need = int(lens.max()) + max_new_tokens + extra + 1
     if cache_len is None:
         cache_len = plan_cache_len(pb, max_new_tokens, extra)
@@ -223,6 +226,14 @@ def emit(cfg: ModelConfig, out, n_out, done, new_tokens, n_new, max_new):
     return out, n_out, done
 
 
+def cut_at_budgets(state, budgets):
+    """A state (AR's or the speculative engines') with row b's output cut at budgets[b] tokens and
+    the row done there; the tokens past the cut read -1, as past any row's end."""
+    n_out = jnp.minimum(state.n_out, budgets)
+    out = jnp.where(jnp.arange(state.out.shape[1])[None] < n_out[:, None], state.out, -1)
+    return state.replace(out=out, n_out=n_out, done=state.done | (n_out >= budgets))
+
+
 def decode_step(params, cfg: ModelConfig, sampling: Sampling, max_new: int, state: DecodeState, unroll=None) -> DecodeState:
     """One target call: feed each row's last token, sample the next."""
     fwd = M.forward(params, cfg, state.last[:, None], state.cache, unroll=unroll)
@@ -254,11 +265,15 @@ def start_decode(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling
     return DecodeState(cache=cache, out=out, n_out=n_out, last=first, done=done, steps=jnp.ones_like(zeros), key=key)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll", "rows", "refill"))
-def generate_ar_jit(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling, unroll=None, rows=None, refill=None):
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll", "rows", "refill",
+                                             "stop_at_running"))
+def generate_ar_jit(params, cfg, tokens, lens, key, budgets=None, *, max_new, cache_len, sampling, unroll=None, rows=None,
+                    refill=None, stop_at_running=0):
     """Whole AR generation under one jit: prefill + a while_loop of decode steps. ``rows``: that
     many rows in flight over the prompts (continuous batching, jspec.refill), ``refill`` started
-    at a time; None: every prompt in one batch. Returns (out, n_out, steps) per prompt."""
+    at a time; None: every prompt in one batch. ``stop_at_running``: return once no prompt waits
+    and at most that many rows run, theirs partial (jspec.refill). ``budgets`` [B] (one batch
+    only): row b stops at budgets[b] <= max_new tokens. Returns (out, n_out, steps) per prompt."""
     def start(t, l, k):
         return start_decode(params, cfg, t, l, k, max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll)
 
@@ -270,7 +285,8 @@ def generate_ar_jit(params, cfg, tokens, lens, key, *, max_new, cache_len, sampl
     def outputs(s):
         return s.out, s.n_out, s.steps
 
-    return run_queue(start, body, outputs, tokens, lens, key, rows=rows, refill=refill)[0]
+    return run_queue(start, body, outputs, tokens, lens, key, rows=rows, refill=refill, stop_at_running=stop_at_running,
+                     budgets=budgets, cut=lambda _, s, b: cut_at_budgets(s, b))[0]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll"))

@@ -61,7 +61,7 @@ from .speculative.engines.tree import TreeConfig, autotuned_tree, tree_for, tree
 from .presets import models_dir
 from .speculative.factory import build_drafter, policy_for_drafter
 from .speculative.policies import is_auto, resolve_policy
-from .speculative.policies.auto import auto_budget, load_costs, mean_context
+from .speculative.policies.auto import auto_budget, load_costs, mean_context, tail_rows as auto_tail_rows
 from .speculative.state import result_from_device
 from .speculative.verify.consultant import resolve_verify
 
@@ -84,6 +84,7 @@ def generate(
     mesh: Mesh | str | None = None,
     batch_size: int | None = None,
     refill: int | None = None,
+    tail_rows: int | None = None,
     **legacy,
 ) -> GenerationResult:
     """Generate up to max_new_tokens per prompt (token-id lists), batched.
@@ -108,6 +109,12 @@ def generate(
     jspec.refill), `refill` rows at a time (default a quarter of the rows); results stay in prompt
     order. AR / chain / tree generation, on any mesh: each data shard keeps batch_size / N rows in
     flight over its share of the prompts (not with a parallel engine).
+    `tail_rows`: once no prompt waits and at most this many rows still run, those rows move to a
+    batch of `tail_rows` rows (re-prefilled with their prompt and tokens so far; `auto` plans it
+    afresh for its size) and finish there, instead of riding in a batch sized for all rows. None:
+    `auto`'s choice with continuous batching (policies.auto.tail_rows), none otherwise; 0: never.
+    One device only. Outputs are the same law (greedy: the same tokens up to rounding), and each
+    row's statistics count its tail's calls, the tail's prefill among them.
     The SpeculativeConfig fields as keywords (drafter=, policy=, k_max=, ...) still work, with a
     DeprecationWarning; they build the same config.
     """
@@ -116,10 +123,34 @@ def generate(
     # Every program below runs whole on each device (tensor parallelism too: it runs under a
     # shard_map), so the GPU kernels may run on a host with several GPUs (model.default_kernels).
     rows = queue_rows(len(prompts), batch_size, refill, mesh, speculative)
+    check_tail_rows(tail_rows, cfg, prompts, max_new_tokens, batch_size, mesh, speculative)
     with M.per_device_program():
         return _generate(params, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                          spec=speculative, policy_state=policy_state, seed=seed, cache_len=cache_len,
-                         unroll=unroll, mesh=mesh, rows=rows)
+                         unroll=unroll, mesh=mesh, rows=rows, tail_rows=tail_rows)
+
+
+def tail_fits(cfg: ModelConfig, prompts, max_new_tokens: int, extra: int) -> bool:
+    """Whether any tail fits the model's positions: a tail row's prefix (prompt and tokens so far)
+    plus the tail's new-token width (another row's budget, at most max_new_tokens) and the
+    speculation's `extra` cache slots."""
+    return max(len(p) for p in prompts) + 2 * max_new_tokens + extra <= cfg.max_position_embeddings
+
+
+def check_tail_rows(tail_rows, cfg, prompts, max_new_tokens, batch_size, mesh, spec) -> None:
+    if tail_rows is None or tail_rows == 0:
+        if tail_rows is not None and isinstance(tail_rows, bool):
+            raise UsageError(f"tail_rows must be a non-negative integer, got {tail_rows!r}")
+        return
+    if isinstance(tail_rows, bool) or not isinstance(tail_rows, int) or tail_rows < 0:
+        raise UsageError(f"tail_rows must be a non-negative integer, got {tail_rows!r}")
+    rows = min(batch_size or len(prompts), len(prompts))
+    if tail_rows >= rows:
+        raise UsageError(f"tail_rows {tail_rows} must be fewer than the {rows} rows in flight")
+    if mesh is not None:
+        raise UsageError("tail_rows runs on one device: drop mesh=, or pass tail_rows=0")
+    if spec is not None and spec.engine is not None:
+        raise UsageError(f"tail_rows applies to AR, chain or tree generation, not engine={spec.engine!r}")
 
 
 def queue_rows(n_prompts: int, batch_size, refill, mesh, spec) -> tuple[int, int] | None:
@@ -161,7 +192,7 @@ def _speculative_from_keywords(speculative: SpeculativeConfig | None, legacy: di
 
 
 def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_state, seed, cache_len, unroll,
-              mesh, rows=None) -> GenerationResult:
+              mesh, rows=None, tail_rows=None, budgets=None, key=None, min_prompt_width=0) -> GenerationResult:
     sampling = sampling or GREEDY
     if spec is None:
         drafter = drafter_params = policy = policy_params = tree = None
@@ -186,20 +217,30 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
         drafter, drafter_params = build_drafter(drafter, cfg, params, k_max=k_max)
     if tree is not None:
         tree = tree_for(drafter, tree)  # a hybrid drafter's n-gram branch
+    tail = tail_rows or 0
+    # the most cache slots any plan of this config drafts into: the tail's own plan may be larger
+    most_slots = (tree.cache_slots if tree is not None else k_max + 1) if drafter is not None else 0
+    if tail and not tail_fits(cfg, prompts, max_new_tokens, most_slots):
+        raise UsageError(f"tail_rows {tail}: the longest prompt ({max(len(p) for p in prompts)} tokens) plus twice "
+                         f"max_new_tokens {max_new_tokens} plus {most_slots} speculative slots exceeds the model's "
+                         f"{cfg.max_position_embeddings} positions: pass tail_rows=0")
     if drafter is not None and is_auto(policy):  # batch-aware budget
+        costs = load_costs(cfg.preset, models_dir=str(models_dir()))
+        context = mean_context([len(p) for p in prompts], max_new_tokens)
+        if tail_rows is None and rows and mesh is None and tail_fits(cfg, prompts, max_new_tokens, most_slots):
+            tail = auto_tail_rows(drafter, costs, rows=rows[0], k_cap=k_max, tree=tree, context=context,
+                                  prompts=prompts, sampling=sampling)
         drafter, policy, k_max, tree = auto_budget(policy, drafter, rows[0] if rows else len(prompts), k_max, tree,
-                                                   costs=load_costs(cfg.preset, models_dir=str(models_dir())),
-                                                   context=mean_context([len(p) for p in prompts], max_new_tokens),
-                                                   prompts=prompts, sampling=sampling)
+                                                   costs=costs, context=context, prompts=prompts, sampling=sampling)
         if getattr(drafter, "block", False) and drafter.k_max != k_max:  # a block drafter drafts the planned k
             drafter = dataclasses.replace(drafter, k_max=k_max)
         autotune = False
     extra = (tree.cache_slots if tree is not None else k_max + 1) if drafter is not None else 0
-    tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new_tokens, extra, cache_len)
+    tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new_tokens, extra, cache_len, min_prompt_width)
     if autotune and drafter is not None:
         tree = tree_for(drafter, autotuned_tree(params, cfg, rows[0] if rows else len(prompts), cache_len, tree.top_k, tree.depth))
-    key = jax.random.PRNGKey(seed)
-    queue = _queue_per_shard(rows, 1)
+    key = jax.random.PRNGKey(seed) if key is None else key
+    queue = dict(_queue_per_shard(rows, 1), stop_at_running=tail, budgets=budgets)
     if axis_size(mesh, "model") > 1:
         return _generate_tensor_parallel(
             mesh, params, cfg, tokens, lens, key, drafter=drafter, drafter_params=drafter_params, policy=policy,
@@ -219,25 +260,87 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
             cache_len=cache_len, sampling=sampling, unroll=unroll, rows=rows,
         )
     if drafter is None:
+        budgets = queue.pop("budgets")
         out, n_out, steps = generate_ar_jit(
-            params, cfg, jnp.asarray(tokens), jnp.asarray(lens), key,
+            params, cfg, jnp.asarray(tokens), jnp.asarray(lens), key, None if budgets is None else jnp.asarray(budgets),
             max_new=max_new_tokens, cache_len=cache_len, sampling=sampling, unroll=unroll, **queue,
         )
         out, n_out, steps = jax.device_get((out, n_out, steps))
         zeros = np.zeros_like(n_out)
-        return GenerationResult(out, n_out, steps, zeros, zeros, steps)
-    if tree is not None:
-        return tree_generate(
+        res = GenerationResult(out, n_out, steps, zeros, zeros, steps)
+    elif tree is not None:
+        res = tree_generate(
             params, cfg, tokens, lens, key, drafter=drafter, drafter_params=drafter_params, policy=policy,
             policy_params=policy_params, tree=tree, max_new=max_new_tokens, cache_len=cache_len,
             sampling=sampling, unroll=unroll, policy_state=policy_state, **queue,
         )
-    return speculative_generate(
-        params, cfg, tokens, lens, key,
-        drafter=drafter, drafter_params=drafter_params, policy=policy, policy_params=policy_params,
-        k_max=k_max, max_new=max_new_tokens, cache_len=cache_len, sampling=sampling, verify=verify, unroll=unroll,
-        policy_state=policy_state, **queue,
-    )
+    else:
+        res = speculative_generate(
+            params, cfg, tokens, lens, key,
+            drafter=drafter, drafter_params=drafter_params, policy=policy, policy_params=policy_params,
+            k_max=k_max, max_new=max_new_tokens, cache_len=cache_len, sampling=sampling, verify=verify, unroll=unroll,
+            policy_state=policy_state, **queue,
+        )
+    if not tail:
+        return res
+    return _finish_in_tail(params, cfg, prompts, res, tail=tail, max_new_tokens=max_new_tokens, sampling=sampling,
+                           spec=spec, key=jax.random.fold_in(key, 1), unroll=unroll)
+
+
+def _unfinished_rows(cfg: ModelConfig, res: GenerationResult, max_new_tokens: int) -> list[int]:
+    """Rows a queue stopped for its tail left running: under their budget, with no EOS yet."""
+    eos = set(cfg.eos_token_ids or ())
+    return [i for i, n in enumerate(res.lengths)
+            if n < max_new_tokens and not (n and int(res.tokens[i, n - 1]) in eos)]
+
+
+def _call_traces(res: GenerationResult, max_new: int) -> tuple[np.ndarray, np.ndarray]:
+    """(draft lengths, tokens added) per target call; plain decoding's: 0 drafted, 1 added."""
+    if res.draft_lengths is not None:
+        return res.draft_lengths, res.step_tokens
+    calls = np.arange(max_new + 1)[None] < np.asarray(res.target_calls)[:, None]
+    return np.zeros(calls.shape, np.int32), calls.astype(np.int32)
+
+
+def _finish_in_tail(params, cfg, prompts, res: GenerationResult, *, tail, max_new_tokens, sampling, spec, key,
+                    unroll) -> GenerationResult:
+    """Finish the rows `res` left running in one batch of `tail` rows, each row re-prefilled with
+    its prompt and tokens so far and stopped at its own remaining budget; their tokens and
+    statistics appended to `res`'s. The tail's shapes do not depend on where the rows stopped
+    (prompt width: the longest prefix any row could have; new tokens: max_new_tokens), so a
+    rollout loop compiles one tail program, not one per call. A wide cache costs no attention
+    time on a GPU: the kernels read each row's committed slots only."""
+    left = _unfinished_rows(cfg, res, max_new_tokens)
+    if not left:
+        return res
+    assert len(left) <= tail, (len(left), tail)
+    prefixes = [list(prompts[i]) + res.row(i) for i in left]
+    budgets = [max_new_tokens - int(res.lengths[i]) for i in left]
+    pad = tail - len(left)  # one batch size, whatever the count left: padding rows have no budget
+    if spec is not None and is_auto(spec.policy):
+        spec = dataclasses.replace(spec, policy="auto")  # planned afresh for the tail's rows
+    sub = _generate(params, cfg, prefixes + [prefixes[0]] * pad, max_new_tokens=max_new_tokens, sampling=sampling,
+                    spec=spec, policy_state=None, seed=0, cache_len=None, unroll=unroll, mesh=None, rows=None,
+                    tail_rows=0, budgets=np.asarray(budgets + [0] * pad, np.int32), key=key,
+                    min_prompt_width=max(len(p) for p in prompts) + max_new_tokens - 1)
+    tokens, lengths = res.tokens.copy(), res.lengths.copy()
+    calls, drafted, accepted = res.target_calls.copy(), res.drafted.copy(), res.accepted.copy()
+    traced = res.draft_lengths is not None or sub.draft_lengths is not None
+    if traced:
+        (draft_lengths, step_tokens), (sub_d, sub_t) = _call_traces(res, max_new_tokens), _call_traces(sub, max_new_tokens)
+        draft_lengths, step_tokens = draft_lengths.copy(), step_tokens.copy()
+    for j, i in enumerate(left):
+        n, m, c, c2 = int(lengths[i]), int(sub.lengths[j]), int(calls[i]), int(sub.target_calls[j])
+        tokens[i, n:n + m] = sub.tokens[j, :m]
+        if traced:
+            draft_lengths[i, c:c + c2], step_tokens[i, c:c + c2] = sub_d[j, :c2], sub_t[j, :c2]
+        lengths[i], calls[i] = n + m, c + c2
+        drafted[i] += sub.drafted[j]
+        accepted[i] += sub.accepted[j]
+    return dataclasses.replace(res, tokens=tokens, lengths=lengths, target_calls=calls, drafted=drafted,
+                               accepted=accepted, rounds=calls.copy(),
+                               draft_lengths=draft_lengths if traced else None,
+                               step_tokens=step_tokens if traced else None)
 
 
 @functools.lru_cache(maxsize=64)

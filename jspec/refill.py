@@ -19,6 +19,12 @@ tracing `start` at one and at two rows), the others (a policy's shared statistic
 key) stay with the running state when rows are refilled. A refill costs one prefill of `refill`
 rows (at their own prompts' width, not the queue's longest) and a scatter of those rows' cache slots.
 
+A queue may also stop early, for a compact tail (`stop_at_running`): once no prompt waits and at
+most that many rows still run, the loop ends and those rows' partial results (tokens so far) are
+returned at their prompts' places. The caller finishes them in a smaller batch (generate's
+`tail_rows`): a step of 64 rows costs what 1.6 steps of 16 do, so the last stragglers need not pay
+for the whole batch.
+
 Outputs per prompt do not depend on which row served it or when: each row's computation reads
 only its own cache (exact arithmetic; low-precision kernels may round differently at another
 batch composition, as they do between batch sizes).
@@ -96,19 +102,34 @@ def _scatter_rows(axes, state, new, rows):
     return jax.tree.map(put, axes, state, new, is_leaf=lambda a: a is None)
 
 
+def running(state) -> jax.Array:
+    return jnp.sum(~state.done)
+
+
 def run_queue(start: Callable, step: Callable, harvest: Callable, tokens, lens, key, *, rows: int | None = None,
-              refill: int | None = None, start_first: Callable | None = None):
+              refill: int | None = None, start_first: Callable | None = None, stop_at_running: int = 0,
+              budgets=None, cut: Callable | None = None):
     """Serve every prompt of tokens [N, P] / lens [N] with `rows` rows in flight; `rows` None (or
     at least N): every prompt in one batch, stepped until all are done, with no queue machinery.
 
     `refill` rows are started together (None: `default_refill(rows)`). `start_first` (default
     `start`) starts the first batch, e.g. with a policy state carried over from an earlier call.
-    Returns (results, state): `harvest`'s pytree with a leading axis of N (prompt order) and the
-    final state (for what is shared across rows, e.g. a policy's learned statistics). Must run
-    under jit."""
+    `stop_at_running`: stop once no prompt waits and at most this many rows run; their partial
+    results are returned (0: run every prompt to its end). Returns (results, state): `harvest`'s
+    pytree with a leading axis of N (prompt order) and the final state (for what is shared across
+    rows, e.g. a policy's learned statistics). `budgets` [N] (one batch only, e.g. a tail's rows):
+    row b stops once it holds budgets[b] new tokens, by the engine's `cut(before, after, budgets)`,
+    which cuts a state's rows after a step (or a start, `before` None) at their budgets, marks them
+    done there and counts only the kept tokens in their statistics. Must run under jit."""
     n = tokens.shape[0]
+    if budgets is not None:
+        if rows is not None and rows < n:
+            raise ValueError("token budgets apply to one batch of every prompt, not to a queue")
+        first, row_step = start_first or start, step
+        start_first = lambda *a, **kw: cut(None, first(*a, **kw), budgets)  # noqa: E731
+        step = lambda s: cut(s, row_step(s), budgets)  # noqa: E731
     if rows is None or rows >= n:
-        state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, (start_first or start)(tokens, lens, key))
+        state = jax.lax.while_loop(lambda s: running(s) > stop_at_running, step, (start_first or start)(tokens, lens, key))
         return harvest(state), state
     refill = max(1, min(default_refill(rows) if refill is None else refill, rows))
     one = jax.eval_shape(start, tokens[:1], lens[:1], key)
@@ -127,9 +148,10 @@ def run_queue(start: Callable, step: Callable, harvest: Callable, tokens, lens, 
     sample_out = harvest(state)
     results = jax.tree.map(lambda x: jnp.zeros((n,) + x.shape[1:], x.dtype), sample_out)
 
-    def collect(state, row_prompt, results):
-        """Write finished rows' results at their prompts' places; those rows become free (-1)."""
-        finished = state.done & (row_prompt >= 0)
+    def collect(state, row_prompt, results, everything=False):
+        """Write finished rows' results (`everything`: every row's, finished or not) at their
+        prompts' places; those rows become free (-1)."""
+        finished = (state.done | everything) & (row_prompt >= 0)
         dst = jnp.where(finished, row_prompt, n)  # n: out of range, dropped
         results = jax.tree.map(lambda r, x: r.at[dst].set(x, mode="drop"), results, harvest(state))
         return jnp.where(finished, -1, row_prompt), results
@@ -139,7 +161,7 @@ def run_queue(start: Callable, step: Callable, harvest: Callable, tokens, lens, 
 
         def cond(s):
             waiting = (jnp.sum(s.done) < refill) | (nxt >= n)
-            return ~jnp.all(s.done) & waiting
+            return (running(s) > jnp.where(nxt >= n, stop_at_running, 0)) & waiting
 
         state = jax.lax.while_loop(cond, step, state)
         row_prompt, results = collect(state, row_prompt, results)
@@ -158,9 +180,10 @@ def run_queue(start: Callable, step: Callable, harvest: Callable, tokens, lens, 
 
     def pending(c):
         state, _, nxt, _, _ = c
-        return (nxt < n) | ~jnp.all(state.done)
+        return (nxt < n) | (running(state) > stop_at_running)
 
     init = (state, row_prompt, jnp.int32(min(rows, n)), results, jnp.int32(1))
     state, row_prompt, _, results, _ = jax.lax.while_loop(pending, run_rows, init)
-    _, results = collect(state, row_prompt, results)  # rows done before any step ran (nothing else is left)
+    # rows done before any step ran, and with stop_at_running the rows still running (partial)
+    _, results = collect(state, row_prompt, results, everything=True)
     return results, state

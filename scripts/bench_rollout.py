@@ -11,8 +11,11 @@ takes the next prompt inside the jitted loop, jspec.refill), then the log-probs 
 tokens under the target (jspec.scoring, one teacher-forced forward per --score-rows rows). Each
 method runs once untimed (compiles) and --passes times timed; a row reports tokens per second of
 the rollout with and without the scoring, each against AR's in the same process. `auto` plans for
-the rows in flight and the sampling (policies.auto). Prompts: the held-out chit-chat first turns
-(jspec.tasks' `chitchat`), never a training set.
+the rows in flight and the sampling (policies.auto), and for the queue's tail: once no prompt
+waits, the last rows move to a smaller batch planned afresh (generate's `tail_rows`; --tail-rows
+sets it for every method, AR included). --ar-tail adds a row of AR with the same tail, so the part
+of a speed-up that compaction alone gives is on the record. Prompts: the held-out chit-chat first
+turns (jspec.tasks' `chitchat`), never a training set.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from jspec.sampling import Sampling
 from jspec.scoring import completion_logprobs
 from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.factory import build_drafter
-from jspec.speculative.policies.auto import load_costs, mean_context, plan_for
+from jspec.speculative.policies.auto import load_costs, mean_context, plan_for, tail_rows
 from jspec.tasks import load_questions_file, load_task
 
 
@@ -54,8 +57,9 @@ def tiny_prompts(n: int) -> list[list[int]]:
     return [list(rs.randint(4, 48, rs.randint(3, 12))) for _ in range(n)]
 
 
-def speculative_config(spec, cfg, params, model_name, rows, prompts, max_new, sampling):
-    """The SpeculativeConfig of a spec method (None for ar), its auto plan made for `rows` rows in flight."""
+def speculative_config(spec, cfg, params, model_name, rows, prompts, max_new, sampling, tail=None):
+    """The SpeculativeConfig of a spec method (None for ar), and its auto plan made for `rows` rows
+    in flight, with the tail auto adds (`tail` None) or the tail given."""
     if spec.method == "ar":
         return None, ""
     kw = spec.generate_kwargs()
@@ -64,9 +68,15 @@ def speculative_config(spec, cfg, params, model_name, rows, prompts, max_new, sa
     plan = ""
     if kw["policy"] == "auto":
         tc = (TreeConfig() if tree in (True, "auto") else tree) if spec.tree else None
-        kw["policy"] = plan_for(drafter, load_costs(model_name), batch=rows, k_cap=kw["k_max"], tree=tc,
-                                context=mean_context([len(p) for p in prompts], max_new), prompts=prompts, sampling=sampling)
+        costs, context = load_costs(model_name), mean_context([len(p) for p in prompts], max_new)
+        kw["policy"] = plan_for(drafter, costs, batch=rows, k_cap=kw["k_max"], tree=tc, context=context,
+                                prompts=prompts, sampling=sampling)
         plan = kw["policy"].describe()
+        if tail is None:
+            tail = tail_rows(drafter, costs, rows=rows, k_cap=kw["k_max"], tree=tc, context=context, prompts=prompts,
+                             sampling=sampling)
+        if tail:
+            plan += f"; the last {tail} rows in a {tail}-row tail, planned afresh"
     fields = {k: v for k, v in kw.items() if k != "drafter" and v is not None}
     return SpeculativeConfig(drafter=drafter, drafter_params=dparams, **fields), plan
 
@@ -86,11 +96,11 @@ def score(params, cfg, prompts, tokens, lengths, score_rows: int, sampling) -> n
     return np.concatenate(out)
 
 
-def rollout(params, cfg, prompts, rows, spec_cfg, max_new, sampling, seed, score_rows):
+def rollout(params, cfg, prompts, rows, spec_cfg, max_new, sampling, seed, score_rows, tail=None):
     """(generation seconds, scoring seconds, GenerationResult) of one rollout."""
     t0 = time.perf_counter()
     res = generate(params, cfg, prompts, max_new_tokens=max_new, sampling=sampling, seed=seed, batch_size=rows,
-                   speculative=spec_cfg)
+                   speculative=spec_cfg, tail_rows=tail)
     t1 = time.perf_counter()
     lp = score(params, cfg, prompts, np.asarray(res.tokens), np.asarray(res.lengths), score_rows, sampling)
     assert np.isfinite(lp).all()  # a sampled token the target gives no mass would be a lossy bug
@@ -111,6 +121,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--passes", type=int, default=1, help="timed rollouts per method (each row keeps the median)")
     ap.add_argument("--score-rows", type=int, default=16, help="rows per scoring forward")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tail-rows", type=int, default=None,
+                    help="rows of the queue's tail for every method, AR included (0: none; default: auto's choice)")
+    ap.add_argument("--ar-tail", action="store_true",
+                    help="also time AR with the tail (--tail-rows, else a quarter of the rows): compaction alone")
     ap.add_argument("--out", default=None, help="JSON rows (default: benchmarks/rollout/<card>.json)")
     a = ap.parse_args(argv)
     try:
@@ -119,6 +133,8 @@ def main(argv=None) -> list[dict]:
         row_counts = []
     if not row_counts or min(row_counts) < 1 or a.prompts < 1 or a.passes < 1 or a.score_rows < 1 or a.temperature <= 0:
         raise UsageError("--rows takes positive counts; --prompts, --passes, --score-rows >= 1; --temperature > 0")
+    if a.tail_rows is not None and not 0 <= a.tail_rows < min(row_counts):
+        raise UsageError(f"--tail-rows {a.tail_rows}: 0 (none) up to fewer than the smallest --rows ({min(row_counts)})")
     specs = parse_method_specs(a.methods)
     if any(s.method not in ("ar", "spec") for s in specs):
         raise UsageError("--methods: ar and spec:... methods only (continuous batching)")
@@ -139,21 +155,28 @@ def main(argv=None) -> list[dict]:
     rows_out: list[dict] = []
     for rows in row_counts:
         ar_gen = ar_all = None
-        for spec in specs:
-            spec_cfg, plan = speculative_config(spec, cfg, params, model_name, rows, prompts, a.max_new_tokens, sampling)
+        ar_tail = a.tail_rows if a.tail_rows is not None else rows // 4
+        timed = [(spec, spec.name, a.tail_rows) for spec in specs]
+        if a.ar_tail and ar_tail:
+            timed.insert(1, (specs[0], "ar+tail", ar_tail))
+        for spec, name, tail in timed:
+            spec_cfg, plan = speculative_config(spec, cfg, params, model_name, rows, prompts, a.max_new_tokens, sampling,
+                                                tail)
+            if spec.method == "ar" and tail:
+                plan = f"plain decoding; the last {tail} rows in a {tail}-row tail"
             compile_s = sum(rollout(params, cfg, prompts, rows, spec_cfg, a.max_new_tokens, sampling, a.seed,
-                                    a.score_rows)[:2])
-            runs = [rollout(params, cfg, prompts, rows, spec_cfg, a.max_new_tokens, sampling, a.seed + 1 + i, a.score_rows)
-                    for i in range(a.passes)]
+                                    a.score_rows, tail)[:2])
+            runs = [rollout(params, cfg, prompts, rows, spec_cfg, a.max_new_tokens, sampling, a.seed + 1 + i, a.score_rows,
+                            tail) for i in range(a.passes)]
             gen_s = float(np.median([r[0] for r in runs]))
             score_s = float(np.median([r[1] for r in runs]))
             res = runs[0][2]
             tokens = int(np.sum(res.lengths))
-            if spec.method == "ar":
+            if name == "ar":
                 ar_gen, ar_all = gen_s, gen_s + score_s
             row = {
                 "card": card_name(), "jax_version": jax.__version__, "target": "tiny" if a.tiny else a.model,
-                "name": spec.name, "auto_plan": plan or None, "rows_in_flight": rows, "n_prompts": len(prompts),
+                "name": name, "auto_plan": plan or None, "rows_in_flight": rows, "n_prompts": len(prompts),
                 "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,
                 "dtype": str(params["embed"].dtype), "tokens": tokens,
                 "length_p10_p50_p90": [int(x) for x in np.percentile(res.lengths, [10, 50, 90])],
@@ -165,7 +188,7 @@ def main(argv=None) -> list[dict]:
                 "reproduce": "python scripts/bench_rollout.py " + " ".join(argv if argv is not None else []),
             }
             rows_out.append(row)
-            print(f"rows {rows} {spec.name}{' (' + plan + ')' if plan else ''}: {row['rollout_tokens_per_s']:.0f} tok/s, "
+            print(f"rows {rows} {name}{' (' + plan + ')' if plan else ''}: {row['rollout_tokens_per_s']:.0f} tok/s, "
                   f"{row['speedup_vs_ar']:.2f}x AR ({row['speedup_vs_ar_with_scoring']:.2f}x with scoring), "
                   f"{row['tokens_per_call']:.2f} tokens/call, lengths {row['length_p10_p50_p90']}", flush=True)
             out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -157,6 +157,18 @@ MUTATIONS = (
         "return lam * logq + jnp.where",
         ("tests/test_cps_search.py", "-k", "random"),
         "CPS weighs a token 0 * -inf = nan at lam 0 only (the proxy alone)"),
+    Mutation(
+        "tail_prefix_drops_last", "jspec/generate.py",
+        "prefixes = [list(prompts[i]) + res.row(i) for i in left]",
+        "prefixes = [list(prompts[i]) + res.row(i)[:-1] for i in left]",
+        ("tests/test_lossless_sampling.py", "-k", "tail"),
+        "a tail re-prefills a row without its last token: the tail samples from the wrong context"),
+    Mutation(
+        "tail_cut_counts_dropped", "jspec/speculative/state.py",
+        "accepted=before.accepted + jnp.minimum(after.accepted - before.accepted, kept)",
+        "accepted=after.accepted",
+        ("tests/test_refill.py", "-k", "tail or budget"),
+        "a round cut at a tail row's budget still counts the drafts it dropped as accepted"),
 )
 
 

@@ -274,6 +274,20 @@ def test_dlm_generate_is_greedy_identical_to_ar(tiny_model, tiny_dlm, capsys):
     assert rc == 2 and err.count("\n") == 1 and "--batch-size must be >= 1, got 0" in err, err
 
 
+def test_generate_finishes_a_queue_in_a_tail(tiny_model, capsys):
+    """--tail-rows: the queue's last rows finished in a smaller batch print the same text."""
+    words = ["hello", "world!", "again", "and once more"]
+    cli.main(["generate", "--model", "tiny", "--max-new-tokens", "8", "--no-stream", *words])
+    ar = capsys.readouterr().out
+    assert cli.main(["generate", "--model", "tiny", "--max-new-tokens", "8", "--batch-size", "3", "--tail-rows", "1",
+                     *words]) == 0
+    assert capsys.readouterr().out == ar
+    for args, message in ((["--tail-rows", "1"], "--tail-rows applies to continuous batching: give --batch-size too"),
+                          (["--batch-size", "2", "--tail-rows", "2"], "--tail-rows 2: 0 (never) up to fewer than --batch-size 2")):
+        rc, err = run(capsys, "generate", "--model", "tiny", *args, "hi")
+        assert rc == 2 and err.count("\n") == 1 and message in err, err
+
+
 @pytest.mark.slow
 def test_shipped_dlm_generate_matches_ar(monkeypatch, capsys):
     """`jspec generate --drafter dlm --policy adl` on the shipped preset (float32 on CPU): DiffuSpec

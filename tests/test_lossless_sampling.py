@@ -527,3 +527,41 @@ def test_sampling_law_matches_numpy(top_k, top_p):
         np.testing.assert_allclose(got, want, atol=2e-6)
     if top_p < 1.0:  # the nucleus is a real cut here: some rows keep fewer tokens than top-k alone
         assert ((want > 0).sum(-1) < (top_k or CFG.vocab_size)).any()
+
+
+# ---------------------------------------------------------------------------------------------
+# A compact tail (generate(tail_rows=...)): rows re-prefilled mid-answer keep the target's law
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["chain-eagle", "sampled-eagle"])
+def test_rows_finished_in_a_tail_follow_the_target_law(target, name, monkeypatch):
+    """Half the rows of one batch move to a tail when half are done: each moved row is re-prefilled
+    with its prompt and tokens so far, and its tokens from then on (the tail's prefill token first)
+    must follow p(. | prompt, x_<n). Which rows move depends on their earlier tokens, so only the
+    tokens drawn after the move are tested on the moved rows alone; every row's every token is
+    tested too."""
+    import jspec.generate as G
+
+    moved = []
+    unfinished = G._unfinished_rows
+    monkeypatch.setattr(G, "_unfinished_rows", lambda c, res, m: moved.append((unfinished(c, res, m), res.lengths.copy()))
+                        or moved[-1][0])
+    speculative, sampling, _, _ = RUNS[name]
+    res = generate(target, CFG, [PROMPT] * N, max_new_tokens=MAX_NEW, sampling=sampling, seed=6, cache_len=CACHE_LEN,
+                   speculative=speculative(target), tail_rows=N // 2)
+    assert (res.lengths == MAX_NEW).all() and len(moved) == 1
+    rows, at_move = np.asarray(moved[0][0]), moved[0][1]
+    assert len(rows) > N // 4, len(rows)  # a real tail: many rows re-prefilled mid-answer
+    seqs = np.concatenate([np.tile(PROMPT, (N, 1)), res.tokens], 1)
+    p = np.asarray(teacher_forced_probs(target, jnp.asarray(seqs, jnp.int32), sampling))
+    group = {"tokens": res.tokens, "probs": p, "offsets": round_offsets(res.step_tokens, MAX_NEW)}
+    for n in range(MAX_NEW):
+        pval, df = group_pvalue(group, positions=[n])
+        assert pval > PASS, f"{name}: position {n} departs from the target's law (p = {pval:.2e}, df {df})"
+    after = np.arange(MAX_NEW)[None] >= at_move[rows, None]  # [moved rows, positions]: drawn in the tail
+    assert after.sum() > N // 4
+    prev = np.concatenate([np.full((len(rows), 1), PROMPT[-1]), res.tokens[rows, :-1]], 1)
+    strata = group["offsets"][rows] * CFG.vocab_size + prev
+    pval, df = chi2_pvalue(res.tokens[rows][after], p[rows][after], strata[after])
+    assert pval > PASS, f"{name}: tokens drawn in the tail depart from the target's law (p = {pval:.2e}, df {df})"

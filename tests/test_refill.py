@@ -131,3 +131,127 @@ def test_run_queue_serves_every_prompt_once():
 def test_bad_settings_fail_in_one_line(target, kw, match):
     with pytest.raises(UsageError, match=match):
         generate(target, CFG, prompts(4), max_new_tokens=4, **kw)
+
+
+# --- the compact tail (generate(tail_rows=...)) -------------------------------------------------
+
+
+def test_ar_rows_stop_at_their_budgets(target):
+    """One batch with per-row token budgets: each row is its budget-free output cut there."""
+    from jspec.decode import generate_ar_jit, pack_prompts
+    from jspec.sampling import GREEDY
+
+    ps = prompts(5)
+    whole = generate(target, CFG, ps, max_new_tokens=MAX_NEW)
+    tokens, lens, cache_len = pack_prompts(CFG, ps, MAX_NEW)
+    budgets = np.asarray([0, 1, 5, MAX_NEW, 7], np.int32)
+    out, n_out, steps = jax.device_get(generate_ar_jit(
+        target, CFG, jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(0), jnp.asarray(budgets),
+        max_new=MAX_NEW, cache_len=cache_len, sampling=GREEDY))
+    for i, b in enumerate(budgets):
+        n = min(int(whole.lengths[i]), int(b))
+        assert int(n_out[i]) == n and out[i, :n].tolist() == whole.row(i)[:n], i
+        assert (out[i, n:] == -1).all()
+
+
+@pytest.mark.parametrize("rows,tail", [(3, 1), (3, 2), (None, 2)])
+def test_a_tail_gives_every_prompt_its_one_batch_output_ar(target, rows, tail):
+    ps = prompts(8)
+    whole = generate(target, CFG, ps, max_new_tokens=MAX_NEW)
+    tailed = generate(target, CFG, ps, max_new_tokens=MAX_NEW, batch_size=rows, tail_rows=tail)
+    assert_same_rows(tailed, whole, len(ps))
+    np.testing.assert_array_equal(tailed.target_calls, whole.target_calls)  # AR: a call per token, the tail's prefill too
+
+
+@pytest.mark.parametrize("drafter,tree", [
+    ("eagle3", None),
+    ("eagle3", TreeConfig(top_k=3, depth=3, num_nodes=8)),
+])
+def test_a_speculative_tail_gives_every_prompt_its_ar_output(target, drafter, tree, monkeypatch):
+    import jspec.generate as G
+
+    moved = []
+    unfinished = G._unfinished_rows
+    monkeypatch.setattr(G, "_unfinished_rows", lambda *a: moved.append(unfinished(*a)) or moved[-1])
+    d, dp = spec_tiny._drafters(target)[drafter]
+    spec = SpeculativeConfig(drafter=d, drafter_params=dp, policy="static", k_max=spec_tiny.K, tree=tree)
+    ps = prompts(9, seed=5)
+    ar = generate(target, CFG, ps, max_new_tokens=MAX_NEW)
+    queued = generate(target, CFG, ps, max_new_tokens=MAX_NEW, speculative=spec, batch_size=4, refill=1)
+    tailed = generate(target, CFG, ps, max_new_tokens=MAX_NEW, speculative=spec, batch_size=4, refill=1, tail_rows=2)
+    assert_same_rows(tailed, ar, len(ps))
+    assert (tailed.accepted <= tailed.drafted).all()
+    assert (tailed.step_tokens.sum(1) == tailed.lengths).all()  # the tail's calls appended to the row's trace
+    assert (tailed.draft_lengths.sum(1) == tailed.drafted).all()
+    assert len(moved) == 1 and 1 <= len(moved[0]) <= 2  # rows the tail finished
+    others = [i for i in range(len(ps)) if i not in moved[0]]
+    np.testing.assert_array_equal(tailed.target_calls[others], queued.target_calls[others])
+    assert (tailed.target_calls[moved[0]] >= 2).all()  # the tail's prefill is a call of the row's
+
+
+def test_a_round_cut_at_its_budget_counts_only_the_kept_tokens():
+    from jspec.speculative.state import SpecState, cut_spec_at_budgets
+
+    B, W = 2, 8
+
+    def state(n_out, accepted, calls, done):
+        return SpecState(cache=None, dstate=None, pstate=None, out=jnp.arange(B * W).reshape(B, W),
+                         n_out=jnp.asarray(n_out), last=jnp.zeros(B, jnp.int32), feature=jnp.zeros((B, 1)),
+                         done=jnp.asarray(done), key=None, target_calls=jnp.asarray(calls),
+                         drafted=jnp.zeros(B, jnp.int32), accepted=jnp.asarray(accepted),
+                         trace_drafted=jnp.zeros((B, W + 1), jnp.int32), trace_tokens=jnp.ones((B, W + 1), jnp.int32))
+
+    before = state([2, 3], [1, 0], [2, 3], [False, False])
+    after = state([7, 5], [4, 1], [3, 4], [False, False])  # row 0: 4 accepted + bonus; row 1: 1 + bonus
+    cut = cut_spec_at_budgets(before, after, jnp.asarray([4, 8]))
+    assert cut.n_out.tolist() == [4, 5] and cut.done.tolist() == [True, False]
+    assert cut.accepted.tolist() == [1 + 2, 1]  # row 0 kept 2 of its 4 accepted drafts, the bonus dropped
+    assert int(cut.trace_tokens[0, 2]) == 2 and int(cut.trace_tokens[1, 3]) == 2
+    assert (cut.out[0, 4:] == -1).all() and cut.out[1, :5].tolist() == list(range(8, 13))
+
+
+def test_auto_finishes_a_queue_in_a_tail_when_the_cost_table_says_it_pays():
+    from jspec.speculative.drafters.eagle import EagleDrafter
+    from jspec.speculative.policies.auto import load_costs, tail_rows
+    from jspec.sampling import Sampling
+
+    target = spec_tiny.make_target()
+    d, _ = spec_tiny._drafters(target)["eagle3"]
+    costs = load_costs("smollm2-135m-instruct", models_dir="models")
+    assert isinstance(d, EagleDrafter)
+    for temperature in (0.0, 1.0):
+        s = Sampling(temperature=temperature)
+        assert tail_rows(d, costs, rows=64, k_cap=6, tree=None, context=400, sampling=s) == 16
+        assert tail_rows(d, costs, rows=128, k_cap=6, tree=None, context=400, sampling=s) == 32
+    assert tail_rows(d, costs, rows=3, k_cap=6, tree=None, context=400) == 0  # no smaller batch to move to
+
+
+def test_generate_runs_autos_tail_by_default_with_continuous_batching(target, monkeypatch):
+    import jspec.generate as G
+
+    seen = []
+    monkeypatch.setattr(G, "auto_tail_rows", lambda *a, **kw: seen.append(kw["rows"]) or 2)
+    spy = G._finish_in_tail
+    monkeypatch.setattr(G, "_finish_in_tail", lambda *a, **kw: seen.append(kw["tail"]) or spy(*a, **kw))
+    d, dp = spec_tiny._drafters(target)["eagle3"]
+    ps = prompts(9, seed=5)
+    res = generate(target, CFG, ps, max_new_tokens=MAX_NEW, batch_size=4,
+                   speculative=SpeculativeConfig(drafter=d, drafter_params=dp, policy="auto", k_max=spec_tiny.K))
+    assert seen == [4, 2]
+    assert_same_rows(res, generate(target, CFG, ps, max_new_tokens=MAX_NEW), len(ps))
+    seen.clear()
+    generate(target, CFG, ps, max_new_tokens=MAX_NEW, batch_size=4, tail_rows=0,
+             speculative=SpeculativeConfig(drafter=d, drafter_params=dp, policy="auto", k_max=spec_tiny.K))
+    assert seen == []
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(batch_size=3, tail_rows=3), "tail_rows 3 must be fewer than the 3 rows in flight"),
+    (dict(tail_rows=-1), "tail_rows must be a non-negative integer, got -1"),
+    (dict(batch_size=3, tail_rows=1, mesh="data=1"), "tail_rows runs on one device"),
+    (dict(tail_rows=1, max_new_tokens=250), "plus 0 speculative slots exceeds the model's 512 positions"),
+])
+def test_bad_tail_settings_fail_in_one_line(target, kw, match):
+    kw = {"max_new_tokens": 4, **kw}
+    with pytest.raises(UsageError, match=match):
+        generate(target, CFG, prompts(4), **kw)

@@ -20,12 +20,14 @@ def _module():
 def test_rollout_rows_on_a_tiny_model(tmp_path):
     out = tmp_path / "rollout.json"
     rows = _module().main(["--tiny", "--prompts", "10", "--rows", "4", "--max-new-tokens", "16",
-                           "--methods", "ar,spec:ngram:static:k=3,spec:ngram:auto", "--out", str(out)])
+                           "--methods", "ar,spec:ngram:static:k=3,spec:ngram:auto", "--ar-tail", "--out", str(out)])
     assert json.loads(out.read_text()) == rows
-    assert [r["name"] for r in rows] == ["ar", "spec:ngram:static:k=3", "spec:ngram:auto"]
+    assert [r["name"] for r in rows] == ["ar", "ar+tail", "spec:ngram:static:k=3", "spec:ngram:auto"]
+    assert rows[1]["auto_plan"] == "plain decoding; the last 1 rows in a 1-row tail"
+    assert rows[1]["tokens_per_call"] == 1.0  # the tail's prefill is the call that emits a row's next token
     assert rows[0]["speedup_vs_ar"] == 1.0 and all(r["speedup_vs_ar"] > 0 for r in rows)
     assert all(r["n_prompts"] == 10 and r["rows_in_flight"] == 4 and 0 < r["tokens"] <= 160 for r in rows)
-    assert rows[2]["auto_plan"]  # auto says what it ran
+    assert rows[3]["auto_plan"]  # auto says what it ran
 
 
 def test_rollout_needs_ar_and_sane_arguments():
@@ -36,3 +38,5 @@ def test_rollout_needs_ar_and_sane_arguments():
         main(["--tiny", "--methods", "spec:ngram:static"])
     with pytest.raises(UsageError, match="--rows"):
         main(["--tiny", "--rows", "0"])
+    with pytest.raises(UsageError, match="--tail-rows 4: 0 .none. up to fewer than the smallest --rows .4."):
+        main(["--tiny", "--rows", "4,8", "--tail-rows", "4"])

@@ -6,6 +6,7 @@ compiles once per (kind, mesh): the suite must stay fast on a 2-core CPU.
 
 import json
 import os
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -165,12 +166,15 @@ def test_sharded_step_matches_single_device(data_dir):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["smollm2-eagle3", "smollm2-eagle1", "gemma3-eagle3", "smollm2-eagle3-corpus",
-                                  "smollm2-eagle1-corpus"])
+RECIPES = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "training").glob("*.json"))
+
+
+@pytest.mark.parametrize("name", RECIPES)
 def test_recipes_parse(name):
     here = os.path.dirname(__file__)
     r = load_recipe(os.path.join(here, "..", "training", f"{name}.json"))
     assert r.train.kind == r.head.kind and r.train.steps > r.train.warmup_steps
+    assert len(RECIPES) >= 7
 
 
 class _CharTokenizer:

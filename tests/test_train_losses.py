@@ -3,7 +3,8 @@ written from the index convention in the module's docstring: at TTT step j the r
 is scored against the target's feature f_{t+j+1} and argmax top_{t+j+1}, and counts where
 x_{t+j+2} is a response token. Checked: label alignment (tgt_hidden, tgt_top, the loss mask), the
 presence and weight of each term (EAGLE-1's feature regression and soft CE; EAGLE-3's soft CE over
-the draft vocabulary, masked where the target's argmax is outside it), and the TTT decay."""
+the draft vocabulary, masked where the target's argmax is outside it; the acceptance term
+1 - sum min(p_tau, q_tau) where the CE counts), and the TTT decay."""
 
 import functools
 
@@ -68,7 +69,8 @@ def _hand_batch(kind: str, step: int, rng):
 
 
 def _reference(kind: str, tc: TrainConfig, h_out, target, loss_mask, step: int):
-    """(regression term, CE term, accuracy) by explicit indexing, per the module's convention."""
+    """(regression term, CE term, accuracy, sampled acceptance at tc.acceptance_temperature) by
+    explicit indexing, per the module's convention."""
     hcfg = _heads()[kind]
     tparams, heads = _params()
     hp = heads[kind]
@@ -76,7 +78,8 @@ def _reference(kind: str, tc: TrainConfig, h_out, target, loss_mask, step: int):
     draft = np.asarray(H.draft_logits(hcfg, hp, tparams, jnp.asarray(h_out)), np.float64)
     full_target = np.asarray(lm_head(tparams, TARGET, jnp.asarray(hidden)), np.float64)  # [B, T, V]
     d2t = np.asarray(hp["d2t"]) if hcfg.reduced_vocab else np.arange(TARGET.vocab_size)
-    regs, ces, hits = [], [], []
+    regs, ces, hits, accepts = [], [], [], []
+    tau = tc.acceptance_temperature
     for b in range(B):
         for t in range(T):
             src, lab = t + step + 1, t + step + 2  # feature / argmax source, the token whose mask counts
@@ -86,28 +89,34 @@ def _reference(kind: str, tc: TrainConfig, h_out, target, loss_mask, step: int):
             regs.append(np.mean(np.where(diff < 1.0, 0.5 * diff**2, diff - 0.5)))
             if top[b, src] in d2t:  # EAGLE-3: the target's argmax must be a draft token
                 ces.append(-np.sum(_softmax(full_target[b, src][d2t]) * _log_softmax(draft[b, t])))
+                accepts.append(np.sum(np.minimum(_softmax(full_target[b, src][d2t] / tau), _softmax(draft[b, t] / tau))))
             hits.append(d2t[np.argmax(draft[b, t])] == top[b, src])
-    return float(np.mean(regs)), float(np.mean(ces)), float(np.mean(hits))
+    return float(np.mean(regs)), float(np.mean(ces)), float(np.mean(hits)), float(np.mean(accepts))
 
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 @pytest.mark.parametrize("step", [0, 1])
-def test_step_loss_matches_the_reference(kind, step):
+@pytest.mark.parametrize("acceptance_weight", [0.0, 0.5])
+def test_step_loss_matches_the_reference(kind, step, acceptance_weight):
     tc = TrainConfig(kind=kind, ttt_steps=2, seq_len=T, regression_weight=2.0, ce_weight=0.25,
-                     compute_dtype="float32", logits_chunk=T)
+                     compute_dtype="float32", logits_chunk=T, acceptance_weight=acceptance_weight,
+                     acceptance_temperature=0.7)
     h_out, target, mask = _hand_batch(kind, step, np.random.default_rng(10 * step + len(kind)))
     tparams, heads = _params()
     fn = jax.jit(L.step_loss, static_argnums=(0, 1, 7))
     one_document = jnp.ones(mask.shape, jnp.int32)  # segment ids: every row a single conversation
-    loss, acc = (float(x) for x in fn(_heads()[kind], tc, heads[kind], tparams, h_out, target, mask, step,
-                                      one_document))
-    reg, ce, ref_acc = _reference(kind, tc, h_out, target, mask, step)
+    loss, acc, accept = (float(x) for x in fn(_heads()[kind], tc, heads[kind], tparams, h_out, target, mask, step,
+                                              one_document))
+    reg, ce, ref_acc, ref_accept = _reference(kind, tc, h_out, target, mask, step)
     assert 0.0 < ref_acc < 1.0 and reg > 0.05 and ce > 0.05  # every term and the accuracy are informative
+    assert 0.02 < ref_accept < 0.98
     np.testing.assert_allclose(acc, ref_acc, rtol=1e-6)
+    np.testing.assert_allclose(accept, ref_accept, rtol=2e-5)
+    extra = acceptance_weight * (1.0 - ref_accept)
     if kind == "eagle1":  # both terms, at their configured weights
-        np.testing.assert_allclose(loss, 2.0 * reg + 0.25 * ce, rtol=2e-5)
+        np.testing.assert_allclose(loss, 2.0 * reg + 0.25 * ce + extra, rtol=2e-5)
     else:  # soft CE alone, over the draft vocabulary
-        np.testing.assert_allclose(loss, ce, rtol=2e-5)
+        np.testing.assert_allclose(loss, ce + extra, rtol=2e-5)
 
 
 def test_ttt_loss_weighs_step_j_by_decay_to_the_j():

@@ -12,7 +12,7 @@ import numpy as np
 from flax import struct
 
 from .. import model as M
-from ..decode import GenerationResult
+from ..decode import GenerationResult, cut_at_budgets
 
 
 @struct.dataclass
@@ -47,6 +47,22 @@ def accepted_emitted(n_accepted, n_out_before, n_out_after):
     round's block (the bonus token goes first, then the accepted drafts past the cut), so the
     statistics never count more accepted tokens than were emitted."""
     return jnp.minimum(n_accepted, n_out_after - n_out_before)
+
+
+def cut_spec_at_budgets(before: SpecState | None, after: SpecState, budgets) -> SpecState:
+    """`cut_at_budgets` for a round (or, `before` None, the start): a row whose round emitted past
+    its budget keeps only the tokens up to it, and the round's accepted count and trace count only
+    those. A round's block is its accepted drafts, then the bonus token: the cut drops the bonus
+    first."""
+    cut = cut_at_budgets(after, budgets)
+    if before is None:
+        return cut.replace(trace_tokens=cut.trace_tokens.at[:, 0].set(cut.n_out))
+    kept = cut.n_out - before.n_out
+    active = ~before.done
+    b = jnp.arange(kept.shape[0])
+    at = jnp.where(active, before.target_calls, cut.trace_tokens.shape[1])  # finished rows: dropped
+    return cut.replace(accepted=before.accepted + jnp.minimum(after.accepted - before.accepted, kept),
+                       trace_tokens=cut.trace_tokens.at[b, at].set(kept, mode="drop"))
 
 
 def round_features(state: SpecState, tparams) -> dict:

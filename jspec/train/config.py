@@ -33,6 +33,10 @@ class TrainConfig:
     # EAGLE-1 loss: regression_weight * SmoothL1(features) + ce_weight * soft CE (§1.1)
     regression_weight: float = 1.0
     ce_weight: float = 0.1
+    # [I] the acceptance term next to the CE (losses module doc): weight * (1 - sum min(p, q)) at
+    # acceptance_temperature, for heads that serve sampling (T = 0.7-1); 0: the CE alone
+    acceptance_weight: float = 0.0
+    acceptance_temperature: float = 1.0
     # uniform noise (U(0,1) - 0.5) * std * 512 / row_length on the first step's input features
     feature_noise_std: float = 0.0
     # optimisation. lr, warm-up, clipping and noise differ from EAGLE's reference recipes (lr 3e-5 /
@@ -72,6 +76,9 @@ class TrainConfig:
     def __post_init__(self):
         if self.ttt_steps < 1:
             raise ValueError("ttt_steps must be >= 1")
+        if self.acceptance_weight < 0 or self.acceptance_temperature <= 0:
+            raise ValueError(f"acceptance_weight must be >= 0 and acceptance_temperature > 0, got "
+                             f"{self.acceptance_weight} and {self.acceptance_temperature}")
         if self.seq_len <= self.ttt_steps + 1:
             raise ValueError("seq_len must exceed ttt_steps + 1")
         check_length_buckets(self.length_buckets, self.seq_len)

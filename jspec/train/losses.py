@@ -15,6 +15,12 @@ EAGLE-1 (§1.1): regression_weight * SmoothL1(h_out, f_{t+j+1}) + ce_weight * CE
   lm(h_out)), uniform noise on the step-0 input features; usually one step (ttt_steps=1).
 EAGLE-3 (§1.3): soft CE against softmax of the target logits restricted to the draft vocabulary,
   masked where the target's argmax (over the full vocabulary) is outside it; sum_j decay^j L_j.
+Acceptance term (both kinds, off by default) [I]: acceptance_weight * (1 - sum_v min(p_tau(v), q_tau(v))),
+  p_tau and q_tau the target's and the head's laws at acceptance_temperature over the head's
+  vocabulary (the target's renormalised on the draft vocabulary, as the CE's). At temperature tau
+  a drafted token sampled from q_tau is accepted with probability sum_v min(p_tau, q_tau) = 1 - TV:
+  the quantity sampled speculation runs on, which the CE (a KL) only bounds. Its mean is logged at
+  every TTT step (accept_j) whatever the weight: the head's expected sampled acceptance.
 Each loss is a mean over its counted positions (EAGLE averages over all positions; this only
 rescales the step size per batch, and keeps weights comparable across steps) [I].
 """
@@ -112,11 +118,20 @@ def feature_noise(key: jax.Array, shape, segment_ids: jax.Array, std: float) -> 
     return (jax.random.uniform(key, shape) - 0.5) * scale[:, :, None]
 
 
+def sampled_acceptance(logits: jax.Array, target_logits: jax.Array, temperature: float) -> jax.Array:
+    """sum_v min(p, q) over the last axis, p and q the softmaxes at `temperature`, float32: the
+    probability that a token drawn from q is accepted against p (1 - total variation)."""
+    p = jax.nn.softmax(target_logits.astype(jnp.float32) / temperature, axis=-1)
+    q = jax.nn.softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    return jnp.sum(jnp.minimum(p, q), axis=-1)
+
+
 def chunked_ce_and_argmax(hcfg: H.HeadConfig, head_params: dict, tparams: dict, h_out: jax.Array,
-                          tgt_hidden: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
-    """(soft CE [B, T], argmax of the head's logits [B, T]) computed `chunk` positions at a time,
-    each chunk recomputed in the backward pass: the [B, T, vocab] float32 logits and soft targets
-    (3 GB each at 32 x 768 x 32k) never exist whole, so memory does not grow with the vocabulary."""
+                          tgt_hidden: jax.Array, chunk: int, temperature: float = 1.0):
+    """(soft CE [B, T], argmax of the head's logits [B, T], sampled acceptance at `temperature`
+    [B, T]) computed `chunk` positions at a time, each chunk recomputed in the backward pass: the
+    [B, T, vocab] float32 logits and soft targets (3 GB each at 32 x 768 x 32k) never exist whole,
+    so memory does not grow with the vocabulary."""
     B, T, D = h_out.shape
     c = math.gcd(T, chunk)
     if hcfg.reduced_vocab:  # gather the target's draft-vocab columns once, not per chunk
@@ -128,24 +143,27 @@ def chunked_ce_and_argmax(hcfg: H.HeadConfig, head_params: dict, tparams: dict, 
     @jax.checkpoint
     def block(xs):
         h, th = xs
-        logits = H.draft_logits(hcfg, head_params, tparams, h)
-        return soft_cross_entropy(logits, target_head(th)), jnp.argmax(logits, -1).astype(jnp.int32)
+        logits, target_logits = H.draft_logits(hcfg, head_params, tparams, h), target_head(th)
+        return (soft_cross_entropy(logits, target_logits), jnp.argmax(logits, -1).astype(jnp.int32),
+                sampled_acceptance(logits, target_logits, temperature))
 
     split = lambda x: x.reshape(B, T // c, c, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
-    ce, pred = jax.lax.map(block, (split(h_out), split(tgt_hidden)))
+    ce, pred, accept = jax.lax.map(block, (split(h_out), split(tgt_hidden)))
     join = lambda x: x.swapaxes(0, 1).reshape(B, T)  # noqa: E731
-    return join(ce), join(pred)
+    return join(ce), join(pred), join(accept)
 
 
 def step_loss(hcfg: H.HeadConfig, tc: TrainConfig, head_params: dict, tparams: dict, h_out: jax.Array,
               target: TargetOut, loss_mask: jax.Array, step: int, segment_ids: jax.Array):
-    """(loss, top-1 accuracy vs the target's argmax) of TTT step `step`: counted where the token
-    predicted, x_{t+step+2}, is a response token of x_t's own document."""
+    """(loss, top-1 accuracy vs the target's argmax, mean sampled acceptance at the configured
+    temperature) of TTT step `step`: counted where the token predicted, x_{t+step+2}, is a response
+    token of x_t's own document (the acceptance, as the CE, where the target's argmax is a draft token)."""
     same_doc = shift_left(segment_ids, step + 2, -1) == segment_ids
     counted = shift_left(loss_mask, step + 2, False) & same_doc
     tgt_hidden = shift_left(target.hidden, step + 1)
     tgt_top = shift_left(target.top, step + 1)
-    ce, pred = chunked_ce_and_argmax(hcfg, head_params, tparams, h_out, tgt_hidden, tc.logits_chunk)
+    ce, pred, accept = chunked_ce_and_argmax(hcfg, head_params, tparams, h_out, tgt_hidden, tc.logits_chunk,
+                                             tc.acceptance_temperature)
     if hcfg.reduced_vocab:
         pred = head_params["d2t"][pred]
         ce_mask = counted & head_params["t2d"][tgt_top]
@@ -157,7 +175,10 @@ def step_loss(hcfg: H.HeadConfig, tc: TrainConfig, head_params: dict, tparams: d
         loss = tc.regression_weight * masked_mean(reg, counted) + tc.ce_weight * masked_mean(ce, ce_mask)
     else:
         loss = masked_mean(ce, ce_mask)
-    return loss, acc
+    accept = masked_mean(accept, ce_mask)
+    if tc.acceptance_weight:
+        loss = loss + tc.acceptance_weight * (1.0 - accept)
+    return loss, acc, accept
 
 
 def ttt_loss(hcfg: H.HeadConfig, tc: TrainConfig, head_params: dict, tparams: dict, batch: dict,
@@ -176,16 +197,17 @@ def ttt_loss(hcfg: H.HeadConfig, tc: TrainConfig, head_params: dict, tparams: di
 
     def one_step(j, head_params, feats, first, later):
         h, first, later = H.ttt_step(hcfg, head_params, shift_left(embeds, j + 1), feats, j, first, later, segments)
-        loss, acc = step_loss(hcfg, tc, head_params, tparams, h, target, loss_mask, j, segments)
-        return h, first, later, loss, acc
+        loss, acc, accept = step_loss(hcfg, tc, head_params, tparams, h, target, loss_mask, j, segments)
+        return h, first, later, loss, (acc, accept)
 
     if tc.remat:  # keep only each step's inputs; its logits are recomputed in the backward pass
         one_step = jax.checkpoint(one_step, static_argnums=(0,))
     total, metrics, first, later = 0.0, {}, None, None
     for j in range(tc.ttt_steps):
-        feats, first, later, loss, acc = one_step(j, head_params, feats, first, later)
+        feats, first, later, loss, (acc, accept) = one_step(j, head_params, feats, first, later)
         total = total + (tc.ttt_decay**j) * loss
         metrics[f"loss_{j}"] = loss
         metrics[f"acc_{j}"] = acc
+        metrics[f"accept_{j}"] = accept
     metrics["loss"] = total
     return total, metrics

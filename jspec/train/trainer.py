@@ -113,7 +113,9 @@ class MetricsLog:
                 fh.write(json.dumps(row) + "\n")
         if self.bar is not None:
             accs = " ".join(f"{row[k]:.2f}" for k in sorted(k for k in row if k.startswith("acc_")))
-            self.bar.set_postfix_str(f"loss {row['loss']:.3f} acc [{accs}] {row['tokens_per_s']:.0f} tok/s")
+            accepts = " ".join(f"{row[k]:.2f}" for k in sorted(k for k in row if k.startswith("accept_")))
+            self.bar.set_postfix_str(f"loss {row['loss']:.3f} acc [{accs}] accept [{accepts}] "
+                                     f"{row['tokens_per_s']:.0f} tok/s")
         return row
 
 

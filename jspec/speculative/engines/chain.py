@@ -30,7 +30,7 @@ from ...refill import run_queue
 from ...sampling import Sampling, probs, sample
 from ..drafters.base import DrafterError, drafter_loop_params
 from ..policies import resolve_policy
-from ..state import SpecState, accepted_emitted, outputs_of, record_call, result_from_device, round_features, take_row
+from ..state import SpecState, accepted_emitted, cut_spec_at_budgets, outputs_of, record_call, result_from_device, round_features, take_row
 from ..verify.chain import verify_greedy, verify_sampling
 from ..verify.consultant import ConsultantRule, resolve_verify, verify_consultant
 
@@ -209,11 +209,12 @@ DEVICE_LOOPS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_
 DEVICE_LOOP_MODES = ("auto", "off", "all")
 
 
-def _speculative_generate(tparams, dparams, policy_params, tokens, lens, key, policy_state=None, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll, with_policy_state=False, rows=None, refill=None):
+def _speculative_generate(tparams, dparams, policy_params, tokens, lens, key, policy_state=None, budgets=None, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll, with_policy_state=False, rows=None, refill=None, stop_at_running=0):
     """The whole generation in one jit. Returns the result arrays (`result_from_device`), plus the
     final policy state when ``with_policy_state`` (to pass back as ``policy_state``). ``rows``:
     that many rows in flight over the prompts (continuous batching, jspec.refill), ``refill`` rows
-    started at a time; None: every prompt in one batch."""
+    started at a time; None: every prompt in one batch. ``stop_at_running`` and ``budgets``: a
+    queue that stops for a compact tail and the tail's per-row token budgets (decode.generate_ar_jit)."""
     def start(t, l, k, policy_state=None):
         return start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, max_new, cache_len, sampling, unroll,
                           t, l, k, policy_state=policy_state, verify=verify)
@@ -222,11 +223,12 @@ def _speculative_generate(tparams, dparams, policy_params, tokens, lens, key, po
     body = functools.partial(spec_round, loop, tcfg, drafter, drafter_loop_params(drafter, dparams), policy, k_max, max_new,
                              sampling, verify, unroll)
     outputs, state = run_queue(start, body, outputs_of, tokens, lens, key, rows=rows, refill=refill,
-                               start_first=functools.partial(start, policy_state=policy_state))
+                               start_first=functools.partial(start, policy_state=policy_state),
+                               stop_at_running=stop_at_running, budgets=budgets, cut=cut_spec_at_budgets)
     return outputs + (state.pstate,) if with_policy_state else outputs
 
 
-_JIT_ARGS = dict(static_argnames=_STATIC + ("with_policy_state", "rows", "refill"))
+_JIT_ARGS = dict(static_argnames=_STATIC + ("with_policy_state", "rows", "refill", "stop_at_running"))
 speculative_generate_jit = jax.jit(_speculative_generate, **_JIT_ARGS)
 _speculative_generate_device_loops_jit = jax.jit(_speculative_generate, compiler_options=DEVICE_LOOPS, **_JIT_ARGS)
 
@@ -265,15 +267,17 @@ def check_compatible(drafter, policy, tcfg: ModelConfig, k_max: int, verify):
         )
 
 
-def speculative_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, k_max, max_new, cache_len, sampling: Sampling, verify, unroll, policy_state=None, rows=None, refill=None) -> GenerationResult:
+def speculative_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, k_max, max_new, cache_len, sampling: Sampling, verify, unroll, policy_state=None, rows=None, refill=None, stop_at_running=0, budgets=None) -> GenerationResult:
     """Chain speculative generation; the result carries the final policy state (`policy_state`)."""
     policy = resolve_policy(policy, k_max)
     verify = resolve_verify(verify)
     check_compatible(drafter, policy, tcfg, k_max, verify)
     return result_from_device(generation_program(policy)(
         tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key, policy_state,
+        None if budgets is None else jnp.asarray(budgets, jnp.int32),
         tcfg=tcfg, drafter=drafter, policy=policy, k_max=k_max, max_new=max_new, cache_len=cache_len,
         sampling=sampling, verify=verify, unroll=unroll, with_policy_state=True, rows=rows, refill=refill,
+        stop_at_running=stop_at_running,
     ))
 
 

@@ -67,7 +67,7 @@ from ...refill import run_queue
 from ..drafters.eagle import EagleDrafter
 from ..drafters.hybrid import MAX_NGRAM_BRANCH, HybridDrafter
 from ..policies import resolve_policy
-from ..state import SpecState, accepted_emitted, outputs_of, record_call, result_from_device, round_features, take_row
+from ..state import SpecState, accepted_emitted, cut_spec_at_budgets, outputs_of, record_call, result_from_device, round_features, take_row
 from ...sampling import logprobs
 from ..verify.sampled_tree import (SampledShape, Siblings, layout_of, sampled_shape, sibling_weights,
                                    verify_sampled_tree)
@@ -553,8 +553,8 @@ def tree_round(tparams, tcfg, drafter, dparams, policy, tc: TreeConfig, max_new,
 _STATIC = ("tcfg", "drafter", "policy", "tree", "max_new", "cache_len", "sampling", "unroll")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("with_policy_state", "rows", "refill"))
-def tree_generate_jit(tparams, dparams, policy_params, tokens, lens, key, policy_state=None, *, tcfg, drafter, policy, tree, max_new, cache_len, sampling, unroll, with_policy_state=False, rows=None, refill=None):
+@functools.partial(jax.jit, static_argnames=_STATIC + ("with_policy_state", "rows", "refill", "stop_at_running"))
+def tree_generate_jit(tparams, dparams, policy_params, tokens, lens, key, policy_state=None, budgets=None, *, tcfg, drafter, policy, tree, max_new, cache_len, sampling, unroll, with_policy_state=False, rows=None, refill=None, stop_at_running=0):
     """As chain.speculative_generate_jit, with a tree per round."""
     def start(t, l, k, policy_state=None):
         return start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, tree.depth, max_new, cache_len, sampling, unroll,
@@ -563,19 +563,22 @@ def tree_generate_jit(tparams, dparams, policy_params, tokens, lens, key, policy
     loop = M.loop_params(tparams, tcfg, unroll=unroll)  # per-layer weight buffers for the rounds
     body = functools.partial(tree_round, loop, tcfg, drafter, dparams, policy, tree, max_new, sampling, unroll)
     outputs, state = run_queue(start, body, outputs_of, tokens, lens, key, rows=rows, refill=refill,
-                               start_first=functools.partial(start, policy_state=policy_state))
+                               start_first=functools.partial(start, policy_state=policy_state),
+                               stop_at_running=stop_at_running, budgets=budgets, cut=cut_spec_at_budgets)
     return outputs + (state.pstate,) if with_policy_state else outputs
 
 
-def tree_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, tree: TreeConfig, max_new, cache_len, sampling, unroll, policy_state=None, rows=None, refill=None) -> GenerationResult:
+def tree_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, tree: TreeConfig, max_new, cache_len, sampling, unroll, policy_state=None, rows=None, refill=None, stop_at_running=0, budgets=None) -> GenerationResult:
     if not isinstance(drafter, (EagleDrafter, HybridDrafter)):
         raise ValueError(f"tree drafting needs an EAGLE head drafter (or eagle3+ngram), got {getattr(drafter, 'name', drafter)!r}")
     policy = resolve_policy(policy, tree.depth)
     check_compatible(drafter, policy, tcfg, tree.depth, "lossless")
     return result_from_device(tree_generate_jit(
         tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key, policy_state,
+        None if budgets is None else jnp.asarray(budgets, jnp.int32),
         tcfg=tcfg, drafter=drafter, policy=policy, tree=tree, max_new=max_new, cache_len=cache_len,
         sampling=sampling, unroll=unroll, with_policy_state=True, rows=rows, refill=refill,
+        stop_at_running=stop_at_running,
     ))
 
 

@@ -686,6 +686,33 @@ def plan_for(drafter, costs: dict, *, batch: int, k_cap: int, tree, context: flo
                 alpha_by_temperature=getattr(drafter, "acceptance_by_temperature", None))
 
 
+# [I] A queue's tail moves to a batch of rows // TAIL_FRACTION rows when the plan expects a token
+# there to cost at most 1 / TAIL_MIN_GAIN of one in the full batch. The margin covers what the
+# model leaves out: the tail's prefill of every row's prompt and tokens so far, and its compile.
+TAIL_FRACTION = 4
+TAIL_MIN_GAIN = 1.25
+
+
+def tail_rows(drafter, costs: dict, *, rows: int, k_cap: int, tree, context: float | None = None, prompts=None,
+              sampling=None) -> int:
+    """Rows of the compact tail in which `generate` finishes a queue's last running rows (0: none).
+
+    With `rows` rows in flight, once no prompt waits the batch drains: its last rows run alone in
+    a program sized for all of them (an H200 step of SmolLM2-135M costs 1.44 ms at 64 rows, 0.92 ms
+    at 16), and with fewer rows speculation plans larger budgets (`plan`'s stragglers). So the
+    rows still running when at most rows // TAIL_FRACTION remain are re-prefilled (prompt and
+    tokens so far) into a batch of that many rows, planned afresh, when the plans expect a token
+    there to cost TAIL_MIN_GAIN times less: per token, a plan costs verify(1, B) / gain."""
+    tail = rows // TAIL_FRACTION
+    if tail < 1:
+        return 0
+    def per_token(batch):
+        p = plan_for(drafter, costs, batch=batch, k_cap=k_cap, tree=tree, context=context, prompts=prompts,
+                     sampling=sampling)
+        return CostModel(costs, batch, context).ar_step() / max(p.gain if p.mode != "ar" else 1.0, 1.0)
+    return tail if per_token(rows) >= TAIL_MIN_GAIN * per_token(tail) else 0
+
+
 def mean_context(prompt_lens, max_new: int) -> float:
     """Tokens a row's attention reads on average over a call: its prompt and half its new tokens."""
     return float(np.mean(np.asarray(prompt_lens, np.float64))) + max_new / 2.0
