@@ -446,7 +446,7 @@ def test_export_records_the_estimated_acceptance(tmp_path):
     """train-head's export carries an acceptance estimate from the last held-out evaluation, which
     `auto` plans with (factory.head_acceptance) until a timed run replaces it; no held-out file, no field."""
     from jspec.checkpoint.eagle_format import save_eagle_head
-    from jspec.speculative.factory import head_acceptance
+    from jspec.speculative.factory import head_acceptance, head_acceptance_by_temperature
     from jspec.train import cli
 
     params = _head(HCFG3) | dict(zip(("d2t", "t2d"), H.draft_vocab_maps(np.arange(HCFG3.draft_vocab_size),
@@ -461,7 +461,13 @@ def test_export_records_the_estimated_acceptance(tmp_path):
     save_eagle_head(str(export), HCFG3, params, dtype="float32", acceptance=cli.estimated_acceptance(str(holdout)))
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["jspec"]["kind"] == "eagle3" and "step 400" in cfg["jspec"]["acceptance"]["from"]
-    assert head_acceptance(export) == 0.6
+    assert head_acceptance(export) == 0.6 and head_acceptance_by_temperature(export) is None
+    # a run that logged its held-out sampled acceptance records it for sampled plans, at its temperature
+    holdout.write_text(json.dumps({"step": 600, **{f"acc_{j}": 0.6 for j in range(7)},
+                                   **{f"accept_{j}": 0.4 for j in range(7)}}) + "\n")
+    save_eagle_head(str(export), HCFG3, params, dtype="float32",
+                    acceptance=cli.estimated_acceptance(str(holdout), temperature=0.7))
+    assert head_acceptance(export) == 0.6 and head_acceptance_by_temperature(export) == ((0.7, 0.4),)
 
 
 def test_training_steps_compile_with_cublas_products_on_gpus_only():

@@ -252,7 +252,8 @@ def train_from_args(args: argparse.Namespace):
         window = max(recipe.train.seq_len, hcfg.attention_window or 0, MIN_ATTENTION_WINDOW)
         save_eagle_head(export, dataclasses.replace(hcfg, attention_window=window), result.head_params,
                         dtype=recipe.run.export_dtype,
-                        acceptance=estimated_acceptance(os.path.join(out, "holdout_metrics.jsonl")),
+                        acceptance=estimated_acceptance(os.path.join(out, "holdout_metrics.jsonl"),
+                                                        recipe.train.acceptance_temperature),
                         max_file_bytes=mib_limit(recipe.run.export_max_file_mb))
         print(f"exported {hcfg.kind} head to {export}")
     return result
@@ -295,10 +296,12 @@ def check_batches(data_dir: str, train_cfg) -> None:
         raise UsageError(f"{e}: lower --batch-size (the recipe's {train_cfg.batch_size}) or distil more rows") from None
 
 
-def estimated_acceptance(holdout_path: str) -> dict | None:
+def estimated_acceptance(holdout_path: str, temperature: float = 1.0) -> dict | None:
     """The head's acceptance as its export records it ("jspec": {"acceptance"}), which `auto` plans
     with until a timed run replaces it with a measured fit: from the last held-out evaluation's
-    per-step top-1 (`alpha_from_ttt_accuracy`, [I]). None without one."""
+    per-step top-1 (`alpha_from_ttt_accuracy`, [I]), and at `temperature` (the recipe's
+    acceptance_temperature) from its per-step sampled acceptance accept_j, read the same way
+    ("by_temperature", which sampled plans use: policies.auto.acceptance_at). None without one."""
     from ..speculative.policies.auto import alpha_from_ttt_accuracy
 
     try:
@@ -309,9 +312,14 @@ def estimated_acceptance(holdout_path: str) -> dict | None:
     acc = [last[f"acc_{j}"] for j in range(64) if f"acc_{j}" in last]
     if not acc:
         return None
-    return {"alpha": round(alpha_from_ttt_accuracy(acc), 3),
-            "from": f"estimated from the held-out top-1 at step {last.get('step')} (training-time-test steps "
-                    f"0..{len(acc) - 1}), not timed: replace with a measured K = 6 chain's fit"}
+    record = {"alpha": round(alpha_from_ttt_accuracy(acc), 3),
+              "from": f"estimated from the held-out top-1 at step {last.get('step')} (training-time-test steps "
+                      f"0..{len(acc) - 1}), not timed: replace with a measured K = 6 chain's fit"}
+    accept = [last[f"accept_{j}"] for j in range(64) if f"accept_{j}" in last]
+    if accept:
+        record["by_temperature"] = {f"{temperature:g}": round(alpha_from_ttt_accuracy(accept), 3)}
+        record["from"] += f"; at T = {temperature:g} from its held-out sampled acceptance, likewise"
+    return record
 
 
 def export_dir(args: argparse.Namespace, out: str, result) -> str | None:

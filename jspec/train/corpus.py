@@ -69,7 +69,7 @@ import numpy as np
 
 from .. import tasks
 from ..errors import UsageError
-from ..presets import list_presets, load_preset, resolve_model
+from ..presets import list_presets, load_preset, resolve_config, resolve_tokenizer
 from .prompt_sources import (DEFAULT_COUNTS, PROMPT_SOURCES, SourceUnavailable, check_installed, parse_counts,
                              prompt_items)
 
@@ -591,7 +591,7 @@ def run_corpus(args) -> int:
         raise CorpusError(f"unknown source(s) {', '.join(bad)}; known: {', '.join(SOURCES)}")
     if args.max_prompt_tokens < 8:
         raise CorpusError(f"--max-prompt-tokens {args.max_prompt_tokens} is below the minimum of 8")
-    cfg, _, tok = resolve_model(args.target, tokenizer=True)
+    cfg, tok = resolve_config(args.target), resolve_tokenizer(args.target)  # no weights: the corpus needs none
     chat = load_preset(args.target).chat if args.target in list_presets() else bool(getattr(tok, "chat_template", None))
     try:
         counts = parse_counts(args.counts)
