@@ -23,7 +23,7 @@ from flax import struct
 
 from . import model as M
 from .config import ModelConfig
-from .refill import run_queue
+from .refill import cut_start, run_queue, run_rows
 from .sampling import Sampling, sample
 
 PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -73,6 +73,16 @@ def plan_cache_len(prompt_bucket: int, max_new_tokens: int, extra: int = 0) -> i
     """Cache slots: prompt bucket + generated tokens + a speculative block, rounded to 128."""
     need = prompt_bucket + max_new_tokens + extra + 1
     return -(-need // 128) * 128
+
+
+def shared_cache_len(prompt_bucket: int, max_new_tokens: int, extra: int = 0) -> int:
+    """`plan_cache_len` rounded up to a power of two: the decode loop's program is keyed by its
+    cache length, not by the prompt width, so prompt buckets whose caches round alike share it
+    (with 256 new tokens and a 59-node tree, buckets 32-128 share 512 slots, 256-512 share 1024).
+    Only where attention reads each row's committed slots alone (the GPU kernel): elsewhere a
+    longer cache costs attention time."""
+    need = plan_cache_len(prompt_bucket, max_new_tokens, extra)
+    return 1 << (need - 1).bit_length()
 
 
 def check_token_lists(prompts) -> None:
@@ -234,6 +244,10 @@ def cut_at_budgets(state, budgets):
     return state.replace(out=out, n_out=n_out, done=state.done | (n_out >= budgets))
 
 
+def _cut_decode(before, after, budgets):  # refill's `cut` for AR: one token a step, no statistics to correct
+    return cut_at_budgets(after, budgets)
+
+
 def decode_step(params, cfg: ModelConfig, sampling: Sampling, max_new: int, state: DecodeState, unroll=None) -> DecodeState:
     """One target call: feed each row's last token, sample the next."""
     fwd = M.forward(params, cfg, state.last[:, None], state.cache, unroll=unroll)
@@ -286,30 +300,29 @@ def generate_ar_jit(params, cfg, tokens, lens, key, budgets=None, *, max_new, ca
         return s.out, s.n_out, s.steps
 
     return run_queue(start, body, outputs, tokens, lens, key, rows=rows, refill=refill, stop_at_running=stop_at_running,
-                     budgets=budgets, cut=lambda _, s, b: cut_at_budgets(s, b))[0]
+                     budgets=budgets, cut=_cut_decode)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll"))
-def start_decode_jit(params, cfg, tokens, lens, key, *, max_new, cache_len, sampling, unroll=None):
-    return start_decode(params, cfg, tokens, lens, key, max_new=max_new, cache_len=cache_len, sampling=sampling, unroll=unroll)
+def start_decode_jit(params, cfg, tokens, lens, key, budgets=None, *, max_new, cache_len, sampling, unroll=None):
+    """The prefill of `decode_loop_jit`'s state: one program per prompt width, small beside the loop's.
+    ``budgets`` [B]: row b stops at budgets[b] tokens (the loop must be given the same)."""
+    state = start_decode(params, cfg, tokens, lens, key, max_new=max_new, cache_len=cache_len, sampling=sampling,
+                         unroll=unroll)
+    return cut_start(state, budgets, _cut_decode)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "max_new", "sampling", "n_steps", "unroll"), donate_argnames=("state",)
-)
-def decode_chunk_jit(params, cfg, state, *, max_new, sampling, n_steps, unroll=None):
-    """n_steps decode steps (fewer if every row finishes); the state (and its cache) is donated."""
+    jax.jit, static_argnames=("cfg", "max_new", "sampling", "n_steps", "unroll", "stop_at_running"),
+    donate_argnames=("state",))
+def decode_loop_jit(params, cfg, state, budgets=None, *, max_new, sampling, n_steps=None, unroll=None, stop_at_running=0):
+    """Decode steps on a started state (donated, its cache updated in place) until at most
+    `stop_at_running` rows run, or `n_steps` steps (None: no cap; streaming takes a few at a time).
+    Its shapes are the state's, not the prompt's: prompts of every width whose caches have the same
+    length share this program (generate's `shared_cache_len`)."""
     loop = M.loop_params(params, cfg, unroll=unroll)
-
-    def cond(c):
-        i, s = c
-        return (i < n_steps) & ~jnp.all(s.done)
-
-    def body(c):
-        i, s = c
-        return i + 1, decode_step(loop, cfg, sampling, max_new, s, unroll=unroll)
-
-    return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+    return run_rows(lambda s: decode_step(loop, cfg, sampling, max_new, s, unroll=unroll), state,
+                    stop_at_running=stop_at_running, max_steps=n_steps, budgets=budgets, cut=_cut_decode)
 
 
 def stream_row0(state, advance) -> Iterator[tuple[list[int], Any]]:

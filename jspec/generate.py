@@ -44,7 +44,8 @@ from .compile_cache import enable_default_compile_cache
 from .config import ModelConfig
 from .errors import UsageError
 from .refill import default_refill
-from .decode import GenerationResult, decode_chunk_jit, generate_ar_jit, pack_prompts, start_decode_jit, stream_row0
+from .decode import (GenerationResult, bucket, decode_loop_jit, generate_ar_jit, pack_prompts, shared_cache_len,
+                     start_decode_jit, stream_row0)
 from .sampling import GREEDY, Sampling
 from .sharding import (axis_size, parse_mesh, placed_tensor_parallel, replicate, shard_params, tensor_parallel_config,
                        tensor_parallel_map, tensor_parallel_specs)
@@ -236,6 +237,8 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
             drafter = dataclasses.replace(drafter, k_max=k_max)
         autotune = False
     extra = (tree.cache_slots if tree is not None else k_max + 1) if drafter is not None else 0
+    if cache_len is None and rows is None and mesh is None and _attention_reads_committed_slots(cfg):
+        cache_len = shared_cache_len(bucket(max(max(len(p) for p in prompts), min_prompt_width)), max_new_tokens, extra)
     tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new_tokens, extra, cache_len, min_prompt_width)
     if autotune and drafter is not None:
         tree = tree_for(drafter, autotuned_tree(params, cfg, rows[0] if rows else len(prompts), cache_len, tree.top_k, tree.depth))
@@ -261,11 +264,17 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
         )
     if drafter is None:
         budgets = queue.pop("budgets")
-        out, n_out, steps = generate_ar_jit(
-            params, cfg, jnp.asarray(tokens), jnp.asarray(lens), key, None if budgets is None else jnp.asarray(budgets),
-            max_new=max_new_tokens, cache_len=cache_len, sampling=sampling, unroll=unroll, **queue,
-        )
-        out, n_out, steps = jax.device_get((out, n_out, steps))
+        budgets = None if budgets is None else jnp.asarray(budgets, jnp.int32)
+        static = dict(max_new=max_new_tokens, sampling=sampling, unroll=unroll)
+        if rows is None:  # one batch: a prefill per prompt width, then one loop program per cache length
+            state = start_decode_jit(params, cfg, jnp.asarray(tokens), jnp.asarray(lens), key, budgets,
+                                     cache_len=cache_len, **static)
+            state = decode_loop_jit(params, cfg, state, budgets, stop_at_running=tail, **static)
+            out, n_out, steps = jax.device_get((state.out, state.n_out, state.steps))
+        else:
+            out, n_out, steps = jax.device_get(generate_ar_jit(
+                params, cfg, jnp.asarray(tokens), jnp.asarray(lens), key, budgets, cache_len=cache_len, **static,
+                **queue))
         zeros = np.zeros_like(n_out)
         res = GenerationResult(out, n_out, steps, zeros, zeros, steps)
     elif tree is not None:
@@ -285,6 +294,12 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
         return res
     return _finish_in_tail(params, cfg, prompts, res, tail=tail, max_new_tokens=max_new_tokens, sampling=sampling,
                            spec=spec, key=jax.random.fold_in(key, 1), unroll=unroll)
+
+
+def _attention_reads_committed_slots(cfg: ModelConfig) -> bool:
+    """Whether this call's attention (decode, verify, draft steps) runs the GPU kernel, which reads
+    each row's committed cache slots only: there a cache rounded up for a shared loop costs nothing."""
+    return M.default_kernels() == "pallas" and M.fused_attention_supported(cfg, 1, None)
 
 
 def _unfinished_rows(cfg: ModelConfig, res: GenerationResult, max_new_tokens: int) -> list[int]:
@@ -543,8 +558,8 @@ def generate_stream(
 
     def advance(st):
         with M.per_device_program():
-            return decode_chunk_jit(params, cfg, st, max_new=max_new_tokens, sampling=sampling, n_steps=chunk,
-                                    unroll=unroll)
+            return decode_loop_jit(params, cfg, st, max_new=max_new_tokens, sampling=sampling, n_steps=chunk,
+                                   unroll=unroll)
 
     for tokens, _ in stream_row0(state, advance):
         yield tokens

@@ -106,6 +106,28 @@ def running(state) -> jax.Array:
     return jnp.sum(~state.done)
 
 
+def cut_start(state, budgets=None, cut: Callable | None = None):
+    """A started batch with its rows cut at their token budgets (`run_queue`'s `cut`; None: as is)."""
+    return state if budgets is None else cut(None, state, budgets)
+
+
+def run_rows(step: Callable, state, *, stop_at_running: int = 0, max_steps: int | None = None, budgets=None,
+             cut: Callable | None = None):
+    """`step` a started batch until at most `stop_at_running` rows run (at most `max_steps` steps
+    when given), each row stopped at its budget when `budgets` are given (`run_queue`). The loop of
+    one batch of every prompt, whether it runs in the program that started it or in its own."""
+    if budgets is not None:
+        row_step = step
+        step = lambda s: cut(s, row_step(s), budgets)  # noqa: E731
+
+    def cond(c):
+        i, s = c
+        more = running(s) > stop_at_running
+        return more if max_steps is None else more & (i < max_steps)
+
+    return jax.lax.while_loop(cond, lambda c: (c[0] + 1, step(c[1])), (jnp.int32(0), state))[1]
+
+
 def run_queue(start: Callable, step: Callable, harvest: Callable, tokens, lens, key, *, rows: int | None = None,
               refill: int | None = None, start_first: Callable | None = None, stop_at_running: int = 0,
               budgets=None, cut: Callable | None = None):
@@ -122,15 +144,12 @@ def run_queue(start: Callable, step: Callable, harvest: Callable, tokens, lens, 
     which cuts a state's rows after a step (or a start, `before` None) at their budgets, marks them
     done there and counts only the kept tokens in their statistics. Must run under jit."""
     n = tokens.shape[0]
-    if budgets is not None:
-        if rows is not None and rows < n:
-            raise ValueError("token budgets apply to one batch of every prompt, not to a queue")
-        first, row_step = start_first or start, step
-        start_first = lambda *a, **kw: cut(None, first(*a, **kw), budgets)  # noqa: E731
-        step = lambda s: cut(s, row_step(s), budgets)  # noqa: E731
     if rows is None or rows >= n:
-        state = jax.lax.while_loop(lambda s: running(s) > stop_at_running, step, (start_first or start)(tokens, lens, key))
+        state = cut_start((start_first or start)(tokens, lens, key), budgets, cut)
+        state = run_rows(step, state, stop_at_running=stop_at_running, budgets=budgets, cut=cut)
         return harvest(state), state
+    if budgets is not None:
+        raise ValueError("token budgets apply to one batch of every prompt, not to a queue")
     refill = max(1, min(default_refill(rows) if refill is None else refill, rows))
     one = jax.eval_shape(start, tokens[:1], lens[:1], key)
     axes = batch_axes(start, tokens, lens, key, one)
@@ -156,7 +175,7 @@ def run_queue(start: Callable, step: Callable, harvest: Callable, tokens, lens, 
         results = jax.tree.map(lambda r, x: r.at[dst].set(x, mode="drop"), results, harvest(state))
         return jnp.where(finished, -1, row_prompt), results
 
-    def run_rows(c):
+    def serve(c):
         state, row_prompt, nxt, results, k = c
 
         def cond(s):
@@ -183,7 +202,7 @@ def run_queue(start: Callable, step: Callable, harvest: Callable, tokens, lens, 
         return (nxt < n) | (running(state) > stop_at_running)
 
     init = (state, row_prompt, jnp.int32(min(rows, n)), results, jnp.int32(1))
-    state, row_prompt, _, results, _ = jax.lax.while_loop(pending, run_rows, init)
+    state, row_prompt, _, results, _ = jax.lax.while_loop(pending, serve, init)
     # rows done before any step ran, and with stop_at_running the rows still running (partial)
     _, results = collect(state, row_prompt, results, everything=True)
     return results, state

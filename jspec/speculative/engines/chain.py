@@ -26,7 +26,7 @@ from flax import struct
 from ... import model as M
 from ...config import ModelConfig
 from ...decode import GenerationResult, emit, is_eos, prefill, stream_row0
-from ...refill import run_queue
+from ...refill import cut_start, run_queue, run_rows
 from ...sampling import Sampling, probs, sample
 from ..drafters.base import DrafterError, drafter_loop_params
 from ..policies import resolve_policy
@@ -268,34 +268,55 @@ def check_compatible(drafter, policy, tcfg: ModelConfig, k_max: int, verify):
 
 
 def speculative_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, k_max, max_new, cache_len, sampling: Sampling, verify, unroll, policy_state=None, rows=None, refill=None, stop_at_running=0, budgets=None) -> GenerationResult:
-    """Chain speculative generation; the result carries the final policy state (`policy_state`)."""
+    """Chain speculative generation; the result carries the final policy state (`policy_state`).
+    One batch runs as two programs, the prefill (`start_spec_jit`, per prompt width) and the
+    rounds (`spec_loop_jit`, per cache length), so prompt buckets share the larger one; a queue
+    (`rows`) runs whole in `speculative_generate_jit`, whose refills prefill inside the loop."""
     policy = resolve_policy(policy, k_max)
     verify = resolve_verify(verify)
     check_compatible(drafter, policy, tcfg, k_max, verify)
+    budgets = None if budgets is None else jnp.asarray(budgets, jnp.int32)
+    static = dict(tcfg=tcfg, drafter=drafter, policy=policy, k_max=k_max, max_new=max_new, sampling=sampling,
+                  verify=verify, unroll=unroll)
+    if rows is None:  # one batch: a prefill per prompt width, then one loop program per cache length
+        state = start_spec_jit(tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key,
+                               policy_state, budgets, cache_len=cache_len, **static)
+        state = loop_program(policy)(tparams, drafter_params, state, budgets, stop_at_running=stop_at_running, **static)
+        return result_from_device(outputs_of(state) + (state.pstate,))
     return result_from_device(generation_program(policy)(
-        tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key, policy_state,
-        None if budgets is None else jnp.asarray(budgets, jnp.int32),
-        tcfg=tcfg, drafter=drafter, policy=policy, k_max=k_max, max_new=max_new, cache_len=cache_len,
-        sampling=sampling, verify=verify, unroll=unroll, with_policy_state=True, rows=rows, refill=refill,
-        stop_at_running=stop_at_running,
-    ))
+        tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key, policy_state, budgets,
+        cache_len=cache_len, with_policy_state=True, rows=rows, refill=refill, stop_at_running=stop_at_running,
+        **static))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def start_spec_jit(tparams, dparams, policy_params, tokens, lens, key, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll):
-    return start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, max_new, cache_len, sampling, unroll, tokens, lens, key,
-                      verify=verify)
+def start_spec_jit(tparams, dparams, policy_params, tokens, lens, key, policy_state=None, budgets=None, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll):
+    """The prefill of `spec_loop_jit`'s state (one program per prompt width, small beside the loop's)."""
+    state = start_spec(tparams, tcfg, drafter, dparams, policy, policy_params, k_max, max_new, cache_len, sampling, unroll,
+                       tokens, lens, key, policy_state=policy_state, verify=verify)
+    return cut_start(state, budgets, cut_spec_at_budgets)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("n_rounds",), donate_argnames=("state",))
-def spec_chunk_jit(tparams, dparams, state, *, tcfg, drafter, policy, k_max, max_new, cache_len, sampling, verify, unroll, n_rounds):
+def _spec_loop(tparams, dparams, state, budgets=None, *, tcfg, drafter, policy, k_max, max_new, sampling, verify, unroll, n_rounds=None, stop_at_running=0):
+    """Rounds on a started state (donated) until at most `stop_at_running` rows run, or `n_rounds`
+    rounds (streaming). Its shapes are the state's, not the prompt's: prompts of every width
+    whose caches have the same length share it."""
     body = functools.partial(spec_round, M.loop_params(tparams, tcfg, unroll=unroll), tcfg, drafter,
                              drafter_loop_params(drafter, dparams), policy, k_max, max_new, sampling, verify, unroll)
+    return run_rows(body, state, stop_at_running=stop_at_running, max_steps=n_rounds, budgets=budgets,
+                    cut=cut_spec_at_budgets)
 
-    def cond(c):
-        return (c[0] < n_rounds) & ~jnp.all(c[1].done)
 
-    return jax.lax.while_loop(cond, lambda c: (c[0] + 1, body(c[1])), (jnp.int32(0), state))[1]
+_LOOP_ARGS = dict(static_argnames=("tcfg", "drafter", "policy", "k_max", "max_new", "sampling", "verify", "unroll",
+                                   "n_rounds", "stop_at_running"), donate_argnames=("state",))
+spec_loop_jit = jax.jit(_spec_loop, **_LOOP_ARGS)
+_spec_loop_device_loops_jit = jax.jit(_spec_loop, compiler_options=DEVICE_LOOPS, **_LOOP_ARGS)
+
+
+def loop_program(policy):
+    """`spec_loop_jit`, with DEVICE_LOOPS where `generation_program` uses them."""
+    return _spec_loop_device_loops_jit if generation_program(policy) is _speculative_generate_device_loops_jit \
+        else spec_loop_jit
 
 
 def speculative_stream(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params=None, k_max, max_new, cache_len, sampling, verify="lossless", unroll=None, rounds_per_chunk=4):
@@ -303,8 +324,9 @@ def speculative_stream(tparams, tcfg, tokens, lens, key, *, drafter, drafter_par
     policy = resolve_policy(policy, k_max)
     verify = resolve_verify(verify)
     check_compatible(drafter, policy, tcfg, k_max, verify)
-    static = dict(tcfg=tcfg, drafter=drafter, policy=policy, k_max=k_max, max_new=max_new, cache_len=cache_len,
-                  sampling=sampling, verify=verify, unroll=unroll)
-    state = start_spec_jit(tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key, **static)
-    advance = lambda st: spec_chunk_jit(tparams, drafter_params, st, n_rounds=rounds_per_chunk, **static)
+    static = dict(tcfg=tcfg, drafter=drafter, policy=policy, k_max=k_max, max_new=max_new, sampling=sampling,
+                  verify=verify, unroll=unroll)
+    state = start_spec_jit(tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key,
+                           cache_len=cache_len, **static)
+    advance = lambda st: loop_program(policy)(tparams, drafter_params, st, n_rounds=rounds_per_chunk, **static)  # noqa: E731
     yield from stream_row0(state, advance)

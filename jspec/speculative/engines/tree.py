@@ -63,7 +63,7 @@ from ... import model as M
 from ...decode import GenerationResult, emit, is_eos
 from ...heads import eagle as H
 from ...kernels.top_k import top_k
-from ...refill import run_queue
+from ...refill import run_queue, run_rows
 from ..drafters.eagle import EagleDrafter
 from ..drafters.hybrid import MAX_NGRAM_BRANCH, HybridDrafter
 from ..policies import resolve_policy
@@ -72,7 +72,7 @@ from ...sampling import logprobs
 from ..verify.sampled_tree import (SampledShape, Siblings, layout_of, sampled_shape, sibling_weights,
                                    verify_sampled_tree)
 from ..verify.tree import Tree, path_of, verify_tree_greedy, verify_tree_sampling
-from .chain import check_compatible, start_spec
+from .chain import check_compatible, start_spec, start_spec_jit
 
 
 SIBLING_RULES = ("auto", "top_k", "sampled")
@@ -568,18 +568,35 @@ def tree_generate_jit(tparams, dparams, policy_params, tokens, lens, key, policy
     return outputs + (state.pstate,) if with_policy_state else outputs
 
 
+@functools.partial(jax.jit, static_argnames=("tcfg", "drafter", "policy", "tree", "max_new", "sampling", "unroll",
+                                             "n_rounds", "stop_at_running"), donate_argnames=("state",))
+def tree_loop_jit(tparams, dparams, state, budgets=None, *, tcfg, drafter, policy, tree, max_new, sampling, unroll, n_rounds=None, stop_at_running=0):
+    """As chain.spec_loop_jit, with a tree per round: its state comes from chain.start_spec_jit at
+    k_max = tree.depth, and its shapes are the state's, so prompt widths share it."""
+    body = functools.partial(tree_round, M.loop_params(tparams, tcfg, unroll=unroll), tcfg, drafter, dparams, policy,
+                             tree, max_new, sampling, unroll)
+    return run_rows(body, state, stop_at_running=stop_at_running, max_steps=n_rounds, budgets=budgets,
+                    cut=cut_spec_at_budgets)
+
+
 def tree_generate(tparams, tcfg, tokens, lens, key, *, drafter, drafter_params, policy, policy_params, tree: TreeConfig, max_new, cache_len, sampling, unroll, policy_state=None, rows=None, refill=None, stop_at_running=0, budgets=None) -> GenerationResult:
+    """Tree speculative generation: one batch as a prefill program and a rounds program (as
+    chain.speculative_generate), a queue whole in `tree_generate_jit`."""
     if not isinstance(drafter, (EagleDrafter, HybridDrafter)):
         raise ValueError(f"tree drafting needs an EAGLE head drafter (or eagle3+ngram), got {getattr(drafter, 'name', drafter)!r}")
     policy = resolve_policy(policy, tree.depth)
     check_compatible(drafter, policy, tcfg, tree.depth, "lossless")
+    budgets = None if budgets is None else jnp.asarray(budgets, jnp.int32)
+    static = dict(tcfg=tcfg, drafter=drafter, policy=policy, max_new=max_new, sampling=sampling, unroll=unroll)
+    if rows is None:
+        state = start_spec_jit(tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key,
+                               policy_state, budgets, k_max=tree.depth, cache_len=cache_len, verify="lossless", **static)
+        state = tree_loop_jit(tparams, drafter_params, state, budgets, tree=tree, stop_at_running=stop_at_running, **static)
+        return result_from_device(outputs_of(state) + (state.pstate,))
     return result_from_device(tree_generate_jit(
-        tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key, policy_state,
-        None if budgets is None else jnp.asarray(budgets, jnp.int32),
-        tcfg=tcfg, drafter=drafter, policy=policy, tree=tree, max_new=max_new, cache_len=cache_len,
-        sampling=sampling, unroll=unroll, with_policy_state=True, rows=rows, refill=refill,
-        stop_at_running=stop_at_running,
-    ))
+        tparams, drafter_params, policy_params, jnp.asarray(tokens), jnp.asarray(lens), key, policy_state, budgets,
+        tree=tree, cache_len=cache_len, with_policy_state=True, rows=rows, refill=refill,
+        stop_at_running=stop_at_running, **static))
 
 
 # EAGLE's `total_token = -1` mode (ea_model.py): total tokens {40, 48, 50, 56, 60} = draft nodes + root.

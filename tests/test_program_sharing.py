@@ -1,0 +1,69 @@
+"""One batch runs as two programs, a prefill per prompt width and a decode loop per cache length
+(issue: prompt buckets that share the decode program): prompts of different buckets reuse the
+loop's compiled program, with the outputs of the whole-generation program (the queue's)."""
+
+import jax
+import numpy as np
+import pytest
+
+import jspec.generate as G
+from jspec.decode import decode_loop_jit, shared_cache_len, start_decode_jit
+from jspec.generate import SpeculativeConfig, generate
+from jspec.speculative.engines.chain import spec_loop_jit, start_spec_jit
+from jspec.speculative.engines.tree import TreeConfig, tree_loop_jit
+import spec_tiny
+
+CFG, MAX_NEW = spec_tiny.CFG, spec_tiny.MAX_NEW
+
+
+@pytest.fixture(scope="module")
+def target():
+    return spec_tiny.make_target()
+
+
+def two_widths():
+    """Three prompts of at most 32 tokens, and three of which one has 40 (the 64 bucket)."""
+    short = spec_tiny._prompts(3, batch=3)
+    long = spec_tiny._prompts(4, batch=3)
+    long[0] = (long[0] * 8)[:40]
+    return short, long
+
+
+def test_the_shared_cache_length_rounds_the_plan_up_to_a_power_of_two():
+    assert [shared_cache_len(p, 256, 60) for p in (32, 64, 128, 256, 512)] == [512, 512, 512, 1024, 1024]
+    assert shared_cache_len(32, 20) == 128
+
+
+@pytest.mark.parametrize("method", ["ar", "chain", "tree"])
+def test_prompt_buckets_share_the_loop_program(target, method, monkeypatch):
+    loop = {"ar": decode_loop_jit, "chain": spec_loop_jit, "tree": tree_loop_jit}[method]
+    start = start_decode_jit if method == "ar" else start_spec_jit
+    spec = None
+    if method != "ar":
+        d, dp = spec_tiny._drafters(target)["eagle3"]
+        tree = TreeConfig(top_k=3, depth=3, num_nodes=8) if method == "tree" else None
+        spec = SpeculativeConfig(drafter=d, drafter_params=dp, policy="static", k_max=spec_tiny.K, tree=tree)
+    # as on a GPU, where attention reads each row's committed slots only: the cache is rounded up
+    monkeypatch.setattr(G, "_attention_reads_committed_slots", lambda cfg: True)
+    short, long = two_widths()
+    loops, starts = loop._cache_size(), start._cache_size()
+    results = [generate(target, CFG, ps, max_new_tokens=MAX_NEW, speculative=spec) for ps in (short, long)]
+    assert start._cache_size() == starts + 2  # a prefill per prompt width
+    assert loop._cache_size() == loops + 1  # one loop for both
+    for ps, res in zip((short, long), results):  # the queue's whole-generation program gives the same tokens
+        queued = generate(target, CFG, ps + ps[:1], max_new_tokens=MAX_NEW, speculative=spec, batch_size=2)
+        for i in range(len(ps)):
+            assert res.row(i) == queued.row(i), (method, i)
+        np.testing.assert_array_equal(res.lengths, queued.lengths[: len(ps)])
+
+
+def test_the_cache_is_rounded_up_only_where_attention_reads_committed_slots(monkeypatch):
+    """On a CPU or TPU attention reads the whole cache, so a longer one costs time: no rounding up.
+    The GPU kernel reads each row's committed slots, for configs it serves (no sliding window)."""
+    import jspec.model as M
+
+    assert jax.default_backend() == "cpu" and not G._attention_reads_committed_slots(CFG)
+    monkeypatch.setattr(M, "default_kernels", lambda: "pallas")
+    assert G._attention_reads_committed_slots(CFG.replace(head_dim=32))
+    assert not G._attention_reads_committed_slots(CFG.replace(head_dim=32, sliding_window=16,
+                                                              sliding_layers=(True,) * CFG.num_layers))
