@@ -199,6 +199,13 @@ def test_a_head_over_the_file_limit_is_written_as_indexed_shards(tmp_path):
     assert set(index["weight_map"]) == set(sd) and index["metadata"]["total_size"] == sum(a.nbytes for a in sd.values())
     hcfg2, hparams2 = eagle_format.load_eagle_head(path, TARGET)
     np.testing.assert_array_equal(_logits(hcfg2, hparams2)[1], _logits(hcfg, hparams)[1])
+    # a sharded head is a drafter as `--drafter eagle3:DIR` names it (the spec check, then the load)
+    from jspec.model import init_params
+    from jspec.speculative.factory import build_drafter, check_drafter_spec
+
+    check_drafter_spec(f"eagle3:{path}", cfg=TARGET)
+    drafter, dparams = build_drafter(f"eagle3:{path}", TARGET, init_params(TARGET, jax.random.PRNGKey(0)))
+    assert drafter.head.kind == "eagle3" and set(dparams) == set(hparams2)
 
     eagle_format.save_eagle_head(path, hcfg, hparams)
     assert sorted(f for f in os.listdir(path) if f != "config.json") == ["model.safetensors"]

@@ -525,6 +525,12 @@ def check_head_files(path: str) -> None:
             check_safetensors_file(file)
 
 
+def head_weight_files_exist(path) -> bool:
+    """Whether a head folder holds weights in a form `read_head_tensors` reads: model.safetensors,
+    pytorch_model.bin, or the index of shards of either (`check_head_files` checks their contents)."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in (WEIGHTS_FILE, SAFETENSORS_INDEX, BIN_FILE, BIN_INDEX))
+
+
 def read_head_tensors(path: str) -> dict[str, np.ndarray]:
     """{name: array} over every weight file of a head directory (weight_files); a name in two
     files is an error."""

@@ -35,7 +35,7 @@ from typing import Any
 from ..cards import card_key
 from ..checkpoint.draft_format import check_draft_model, exit_layer_of, is_draft_model_dir, load_draft_model
 from ..checkpoint.eagle_format import (CONFIG_FILE as HEAD_CONFIG, EXTRAS_DIR, WEIGHTS_FILE as HEAD_WEIGHTS, check_head_files,
-                                       load_eagle_head)
+                                       head_weight_files_exist, load_eagle_head)
 from ..checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from ..config import ModelConfig, UnsupportedModelError
 from ..heads import dlm as D
@@ -91,7 +91,7 @@ def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | No
                        cfg: ModelConfig | None = None) -> type:
     """Validate a drafter spec without loading any weights (so a CLI can reject it before the
     model loads): the name, the argument's form, and that a path given exists and holds what the
-    drafter reads (an EAGLE head's config.json + model.safetensors, a draft model's checkpoint);
+    drafter reads (an EAGLE head's config.json and weights, a draft model's checkpoint);
     for ``dlm`` also, when given, that ``model_name``'s preset ships one (no PATH) and that
     ``k_max`` fits its block (read from the file's header). With the target's ``cfg`` (read from
     its header, jspec.presets.resolve_config): an early-exit layer lies inside the target.
@@ -141,11 +141,13 @@ def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | No
 
 
 def _check_eagle_dir(spec: str, path: Path, cfg: ModelConfig | None) -> None:
-    """An EAGLE head directory holds config.json (with the target's hidden size) and model.safetensors."""
-    missing = [f for f in (HEAD_CONFIG, HEAD_WEIGHTS) if not (path / f).is_file()]
-    if missing:
+    """An EAGLE head directory holds config.json (with the target's hidden size) and its weights:
+    model.safetensors, pytorch_model.bin, or Hugging Face shards with their index."""
+    if not (path / HEAD_CONFIG).is_file() or not head_weight_files_exist(path):
+        missing = [f for f, ok in ((HEAD_CONFIG, (path / HEAD_CONFIG).is_file()), (HEAD_WEIGHTS, head_weight_files_exist(path)))
+                   if not ok]
         raise DrafterError(f"drafter {spec!r}: {path} is not an EAGLE head directory (no {' or '.join(missing)}; "
-                           f"`jspec train-head` writes {HEAD_CONFIG} + {HEAD_WEIGHTS})")
+                           f"`jspec train-head` writes {HEAD_CONFIG} + {HEAD_WEIGHTS}, or shards with their index)")
     try:
         hidden = json.loads((path / HEAD_CONFIG).read_text())["hidden_size"]
     except (ValueError, KeyError, TypeError) as e:
