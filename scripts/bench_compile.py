@@ -8,8 +8,10 @@ the tree, per layer-loop setting (`unroll`), with the steady-state speed of each
 A cell is (shape, layers, method, unroll). Each runs in a process of its own with an empty
 compilation-cache directory of its own (a new user's first run: no compiled program, no XLA
 autotuning result, on disk or in memory), batch 1, random weights (bench_shapes.random_params),
-a 64-token prompt and 256 new tokens. The program is the method's whole generation as generate()
-compiles it (jspec.bench.programs):
+a 64-token prompt and 256 new tokens. The program is the method's whole generation in one program
+(jspec.bench.programs), as a queue (continuous batching) compiles it; one batch compiles the same
+code as a prefill per prompt width and a loop that widths share (programs' *_loop_program), not yet
+timed apart here:
   first   seconds to trace, lower and compile it;
   cached  the same again after jax.clear_caches() in that process: traced and lowered again, the
           executable read from the cache (what a second `jspec generate` pays once its weights

@@ -1,6 +1,6 @@
 """Every program lowers for TPU and for CUDA on this CPU-only host (`jax.export`, nothing compiled):
-AR, the chain, the tree, the hybrid tree, PEARL on one device, DiffuSpec and a head's training step,
-of the tiny test models.
+AR, the chain, the tree (whole, and the loops one batch runs after its prefill), the hybrid tree,
+PEARL on one device, DiffuSpec and a head's training step, of the tiny test models.
 
 Kernels are chosen when a program is traced, from `jax.default_backend()` (model.default_kernels,
 the tree's level skipping, the chain's device loops), so each export traces as on a host of its
@@ -79,6 +79,10 @@ BUILDERS = {  # name -> (target config, target params) -> Program
     "tree": lambda cfg, target: P.tree_program(target, cfg, *_eagle3(cfg), tree=TREE, **SMALL),
     "hybrid": lambda cfg, target: P.tree_program(target, cfg, HybridDrafter(_eagle3(cfg)[0]), _eagle3(cfg)[1],
                                                  tree=dataclasses.replace(TREE, ngram=3), name="hybrid", **SMALL),
+    # what one batch runs after its prefill: the loops prompt widths share (generate's two-program path)
+    "ar-loop": lambda cfg, target: P.ar_loop_program(target, cfg, **SMALL),
+    "chain-loop": lambda cfg, target: P.chain_loop_program(target, cfg, *_eagle3(cfg), k_max=4, **SMALL),
+    "tree-loop": lambda cfg, target: P.tree_loop_program(target, cfg, *_eagle3(cfg), tree=TREE, **SMALL),
     "pearl": _pearl,
     "diffuspec": lambda cfg, target: P.chain_program(target, cfg, *_diffuspec(cfg, target), policy="adl", k_max=6,
                                                      name="diffuspec", **SMALL),
