@@ -466,3 +466,40 @@ def test_auto_plans_for_the_sampling_in_force():
     reach = sampled_tree_reach(31, 5, 10, 0.55, 1.0)
     assert (reach <= 1).all() and (np.diff(reach) < 0).all()
     assert (sampled_tree_reach(31, 5, 10, 0.4, 1.0) < reach).all()
+
+
+def test_a_draft_models_costs_live_beside_the_heads_and_plan_it(tmp_path, monkeypatch):
+    """A draft model's step is a forward of its own shape: a card's table keeps its draft costs under
+    drafters[cost_key], measured when missing (a table holding a head's alone does not cover it),
+    and its plans read them, while a head's plans keep reading the top level."""
+    from jspec.bench import round_cost as RC
+    from jspec.speculative.drafters.model import ModelDrafter
+    from jspec.speculative.policies.auto import CostModel, plan_for
+
+    tparams = M.init_params(CFG, jax.random.PRNGKey(0))
+    drafter, _ = _drafters(tparams)["model"]
+    assert isinstance(drafter, ModelDrafter) and drafter.cost_key.startswith("model:")
+    (tmp_path / "tiny").mkdir()
+    head_table = {"version": RC.COST_TABLE_VERSION, "card": RC.card_key(), "spread": {"1": 0.01},
+                  "verify_us": {"1": {"1": 1000.0, "2": 1010.0, "4": 1020.0, "8": 1040.0}},
+                  "draft_step_us": {"1": 30.0}, "draft_first_us": {"1": 30.0}}
+    RC.save_card_costs(head_table, RC.cost_table_path("tiny", str(tmp_path)))
+    measured = []
+
+    def fake_profile(tparams, tcfg, d, dparams, *, batch, **kw):
+        measured.append(d.cost_key)
+        return {"draft_step_us": 450.0, "draft_first_us": 450.0, "round_us": 2500.0}
+
+    monkeypatch.setattr(RC, "profile_method", fake_profile)
+    monkeypatch.setattr(RC, "verify_us", lambda *a, spread, **kw: spread.update(x=0.01) or dict(head_table["verify_us"]["1"]))
+    costs = RC.ensure_costs(tparams, CFG, drafter, None, batch=1, preset="tiny", models_dir=str(tmp_path), tree=False)
+    assert measured == [drafter.cost_key]  # the head's draft step does not stand in for the draft model's
+    assert costs["draft_step_us"] == {"1": 30.0}  # the head's, untouched
+    assert costs["drafters"][drafter.cost_key]["draft_step_us"] == {"1": 450.0}
+    assert RC.ensure_costs(tparams, CFG, drafter, None, batch=1, preset="tiny", models_dir=str(tmp_path), tree=False) == costs
+    assert measured == [drafter.cost_key]  # cached: measured once
+    assert CostModel(costs, 1, drafter_key=drafter.cost_key).draft_step() == 450.0
+    assert CostModel(costs, 1).draft_step() == 30.0
+    as_model = plan_for(drafter, costs, batch=1, k_cap=8, tree=None)
+    as_head = plan(costs, batch=1, drafter_name="model", parallel=False, alpha=getattr(drafter, "acceptance", None))
+    assert as_model.k_max < as_head.k_max or as_model.mode == "ar"  # a dear draft step drafts less

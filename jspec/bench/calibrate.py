@@ -171,10 +171,12 @@ def time_rounds(params, cfg, drafter, dparams, prompts: list[list[int]], *, k_ma
     return chains, per_round(None)
 
 
-def round_cost(costs: dict, batch: int, k_max: int, timed: tuple[dict[int, float], float] | None) -> tuple[RoundCost, dict]:
+def round_cost(costs: dict, batch: int, k_max: int, timed: tuple[dict[int, float], float] | None,
+               drafter_key: str | None = None) -> tuple[RoundCost, dict]:
     """The replay's RoundCost and what the entry records of it: timed on this card when `timed`
-    (time_rounds) gives a positive draft step, else the cost table's."""
-    table = RoundCost.from_table(costs, batch, k_max)
+    (time_rounds) gives a positive draft step, else the cost table's (the drafter's own draft
+    costs: its `cost_key`)."""
+    table = RoundCost.from_table(costs, batch, k_max, drafter_key)
     note = {"source": f"cost table {costs.get('card', 'reference')}", "table_step_us": table.step_us}
     if timed is not None and costs.get("card") != card_key():  # another card's table: its shape, this card's scale
         table = table.scaled(timed[1] / table.ar_us)
@@ -208,7 +210,7 @@ def calibrate(params, cfg, drafter, dparams, prompts, names, *, costs: dict, k_m
     """Record, then fit every named policy: the calibration entry of one card (save_calibration)."""
     records = record_rounds(params, cfg, drafter, dparams, prompts, k_max=k_max, batch=record_batch, max_new=max_new,
                             ldlp_params=ldlp_params, log=log)
-    cost, cost_note = round_cost(costs, batch, k_max, timed)
+    cost, cost_note = round_cost(costs, batch, k_max, timed, getattr(drafter, "cost_key", None))
     fits = fit_all(names, records, k_max, cost)
     return {"k_max": k_max, "batch": batch, "rounds": records.n_rounds, "max_new_tokens": max_new,
             "cost_table": costs.get("card", "reference"), "round_cost": cost_note, **fits}

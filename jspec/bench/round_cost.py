@@ -50,7 +50,7 @@ from jspec.speculative.engines import ssd as SSD
 from jspec.speculative.engines.chain import draft_autoregressive, spec_round, start_spec
 from jspec.speculative.engines.tree import TreeConfig, draft_tree, tree_round
 from jspec.speculative.policies import resolve_policy
-from jspec.speculative.policies.auto import (COST_TABLE_VERSION, REFERENCE_COSTS, cost_table_path,
+from jspec.speculative.policies.auto import (COST_TABLE_VERSION, REFERENCE_COSTS, cost_table_path, drafter_costs,
                                              cost_table_paths, row_value)
 
 VERIFY_TS = (1, 2, 4, 8, 16, 32, 64)
@@ -392,7 +392,9 @@ def measure_batch_costs(costs: dict, tparams, tcfg, drafter=None, dparams=None, 
     autoregressive drafter draft_step_us / draft_first_us / round_overhead_us[B] (chain) and
     tree_level_us / tree_overhead_us[B] (when `tree` is given). Each verify timing is the median of
     `reps` timed loops; spread[B] records the largest relative spread among them. `log`: progress
-    lines (each part as it is timed), or None."""
+    lines (each part as it is timed), or None. A drafter with a `cost_key` (a draft model, an early
+    exit) has its draft parts written to drafters[cost_key], beside an EAGLE head's at the top level,
+    so one card's table serves both without one's draft costs planning the other."""
     b = str(batch)
     costs["version"] = COST_TABLE_VERSION
     costs.setdefault("card", card_key())
@@ -404,20 +406,28 @@ def measure_batch_costs(costs: dict, tparams, tcfg, drafter=None, dparams=None, 
     costs.setdefault("source", {})[b] = f"measured, median of {reps}"
     if drafter is None or drafter.parallel:
         return costs
+    own = drafter_section(costs, drafter)
     prof = profile_method(tparams, tcfg, drafter, dparams, batch=batch, k_max=k_max, n=n, verify_ts=None, bookkeeping=False)
     if log is not None:
         log(f"round_cost:   draft step {prof['draft_step_us']:.0f} µs, chain round {prof['round_us']:.0f} µs")
-    costs.setdefault("draft_step_us", {})[b] = prof["draft_step_us"]
-    costs.setdefault("draft_first_us", {})[b] = prof["draft_first_us"]
+    own.setdefault("draft_step_us", {})[b] = prof["draft_step_us"]
+    own.setdefault("draft_first_us", {})[b] = prof["draft_first_us"]
     loop = prof["draft_first_us"] + (k_max - 1) * prof["draft_step_us"]
-    costs.setdefault("round_overhead_us", {})[b] = max(prof["round_us"] - loop - row_value(v, str(k_max + 1)), 0.0)
+    own.setdefault("round_overhead_us", {})[b] = max(prof["round_us"] - loop - row_value(v, str(k_max + 1)), 0.0)
     if tree is not None:
         tp = profile_method(tparams, tcfg, drafter, dparams, batch=batch, tree=tree, n=n, verify_ts=None, bookkeeping=False)
         if log is not None:
             log(f"round_cost:   tree level {tp['tree_level_us']:.0f} µs, tree round {tp['round_us']:.0f} µs")
-        costs.setdefault("tree_level_us", {})[b] = tp["tree_level_us"]
-        costs.setdefault("tree_overhead_us", {})[b] = max(tp["round_us"] - tp["tree_build_us"] - row_value(v, f"tree{tree.num_nodes + 1}"), 0.0)
+        own.setdefault("tree_level_us", {})[b] = tp["tree_level_us"]
+        own.setdefault("tree_overhead_us", {})[b] = max(tp["round_us"] - tp["tree_build_us"] - row_value(v, f"tree{tree.num_nodes + 1}"), 0.0)
     return costs
+
+
+def drafter_section(costs: dict, drafter) -> dict:
+    """The part of a cost table that holds `drafter`'s own costs: the top level for an EAGLE head
+    (a drafter without a `cost_key`), else drafters[cost_key] (created when missing)."""
+    key = getattr(drafter, "cost_key", None)
+    return costs if key is None else costs.setdefault("drafters", {}).setdefault(key, {})
 
 
 CONTEXT_BASE = 192  # committed tokens behind the verify timings (verify_us's default); the draft timings' are 128
@@ -482,8 +492,10 @@ def ensure_costs(tparams, tcfg, drafter, dparams, *, batch: int, preset: str | N
     timing the median of ROBUST_REPS loops, and a noisy measurement replaced by the nearest trusted
     table scaled to this card's AR step, so one bad timing cannot plan plain decoding)."""
     def covers(costs):
+        key = getattr(drafter, "cost_key", None)
+        own = costs if key is None else drafter_costs(costs, key)  # a draft model's own section, never a head's
         return costs.get("version") == COST_TABLE_VERSION and str(batch) in costs.get("verify_us", {}) and (
-            drafter is None or drafter.parallel or str(batch) in costs.get("draft_step_us", {}))
+            drafter is None or drafter.parallel or str(batch) in own.get("draft_step_us", {}))
 
     tables = [load_card_costs(p) or {} for p in cost_table_paths(preset, models_dir)[:2]]  # committed, cached
     costs = next((t for t in tables if covers(t)), None)

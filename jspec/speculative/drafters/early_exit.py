@@ -36,6 +36,11 @@ class EarlyExitDrafter:
     def capture_layers(self):
         return (self.exit_layer,) if self.head is not None else ()
 
+    @property
+    def cost_key(self) -> str:
+        """Where a cost table keeps this drafter's draft-step costs (policies.auto.CostModel)."""
+        return f"early-exit:{self.exit_layer}{':head' if self.head is not None else ''}"
+
     def check(self, tcfg: ModelConfig):
         if not 0 < self.exit_layer < tcfg.num_layers:
             raise DrafterError(f"exit_layer must be in [1, {tcfg.num_layers - 1}], got {self.exit_layer}")

@@ -30,6 +30,13 @@ class ModelDrafter:
     deterministic = False
     capture_layers = ()
 
+    @property
+    def cost_key(self) -> str:
+        """Where a cost table keeps this drafter's own draft-step costs (policies.auto.CostModel):
+        a draft model's step is a forward of its own shape, not an EAGLE head's."""
+        c = self.cfg
+        return f"model:{c.num_layers}x{c.hidden_size}x{c.intermediate_size}:{c.vocab_size}"
+
     def check(self, tcfg: ModelConfig):
         if self.cfg.vocab_size != tcfg.vocab_size:
             raise DrafterError(

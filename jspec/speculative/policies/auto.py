@@ -332,7 +332,13 @@ class CostModel:
     does: drafting pays more than a short-context table says. Without `context_us` (or without a
     context) the costs are the table's own."""
 
-    def __init__(self, costs: dict, batch: int, context: float | None = None):
+    # the parts of a table that are a drafter's own: an EAGLE head's at the table's top level,
+    # another drafter's (a draft model, an early exit) under drafters[its cost_key] (`drafter_costs`)
+    DRAFTER_PARTS = ("draft_step_us", "draft_first_us", "round_overhead_us", "tree_level_us", "tree_overhead_us")
+
+    def __init__(self, costs: dict, batch: int, context: float | None = None, drafter_key: str | None = None):
+        if drafter_key is not None:
+            costs = {**costs, **drafter_costs(costs, drafter_key)}
         self.costs, self.batch = costs, batch
         per_k = costs.get("context_us") if context is not None else None
         self.extra_k = max(float(context) - float(costs.get("context_base", 0)), 0.0) / 1000.0 if per_k else 0.0
@@ -383,6 +389,15 @@ class CostModel:
     def hybrid_branch(self) -> float:
         """What a round with an n-gram branch costs beyond its verify block (`HYBRID_BRANCH_US`)."""
         return max(self._over_batch(self.costs.get("hybrid_branch_us") or {"1": HYBRID_BRANCH_US}), 0.0)
+
+
+def drafter_costs(costs: dict, drafter_key: str | None) -> dict:
+    """The drafter-specific parts of a cost table (CostModel.DRAFTER_PARTS) for the drafter whose
+    `cost_key` is `drafter_key`: the table's drafters[key] section, empty when the table has none
+    (a drafter with no cost_key, an EAGLE head, reads the top level)."""
+    if drafter_key is None:
+        return {}
+    return dict((costs.get("drafters") or {}).get(drafter_key) or {})
 
 
 SUSPECT_RATIO = 1.25  # [I] a verify entry this far above a larger block's is a bad timing
@@ -453,7 +468,7 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
          tree_top_k: int = 10, tree_depth: int = 6, alpha: float | None = None, min_gain: float = 1.05,
          row_spread: float | None = None, hybrid: bool = False, ngram_alpha: float | None = None,
          context: float | None = None, lookup_first: int = 0, temperature: float = 0.0,
-         alpha_by_temperature=None) -> AutoPlan:
+         alpha_by_temperature=None, drafter_key: str | None = None) -> AutoPlan:
     """The static budget for one generate call (module doc). `parallel` drafters (n-gram) cost
     nothing per draft step. alpha: the drafter's mean per-token acceptance (None: the table's or
     the prior, `acceptance_prior`); the plan uses a slow row's (`straggler_acceptance`, with the
@@ -474,7 +489,7 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     cost what sampling adds (`CostModel.sampled`), trees are sampled-sibling trees
     (verify.sampled_tree: their static shape's reach, `sampled_tree_reach`), and no round looks
     up first."""
-    cm = CostModel(costs, batch, context)
+    cm = CostModel(costs, batch, context, drafter_key)
     sampled = temperature > 0.0
     a = alpha if alpha is not None else acceptance_prior(costs, drafter_name)
     a = acceptance_at(a, temperature, drafter_name, alpha_by_temperature)
@@ -683,7 +698,8 @@ def plan_for(drafter, costs: dict, *, batch: int, k_cap: int, tree, context: flo
                 ngram_alpha=estimated if hybrid else None, context=context,
                 lookup_first=lookup.max_ngram if hybrid else 0,
                 temperature=0.0 if sampling is None else float(sampling.temperature),
-                alpha_by_temperature=getattr(drafter, "acceptance_by_temperature", None))
+                alpha_by_temperature=getattr(drafter, "acceptance_by_temperature", None),
+                drafter_key=getattr(drafter, "cost_key", None))
 
 
 # [I] A queue's tail moves to a batch of rows // TAIL_FRACTION rows when the plan expects a token

@@ -184,8 +184,8 @@ class RoundCost:
     verify_us: tuple[float, ...]  # verify_us[k] = the target's forward over k + 1 tokens
 
     @classmethod
-    def from_table(cls, costs: dict, batch: int, k_max: int) -> "RoundCost":
-        cm = CostModel(costs, batch)
+    def from_table(cls, costs: dict, batch: int, k_max: int, drafter_key: str | None = None) -> "RoundCost":
+        cm = CostModel(costs, batch, drafter_key=drafter_key)
         return cls(cm.draft_first() + cm.overhead(False), cm.draft_step(), tuple(cm.verify(k + 1) for k in range(k_max + 1)))
 
     @classmethod
