@@ -503,3 +503,38 @@ def test_a_draft_models_costs_live_beside_the_heads_and_plan_it(tmp_path, monkey
     as_model = plan_for(drafter, costs, batch=1, k_cap=8, tree=None)
     as_head = plan(costs, batch=1, drafter_name="model", parallel=False, alpha=getattr(drafter, "acceptance", None))
     assert as_model.k_max < as_head.k_max or as_model.mode == "ar"  # a dear draft step drafts less
+
+
+def test_bench_queue_auto_rows_name_the_tail_they_ran(tmp_path, monkeypatch):
+    """`jspec bench --queue` with `auto`: the tail the plan adds runs (generate's tail_rows, as
+    planned from the same table) and the row's auto_plan says so; outputs stay AR's."""
+    import argparse
+
+    import jspec.generate as G
+    from jspec.bench import cli
+    from jspec.bench import round_cost as RC
+    from jspec.config import ModelConfig
+    from test_bench import CharTokenizer
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=256, eos_token_ids=(3,))
+    params = M.init_params(cfg, jax.random.PRNGKey(0), scale=0.35)
+    monkeypatch.setattr(cli, "resolve_model", lambda name: (cfg, params, CharTokenizer()))
+    # the H200 table (a step of 8 rows costs 0.97x one of 2, and 8 rows plan shorter chains)
+    monkeypatch.setattr(cli, "ensure_costs", lambda *a, **kw: dict(REFERENCE_COSTS))
+    monkeypatch.setattr(RC, "ensure_costs", lambda *a, **kw: dict(REFERENCE_COSTS))
+    tails = []
+    finish = G._finish_in_tail
+    monkeypatch.setattr(G, "_finish_in_tail", lambda *a, **kw: tails.append(kw["tail"]) or finish(*a, **kw))
+    args = cli.add_bench_args(argparse.ArgumentParser()).parse_args(
+        ["--model", "tiny", "--tasks", "mt_bench", "--n-prompts", "10", "--max-new-tokens", "6", "--batch", "8",
+         "--methods", "ar,spec:ngram:auto", "--queue", "--no-plots", "--min-timed-s", "0",
+         "--out", str(tmp_path / "results")])
+    rows = cli.run_bench(args)
+    spec = [r for r in rows if r["method"] == "spec"][0]
+    from jspec.speculative.drafters.ngram import NgramDrafter
+    from jspec.speculative.policies.auto import tail_rows
+
+    planned = tail_rows(NgramDrafter(), REFERENCE_COSTS, rows=8, k_cap=8, tree=None)
+    assert spec["greedy_identical_to_ar"] == 1.0 and planned == 2
+    assert spec["auto_plan"].endswith("; the last 2 rows in a 2-row tail, planned afresh") and set(tails) == {2}

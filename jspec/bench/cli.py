@@ -29,7 +29,7 @@ from jspec.speculative.policies.ldlp import load_ldlp
 from jspec.speculative.drafters.eagle import EagleDrafter
 from jspec.speculative.drafters.hybrid import HybridDrafter
 from jspec.speculative.engines.tree import TreeConfig
-from jspec.speculative.policies.auto import AutoPlan, mean_context, plan_for
+from jspec.speculative.policies.auto import AutoPlan, mean_context, plan_for, tail_rows
 from jspec.bench.round_cost import VERIFY_TS, attach_profile, ensure_costs, plot_round_cost, profile_method
 from jspec.errors import UsageError
 from jspec.sampling import GREEDY, Sampling
@@ -344,14 +344,17 @@ class MethodFactory:
         return True
 
     def auto_plan(self, spec: MethodSpec, params: Any, drafter: Any, dparams: Any, batch: int, context: float | None = None,
-                  prompts: list[list[int]] | None = None, sampling: Sampling = GREEDY):
+                  prompts: list[list[int]] | None = None, sampling: Sampling = GREEDY, queue: bool = False):
+        """(the plan, the rows of its queue's tail: 0 without one) a user's generate(policy="auto")
+        makes, from this card's cost table: the head's own measured acceptance as the prior, and
+        with continuous batching the tail `auto` finishes the queue in (policies.auto.tail_rows)."""
         hybrid = isinstance(drafter, HybridDrafter)
         head = drafter.eagle if hybrid else drafter  # a hybrid's costs are its head's (the n-gram branch costs verify only)
         costs = ensure_costs(params, self.cfg, head, dparams, batch=batch, preset=preset_name(self.args.model),
                              models_dir=self.args.models_dir, tree=isinstance(head, EagleDrafter))
-        # the plan a user's generate(policy="auto") makes: the head's own measured acceptance as the prior
-        return plan_for(drafter, costs, batch=batch, k_cap=self.args.k_max or 8, tree=TreeConfig() if spec.tree else None,
-                        context=context, prompts=prompts, sampling=sampling)
+        kw = dict(k_cap=self.args.k_max or 8, tree=TreeConfig() if spec.tree else None, context=context, prompts=prompts,
+                  sampling=sampling)
+        return plan_for(drafter, costs, batch=batch, **kw), (tail_rows(drafter, costs, rows=batch, **kw) if queue else 0)
 
     def law_method(self, spec: MethodSpec, dtype: str, sampling: Sampling, tokens: int):
         """The method as --law-check runs it: the configuration it runs at batch 1 (an `auto` plan
@@ -387,8 +390,10 @@ class MethodFactory:
             if spec.policy == "ldlp":  # the predictor shipped in the EAGLE head's jspec/ folder
                 extra["policy_params"] = load_ldlp(str(find_ldlp_weights(spec.drafter, self.args.model)))[0]
             if is_auto(spec.policy):  # the budget from this card's measured round costs (cached per card)
-                extra["policy"] = self.auto_plan(spec, params, extra["drafter"], extra["drafter_params"], batch, context,
-                                                 prompts, sampling)
+                extra["policy"], tail = self.auto_plan(spec, params, extra["drafter"], extra["drafter_params"], batch,
+                                                       context, prompts, sampling, queue=getattr(a, "queue", False))
+                if getattr(a, "queue", False):
+                    extra["tail_rows"] = tail  # as planned here, so the row says what ran
             constants = self.calibrated_policy(spec)
             if constants is not None and constants[0] is not None:
                 extra["policy"] = constants[0]
@@ -400,6 +405,8 @@ class MethodFactory:
             method.policy_constants = constants[1] if constants is not None else spec.option_dict.get("constants", "paper")
         if isinstance(extra.get("policy"), AutoPlan):
             method.auto_plan = extra["policy"].describe()
+            if extra.get("tail_rows"):
+                method.auto_plan += f"; the last {extra['tail_rows']} rows in a {extra['tail_rows']}-row tail, planned afresh"
         return method
 
     def calibrated_policy(self, spec: MethodSpec):
