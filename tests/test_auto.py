@@ -538,3 +538,25 @@ def test_bench_queue_auto_rows_name_the_tail_they_ran(tmp_path, monkeypatch):
     planned = tail_rows(NgramDrafter(), REFERENCE_COSTS, rows=8, k_cap=8, tree=None)
     assert spec["greedy_identical_to_ar"] == 1.0 and planned == 2
     assert spec["auto_plan"].endswith("; the last 2 rows in a 2-row tail, planned afresh") and set(tails) == {2}
+
+
+def test_an_unmeasured_draft_model_is_planned_with_its_share_of_the_ar_step():
+    """Before a table holds a draft model's measured step, `auto` prices it as step_fraction times
+    the AR step (the mean of its layer and weight ratios to the target), not as an EAGLE head's."""
+    from jspec.config import ModelConfig
+    from jspec.speculative.drafters.model import ModelDrafter, step_fraction
+    from jspec.speculative.policies.auto import CostModel, plan_for
+
+    def qwen(layers, hidden, ffn, heads):
+        return ModelConfig(arch="qwen2", vocab_size=151936, hidden_size=hidden, intermediate_size=ffn, num_layers=layers,
+                           num_heads=heads, num_kv_heads=2, head_dim=hidden // heads)
+
+    target, draft = qwen(28, 1536, 8960, 12), qwen(24, 896, 4864, 14)
+    assert step_fraction(draft, target) == pytest.approx(0.59, abs=0.01)
+    drafter = ModelDrafter(draft, step_fraction=0.59)
+    cm = CostModel(REFERENCE_COSTS, 1, drafter_key=drafter.cost_key, step_fraction=0.59)
+    assert cm.draft_step() == pytest.approx(0.59 * CostModel(REFERENCE_COSTS, 1).ar_step())
+    assert CostModel(REFERENCE_COSTS, 1).draft_step() < 0.2 * cm.draft_step()  # the head's, far cheaper
+    p = plan_for(drafter, REFERENCE_COSTS, batch=1, k_cap=8, tree=None)
+    head_priced = plan(REFERENCE_COSTS, batch=1, drafter_name="model", parallel=False)
+    assert p.mode == "ar" or (p.k_max <= head_priced.k_max and p.gain < head_priced.gain)

@@ -45,7 +45,7 @@ from .drafters.diffusion import PROXY_FILE, DiffuSpecDrafter, load_proxy
 from .drafters.eagle import EagleDrafter
 from .drafters.hybrid import HybridDrafter
 from .drafters.early_exit import EarlyExitDrafter
-from .drafters.model import ModelDrafter
+from .drafters.model import ModelDrafter, step_fraction
 from .drafters.ngram import NgramDrafter
 from .policies import POLICY_NAMES, make_policy
 from .policies.calibration import CALIBRATED_POLICIES, calibrated_constants, policy_from_constants
@@ -335,7 +335,7 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
             dcfg, dparams = load_draft_model(arg, cfg, params, dtype=dtype)
         else:
             dcfg, dparams, _ = resolve_model(arg, dtype=dtype or params["embed"].dtype, tokenizer=False)
-        drafter = ModelDrafter(dcfg)
+        drafter = ModelDrafter(dcfg, step_fraction=round(step_fraction(dcfg, cfg), 3))
         drafter.check(cfg)
         return drafter, dparams
     if name in ("eagle", "eagle1", "eagle3"):

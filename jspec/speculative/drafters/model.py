@@ -20,11 +20,29 @@ class ModelDraftState:
     prev_token: jax.Array  # [B] the token before the pending one
 
 
+def approx_params(cfg: ModelConfig) -> int:
+    """Weights a decode step reads: every layer's attention and MLP, and the LM head."""
+    attention = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+    return cfg.num_layers * (attention + 3 * cfg.hidden_size * cfg.intermediate_size) + cfg.vocab_size * cfg.hidden_size
+
+
+def step_fraction(dcfg: ModelConfig, tcfg: ModelConfig) -> float:
+    """[I] A draft model's step as a fraction of its target's, before anything is timed: the mean
+    of the two models' layer-count ratio (a small model's step is bound by kernel launches, a fixed
+    cost per layer) and weight ratio (a large one's by reading its weights). Qwen2.5-Coder 0.5B for
+    the 1.5B: layers 24 / 28, weights 0.32 of the target's, so 0.59. `auto` plans with it until a
+    cost table holds the pair's measured draft step (policies.auto.CostModel)."""
+    return 0.5 * (dcfg.num_layers / tcfg.num_layers + approx_params(dcfg) / approx_params(tcfg))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter:
-    """An independent small draft model sharing the target's vocabulary (dparams: its weights)."""
+    """An independent small draft model sharing the target's vocabulary (dparams: its weights).
+    `step_fraction`: its step as a share of the target's (`step_fraction`), which `auto` plans
+    with where no cost table holds its measured draft step; None: unknown."""
 
     cfg: ModelConfig
+    step_fraction: float | None = None
     name = "model"
     parallel = False
     deterministic = False

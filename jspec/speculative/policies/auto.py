@@ -336,9 +336,14 @@ class CostModel:
     # another drafter's (a draft model, an early exit) under drafters[its cost_key] (`drafter_costs`)
     DRAFTER_PARTS = ("draft_step_us", "draft_first_us", "round_overhead_us", "tree_level_us", "tree_overhead_us")
 
-    def __init__(self, costs: dict, batch: int, context: float | None = None, drafter_key: str | None = None):
+    def __init__(self, costs: dict, batch: int, context: float | None = None, drafter_key: str | None = None,
+                 step_fraction: float | None = None):
         if drafter_key is not None:
-            costs = {**costs, **drafter_costs(costs, drafter_key)}
+            own = drafter_costs(costs, drafter_key)
+            if "draft_step_us" not in own and step_fraction:  # not measured yet: a share of the AR step [I]
+                step = {b: step_fraction * float(row_value(row, "1")) for b, row in costs["verify_us"].items()}
+                own = {"draft_step_us": step, "draft_first_us": step, **own}
+            costs = {**costs, **own}
         self.costs, self.batch = costs, batch
         per_k = costs.get("context_us") if context is not None else None
         self.extra_k = max(float(context) - float(costs.get("context_base", 0)), 0.0) / 1000.0 if per_k else 0.0
@@ -468,7 +473,7 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
          tree_top_k: int = 10, tree_depth: int = 6, alpha: float | None = None, min_gain: float = 1.05,
          row_spread: float | None = None, hybrid: bool = False, ngram_alpha: float | None = None,
          context: float | None = None, lookup_first: int = 0, temperature: float = 0.0,
-         alpha_by_temperature=None, drafter_key: str | None = None) -> AutoPlan:
+         alpha_by_temperature=None, drafter_key: str | None = None, step_fraction: float | None = None) -> AutoPlan:
     """The static budget for one generate call (module doc). `parallel` drafters (n-gram) cost
     nothing per draft step. alpha: the drafter's mean per-token acceptance (None: the table's or
     the prior, `acceptance_prior`); the plan uses a slow row's (`straggler_acceptance`, with the
@@ -488,8 +493,10 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     (`acceptance_at`, from alpha_by_temperature when the drafter records it), rounds and AR steps
     cost what sampling adds (`CostModel.sampled`), trees are sampled-sibling trees
     (verify.sampled_tree: their static shape's reach, `sampled_tree_reach`), and no round looks
-    up first."""
-    cm = CostModel(costs, batch, context, drafter_key)
+    up first. drafter_key: a drafter whose draft costs are its own (a draft model's `cost_key`,
+    `CostModel`), planned with the table's drafters[key] section, or, until one is measured, a
+    draft step of step_fraction times the AR step."""
+    cm = CostModel(costs, batch, context, drafter_key, step_fraction)
     sampled = temperature > 0.0
     a = alpha if alpha is not None else acceptance_prior(costs, drafter_name)
     a = acceptance_at(a, temperature, drafter_name, alpha_by_temperature)
@@ -699,7 +706,7 @@ def plan_for(drafter, costs: dict, *, batch: int, k_cap: int, tree, context: flo
                 lookup_first=lookup.max_ngram if hybrid else 0,
                 temperature=0.0 if sampling is None else float(sampling.temperature),
                 alpha_by_temperature=getattr(drafter, "acceptance_by_temperature", None),
-                drafter_key=getattr(drafter, "cost_key", None))
+                drafter_key=getattr(drafter, "cost_key", None), step_fraction=getattr(drafter, "step_fraction", None))
 
 
 # [I] A queue's tail moves to a batch of rows // TAIL_FRACTION rows when the plan expects a token
