@@ -29,7 +29,8 @@ from .errors import (
     UnknownArchitectureError,
     UnsupportedQuantizationError,
 )
-from .layout import build_params, check_shape
+from .layout import check_shape, expected_shape
+from .streaming import place_params
 
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
 
@@ -313,7 +314,10 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
 
 
 def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
-    """(config, params) from a GGUF file; every quantized tensor is dequantized to `dtype`."""
+    """(config, params) from a GGUF file; every quantized tensor is dequantized to `dtype`. The
+    parameters are placed one layer of one leaf at a time (streaming.place_params): the host holds
+    one dequantized tensor, not a float32 copy of the model beside the placed one (Qwen2.5-1.5B
+    in float32 on a CPU: 15 GB at the peak before, the model's 6 GB and a block after)."""
     path = Path(path)
     reader = open_gguf(path)
     cfg = config_from_gguf(reader, path)
@@ -331,7 +335,15 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, 
             w = unpermute_qk(w, cfg.num_kv_heads)
         return check_shape(w, shape, gname, str(path))
 
-    return cfg, build_params(cfg, fetch, dtype)
+    last: dict = {}  # the tensor being read: a global one is read in row chunks, dequantized once
+
+    def rows(name: str, layer: int | None, start: int, out: np.ndarray) -> None:
+        if (name, layer) not in last:
+            last.clear()
+            last[name, layer] = fetch(name, layer, expected_shape(cfg, name))
+        out[...] = last[name, layer][start : start + len(out)]
+
+    return cfg, place_params(cfg, rows, dtype)
 
 
 def _reject_output_bias(tensors: dict, path: Path) -> None:
