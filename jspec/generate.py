@@ -124,7 +124,7 @@ def generate(
     # Every program below runs whole on each device (tensor parallelism too: it runs under a
     # shard_map), so the GPU kernels may run on a host with several GPUs (model.default_kernels).
     rows = queue_rows(len(prompts), batch_size, refill, mesh, speculative)
-    check_tail_rows(tail_rows, cfg, prompts, max_new_tokens, batch_size, mesh, speculative)
+    check_tail_rows(tail_rows, prompts, batch_size, mesh, speculative)
     with M.per_device_program():
         return _generate(params, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                          spec=speculative, policy_state=policy_state, seed=seed, cache_len=cache_len,
@@ -138,13 +138,15 @@ def tail_fits(cfg: ModelConfig, prompts, max_new_tokens: int, extra: int) -> boo
     return max(len(p) for p in prompts) + 2 * max_new_tokens + extra <= cfg.max_position_embeddings
 
 
-def check_tail_rows(tail_rows, cfg, prompts, max_new_tokens, batch_size, mesh, spec) -> None:
-    if tail_rows is None or tail_rows == 0:
-        if tail_rows is not None and isinstance(tail_rows, bool):
-            raise UsageError(f"tail_rows must be a non-negative integer, got {tail_rows!r}")
+def check_tail_rows(tail_rows, prompts, batch_size, mesh, spec) -> None:
+    """One-line errors for a `tail_rows` that cannot run, before anything loads or compiles (the
+    positions it needs are checked where the speculation's cache slots are known, in _generate)."""
+    if tail_rows is None:
         return
     if isinstance(tail_rows, bool) or not isinstance(tail_rows, int) or tail_rows < 0:
         raise UsageError(f"tail_rows must be a non-negative integer, got {tail_rows!r}")
+    if tail_rows == 0:
+        return
     rows = min(batch_size or len(prompts), len(prompts))
     if tail_rows >= rows:
         raise UsageError(f"tail_rows {tail_rows} must be fewer than the {rows} rows in flight")

@@ -24,7 +24,7 @@ from jspec.speculative.config import SpeculativeConfig
 from jspec.tasks import TaskDataError, load_task
 from jspec.tokenizer import apply_chat
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # Makefile: after the parallel suite, by itself
 
 NEW_TOKENS = 64
 PROMPTS_PER_TASK = 8
