@@ -198,8 +198,8 @@ MUTANTS = {
         # (a) a leaf's bonus token taken from its parent's sample
         "bonus_position": (
             "verify_sampled_tree",
-            "nxt = jnp.where(usable, from_residual, take_row(node_sample, best))",
-            "nxt = jnp.where(usable, from_residual, take_row(node_sample, take_row(tree.parent, best)))",
+            "stop_logits = take_row(logits, best)",
+            "stop_logits = take_row(logits, take_row(tree.parent, best))",
         ),
         # (b) the correction after rejected children drawn from p itself, not the residual
         "residual_without_q": (

@@ -169,6 +169,12 @@ class SiblingLayout:
     parent_expansion: tuple[int, ...]
     ngram_child: int  # the root's deterministic n-gram child (node 1 of a hybrid), 0 if none
 
+    @property
+    def chain_nodes(self) -> int:
+        """The deterministic nodes after the root: a hybrid's n-gram chain, nodes 1..M (node i's
+        parent is i - 1), whose tests need their parents' target samples."""
+        return sum(1 for e in self.parent_expansion[1:] if e < 0)
+
     def child_table(self) -> np.ndarray:
         """[E, C] node index of each expansion's i-th sampled child (-1 past its last)."""
         kids = [[c for c, e in enumerate(self.parent_expansion) if e == ex] for ex in range(len(self.expansion_node))]
@@ -236,11 +242,15 @@ def verify_sampled_tree(key, tree: Tree, logits: jax.Array, sampling: Sampling, 
     d2t [Vd] the draft vocab's target ids (None: the head drafts the whole vocabulary). Returns
     (best node [B], n accepted [B], next token [B])."""
     B, N1, V = logits.shape
-    k_accept, k_node, k_residual = jax.random.split(key, 3)
-    p_node = probs(logits, sampling)  # [B, N+1, V]
-    node_sample = sample(k_node, logits, sampling)  # deterministic children and leaves: one sample per node
+    k_accept, k_chain, k_residual, k_stop = jax.random.split(key, 4)
+    # The target's law is needed only where children were drawn (the expansions), its samples only
+    # at the root and a hybrid's n-gram nodes (what their deterministic children are tested
+    # against) and where the walk stops: not at every node (at batch 16 the 59-node tree's
+    # full-vocabulary softmax and sample over all 60 nodes were most of what sampling adds to a round).
+    M = layout.chain_nodes
     exp_node = jnp.asarray(layout.expansion_node)
-    p = p_node[:, exp_node]  # [B, E, V]
+    p = probs(logits[:, exp_node], sampling)  # [B, E, V]
+    chain_sample = sample(k_chain, logits[:, : M + 1], sampling)  # [B, M + 1]: the root's and the n-gram nodes'
     if layout.ngram_child:  # the root's n-gram child is tried first: the head's children see p without it
         x0, ok0 = tree.tokens[:, layout.ngram_child], tree.valid[:, layout.ngram_child]
         p_x0 = jnp.take_along_axis(p[:, 0], x0[:, None], 1)[:, 0]
@@ -261,7 +271,7 @@ def verify_sampled_tree(key, tree: Tree, logits: jax.Array, sampling: Sampling, 
         jnp.where(cvalid, accept, 0.0).reshape(B, -1))
     sampled = jnp.asarray(np.array(layout.parent_expansion) >= 0)
     u = jax.random.uniform(k_accept, (B, N1))
-    det_ok = tree.tokens == jnp.take_along_axis(node_sample, tree.parent, 1)
+    det_ok = jnp.zeros((B, N1), bool).at[:, 1 : M + 1].set(tree.tokens[:, 1 : M + 1] == chain_sample[:, :M])
     ok = (jnp.where(sampled[None], u < a_node, det_ok) & tree.valid).at[:, 0].set(False)  # the root: nobody's sibling
     # a node is chosen when it passes and no earlier sibling did (children are tried in node order)
     idx = jnp.arange(N1)
@@ -285,5 +295,8 @@ def verify_sampled_tree(key, tree: Tree, logits: jax.Array, sampling: Sampling, 
     residual = rrsw_residual(p_b, q_full, t_b, jnp.any(jax.nn.one_hot(kids, V, dtype=bool) & kid_ok[..., None], axis=1))
     usable = has_kids & (jnp.sum(residual, -1) > 0)
     from_residual = jax.random.categorical(k_residual, jnp.log(jnp.where(usable[:, None], residual, 1.0)), axis=-1)
-    nxt = jnp.where(usable, from_residual, take_row(node_sample, best)).astype(jnp.int32)
+    # otherwise the stopping node's own sample: an n-gram node's is the one its child failed against
+    stop_logits = take_row(logits, best)
+    own = jnp.where(best <= M, take_row(chain_sample, jnp.minimum(best, M)), sample(k_stop, stop_logits, sampling))
+    nxt = jnp.where(usable, from_residual, own).astype(jnp.int32)
     return best, n, nxt
