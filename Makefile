@@ -38,7 +38,7 @@ demo: setup
 # `make models-qwen` they skip, and the second pass only collects.
 test: setup
 	$(PY) -m pytest -n 2 --dist loadfile --durations=15 -m "not alone"
-	$(PY) -m pytest -q -m alone
+	$(PY) -m pytest -m alone
 
 # The AR-vs-peers report (jspec AR, transformers generate and its prompt lookup): 4.4 min on an H200.
 bench: setup

@@ -76,18 +76,21 @@ def plan_cache_len(prompt_bucket: int, max_new_tokens: int, extra: int = 0) -> i
 
 
 def shared_cache_len(prompt_bucket: int, max_new_tokens: int, extra: int = 0) -> int:
-    """`plan_cache_len` rounded up to a power of two: the decode loop's program is keyed by its
-    cache length, not by the prompt width, so prompt buckets whose caches round alike share it
-    (with 256 new tokens and a 59-node tree, buckets 32-128 share 512 slots, 256-512 share 1024).
-    Only where attention reads each row's committed slots alone (the GPU kernel): elsewhere a
-    longer cache costs attention time."""
+    """`plan_cache_len` rounded up to a multiple of a quarter of its power of two (at least 128):
+    the decode loop's program is keyed by its cache length, not by the prompt width, so prompt
+    buckets whose caches round alike share it (at 1,024 new tokens and a 59-node tree, buckets
+    32-128 share 1,280 slots; at 256, buckets 32 and 64 share 384). At most 25% more slots than
+    the plan: a power of two would nearly double a long prompt's KV cache (an 8B model at batch 128
+    with 4,096-token prompts would no longer fit an H200). Only where attention reads each row's
+    committed slots alone (the GPU kernel): elsewhere a longer cache costs attention time."""
     need = plan_cache_len(prompt_bucket, max_new_tokens, extra)
-    return 1 << (need - 1).bit_length()
+    step = max(128, (1 << (need.bit_length() - 1)) // 4)
+    return -(-need // step) * step
 
 
 def check_token_lists(prompts) -> None:
-    """Prompts are a list of token-id lists: a text or one prompt's flat ids, passed as they come,
-    is named as such instead of failing deep in NumPy. Raises PromptError."""
+    """Prompts are a non-empty list of token-id lists: a text or one prompt's flat ids, passed as
+    they come, is named as such instead of failing deep in NumPy. Raises PromptError."""
     if isinstance(prompts, str):
         raise PromptError("prompts must be a list of token-id lists, got a str: tokenize it (jspec.tokenizer.prompt_ids) "
                           "and pass [ids]")
@@ -99,6 +102,8 @@ def check_token_lists(prompts) -> None:
         ids = np.asarray(prompt)
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
             raise PromptError(f"prompt {i} is not a list of integer token ids")
+    if not len(prompts):
+        raise PromptError("no prompts given")
 
 
 def pack_prompts(cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int, extra: int = 0, cache_len: int | None = None,
@@ -107,8 +112,6 @@ def pack_prompts(cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int
     prompt or of `min_width` if that is longer (one shape for calls whose prompts vary). Raises
     PromptError."""
     check_token_lists(prompts)
-    if not len(prompts):
-        raise PromptError("no prompts given")
     if max_new_tokens < 1:
         raise PromptError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     lens = np.array([len(p) for p in prompts], np.int32)

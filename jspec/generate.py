@@ -44,7 +44,7 @@ from .compile_cache import enable_default_compile_cache
 from .config import ModelConfig
 from .errors import UsageError
 from .refill import default_refill
-from .decode import (GenerationResult, bucket, decode_loop_jit, generate_ar_jit, pack_prompts, shared_cache_len,
+from .decode import (GenerationResult, bucket, check_token_lists, decode_loop_jit, generate_ar_jit, pack_prompts, shared_cache_len,
                      start_decode_jit, stream_row0)
 from .sampling import GREEDY, Sampling
 from .sharding import (axis_size, parse_mesh, placed_tensor_parallel, replicate, shard_params, tensor_parallel_config,
@@ -138,6 +138,20 @@ def tail_fits(cfg: ModelConfig, prompts, max_new_tokens: int, extra: int) -> boo
     return max(len(p) for p in prompts) + 2 * max_new_tokens + extra <= cfg.max_position_embeddings
 
 
+def speculative_slots(drafter, tree, k_max: int) -> int:
+    """Cache slots one round of this speculation drafts into past the committed tokens (0 for AR)."""
+    if drafter is None:
+        return 0
+    return tree.cache_slots if tree is not None else k_max + 1
+
+
+def default_tail_runs(cfg: ModelConfig, prompts, batch_size, mesh, max_new_tokens: int, slots: int) -> bool:
+    """Whether generate's `auto` adds its planned tail by itself: one device, a queue with more
+    prompts than rows in flight, and room in the model's positions (`tail_fits`)."""
+    return (mesh is None and batch_size is not None and batch_size < len(prompts)
+            and tail_fits(cfg, prompts, max_new_tokens, slots))
+
+
 def check_tail_rows(tail_rows, prompts, batch_size, mesh, spec) -> None:
     """One-line errors for a `tail_rows` that cannot run, before anything loads or compiles (the
     positions it needs are checked where the speculation's cache slots are known, in _generate)."""
@@ -196,6 +210,7 @@ def _speculative_from_keywords(speculative: SpeculativeConfig | None, legacy: di
 
 def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_state, seed, cache_len, unroll,
               mesh, rows=None, tail_rows=None, budgets=None, key=None, min_prompt_width=0) -> GenerationResult:
+    check_token_lists(prompts)  # before anything below measures the prompts
     sampling = sampling or GREEDY
     if spec is None:
         drafter = drafter_params = policy = policy_params = tree = None
@@ -222,7 +237,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
         tree = tree_for(drafter, tree)  # a hybrid drafter's n-gram branch
     tail = tail_rows or 0
     # the most cache slots any plan of this config drafts into: the tail's own plan may be larger
-    most_slots = (tree.cache_slots if tree is not None else k_max + 1) if drafter is not None else 0
+    most_slots = speculative_slots(drafter, tree, k_max)
     if tail and not tail_fits(cfg, prompts, max_new_tokens, most_slots):
         raise UsageError(f"tail_rows {tail}: the longest prompt ({max(len(p) for p in prompts)} tokens) plus twice "
                          f"max_new_tokens {max_new_tokens} plus {most_slots} speculative slots exceeds the model's "
@@ -230,7 +245,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
     if drafter is not None and is_auto(policy):  # batch-aware budget
         costs = load_costs(cfg.preset, models_dir=str(models_dir()))
         context = mean_context([len(p) for p in prompts], max_new_tokens)
-        if tail_rows is None and rows and mesh is None and tail_fits(cfg, prompts, max_new_tokens, most_slots):
+        if tail_rows is None and rows and default_tail_runs(cfg, prompts, rows[0], mesh, max_new_tokens, most_slots):
             tail = auto_tail_rows(drafter, costs, rows=rows[0], k_cap=k_max, tree=tree, context=context,
                                   prompts=prompts, sampling=sampling)
         drafter, policy, k_max, tree = auto_budget(policy, drafter, rows[0] if rows else len(prompts), k_max, tree,
@@ -238,13 +253,16 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
         if getattr(drafter, "block", False) and drafter.k_max != k_max:  # a block drafter drafts the planned k
             drafter = dataclasses.replace(drafter, k_max=k_max)
         autotune = False
-    extra = (tree.cache_slots if tree is not None else k_max + 1) if drafter is not None else 0
+    extra = speculative_slots(drafter, tree, k_max)
     if cache_len is None and rows is None and mesh is None and _attention_reads_committed_slots(cfg):
         cache_len = shared_cache_len(bucket(max(max(len(p) for p in prompts), min_prompt_width)), max_new_tokens, extra)
     tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new_tokens, extra, cache_len, min_prompt_width)
     if autotune and drafter is not None:
         tree = tree_for(drafter, autotuned_tree(params, cfg, rows[0] if rows else len(prompts), cache_len, tree.top_k, tree.depth))
     key = jax.random.PRNGKey(seed) if key is None else key
+    # the tail samples from a stream of its own: the queue folds each refill's count (1, 2, ...) into
+    # `key`, so fold_in(key, 1) would give the tail's first tokens the first refill's noise
+    key, tail_key = jax.random.split(key) if tail else (key, None)
     queue = dict(_queue_per_shard(rows, 1), stop_at_running=tail, budgets=budgets)
     if axis_size(mesh, "model") > 1:
         return _generate_tensor_parallel(
@@ -295,7 +313,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
     if not tail:
         return res
     return _finish_in_tail(params, cfg, prompts, res, tail=tail, max_new_tokens=max_new_tokens, sampling=sampling,
-                           spec=spec, key=jax.random.fold_in(key, 1), unroll=unroll)
+                           spec=spec, key=tail_key, unroll=unroll)
 
 
 def _attention_reads_committed_slots(cfg: ModelConfig) -> bool:

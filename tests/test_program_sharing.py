@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jspec.generate as G
-from jspec.decode import decode_loop_jit, shared_cache_len, start_decode_jit
+from jspec.decode import decode_loop_jit, plan_cache_len, shared_cache_len, start_decode_jit
 from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.engines.chain import spec_loop_jit, start_spec_jit
 from jspec.speculative.engines.tree import TreeConfig, tree_loop_jit
@@ -29,9 +29,13 @@ def two_widths():
     return short, long
 
 
-def test_the_shared_cache_length_rounds_the_plan_up_to_a_power_of_two():
-    assert [shared_cache_len(p, 256, 60) for p in (32, 64, 128, 256, 512)] == [512, 512, 512, 1024, 1024]
+def test_the_shared_cache_length_rounds_the_plan_up_by_at_most_a_quarter():
+    assert [shared_cache_len(p, 1024, 60) for p in (32, 64, 128, 256)] == [1280, 1280, 1280, 1536]
+    assert [shared_cache_len(p, 256, 60) for p in (32, 64, 128, 256, 512)] == [384, 384, 512, 640, 896]
     assert shared_cache_len(32, 20) == 128
+    for need in range(1, 20000, 7):  # never short, never more than 25% (and 127 slots) over the plan
+        plan = plan_cache_len(need, 0)
+        assert plan <= shared_cache_len(need, 0) <= max(1.25 * plan, plan + 127)
 
 
 @pytest.mark.parametrize("method", ["ar", "chain", "tree"])
@@ -46,10 +50,10 @@ def test_prompt_buckets_share_the_loop_program(target, method, monkeypatch):
     # as on a GPU, where attention reads each row's committed slots only: the cache is rounded up
     monkeypatch.setattr(G, "_attention_reads_committed_slots", lambda cfg: True)
     short, long = two_widths()
-    loops, starts = loop._cache_size(), start._cache_size()
+    start.clear_cache(), loop.clear_cache()  # another test in this process may have compiled one of them
     results = [generate(target, CFG, ps, max_new_tokens=MAX_NEW, speculative=spec) for ps in (short, long)]
-    assert start._cache_size() == starts + 2  # a prefill per prompt width
-    assert loop._cache_size() == loops + 1  # one loop for both
+    assert start._cache_size() == 2  # a prefill per prompt width
+    assert loop._cache_size() == 1  # one loop for both
     for ps, res in zip((short, long), results):  # the queue's whole-generation program gives the same tokens
         queued = generate(target, CFG, ps + ps[:1], max_new_tokens=MAX_NEW, speculative=spec, batch_size=2)
         for i in range(len(ps)):
@@ -67,3 +71,13 @@ def test_the_cache_is_rounded_up_only_where_attention_reads_committed_slots(monk
     assert G._attention_reads_committed_slots(CFG.replace(head_dim=32))
     assert not G._attention_reads_committed_slots(CFG.replace(head_dim=32, sliding_window=16,
                                                               sliding_layers=(True,) * CFG.num_layers))
+
+
+@pytest.mark.parametrize("prompts,match", [([5, 6, 7], "flat list of ids"), ([], "no prompts given")])
+def test_bad_prompts_fail_in_one_line_before_the_cache_is_sized(target, prompts, match, monkeypatch):
+    """Where the cache is rounded up (a GPU), prompts are measured before packing: they are checked first."""
+    from jspec.decode import PromptError
+
+    monkeypatch.setattr(G, "_attention_reads_committed_slots", lambda cfg: True)
+    with pytest.raises(PromptError, match=match):
+        generate(target, CFG, prompts, max_new_tokens=4)

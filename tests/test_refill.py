@@ -10,6 +10,7 @@ import pytest
 from jspec.errors import UsageError
 from jspec.generate import SpeculativeConfig, generate
 from jspec.refill import batch_axes, run_queue
+from jspec.sampling import Sampling
 from jspec.speculative.engines.tree import TreeConfig
 import spec_tiny
 
@@ -255,3 +256,40 @@ def test_bad_tail_settings_fail_in_one_line(target, kw, match):
     kw = {"max_new_tokens": 4, **kw}
     with pytest.raises(UsageError, match=match):
         generate(target, CFG, prompts(4), **kw)
+
+
+def test_the_tail_samples_from_a_stream_no_refill_uses(target, monkeypatch):
+    """The queue starts refill k with fold_in(key, k), k = 1, 2, ...: a tail keyed fold_in(key, 1)
+    would give its first tokens the first refill's noise (rows correlated, though each row's own
+    law still passes a chi-square). The tail's key is none of the queue's."""
+    import jspec.generate as G
+
+    keys = {}
+    spy_queue, spy_tail = G.generate_ar_jit, G._finish_in_tail
+
+    def queue(*a, **kw):
+        keys["queue"] = a[4]  # (params, cfg, tokens, lens, key, ...)
+        return spy_queue(*a, **kw)
+
+    def tail(*a, **kw):
+        keys["tail"] = kw["key"]
+        return spy_tail(*a, **kw)
+
+    monkeypatch.setattr(G, "generate_ar_jit", queue)
+    monkeypatch.setattr(G, "_finish_in_tail", tail)
+    generate(target, CFG, prompts(8), max_new_tokens=MAX_NEW, batch_size=3, tail_rows=1,
+             sampling=Sampling(temperature=1.0))
+    refills = [np.asarray(jax.random.fold_in(keys["queue"], k)) for k in range(8)]
+    assert not any((np.asarray(keys["tail"]) == r).all() for r in refills + [np.asarray(keys["queue"])])
+
+
+def test_a_tail_runs_by_default_only_where_generate_can_add_it():
+    """`jspec bench --queue` with `auto` records the tail generate adds by itself: none on a mesh,
+    without a real queue, or where the longest prompt leaves no room in the positions."""
+    from jspec.generate import default_tail_runs
+
+    ps = prompts(8)
+    assert default_tail_runs(CFG, ps, 4, None, MAX_NEW, 8)
+    assert not default_tail_runs(CFG, ps, 4, "data=2", MAX_NEW, 8)
+    assert not default_tail_runs(CFG, ps, 8, None, MAX_NEW, 8)  # every prompt in flight at once: no queue
+    assert not default_tail_runs(CFG, ps, 4, None, CFG.max_position_embeddings // 2, 8)

@@ -28,7 +28,8 @@ from jspec.speculative.policies.calibration import CALIBRATED_POLICIES
 from jspec.speculative.policies.ldlp import load_ldlp
 from jspec.speculative.drafters.eagle import EagleDrafter
 from jspec.speculative.drafters.hybrid import HybridDrafter
-from jspec.speculative.engines.tree import TreeConfig
+from jspec.generate import default_tail_runs, speculative_slots
+from jspec.speculative.engines.tree import TreeConfig, tree_for
 from jspec.speculative.policies.auto import AutoPlan, mean_context, plan_for, tail_rows
 from jspec.bench.round_cost import VERIFY_TS, attach_profile, ensure_costs, plot_round_cost, profile_method
 from jspec.errors import UsageError
@@ -392,8 +393,12 @@ class MethodFactory:
             if is_auto(spec.policy):  # the budget from this card's measured round costs (cached per card)
                 extra["policy"], tail = self.auto_plan(spec, params, extra["drafter"], extra["drafter_params"], batch,
                                                        context, prompts, sampling, queue=getattr(a, "queue", False))
-                if getattr(a, "queue", False):
-                    extra["tail_rows"] = tail  # as planned here, so the row says what ran
+                if getattr(a, "queue", False):  # as planned here, so the row says what ran; 0 where
+                    tree = tree_for(extra["drafter"], TreeConfig()) if spec.tree else None  # generate adds none
+                    slots = speculative_slots(extra["drafter"], tree, self.spec_k_max(spec) or 8)
+                    runs = prompts is not None and default_tail_runs(self.cfg, prompts, batch, self.mesh,
+                                                                     max_new_tokens or a.max_new_tokens, slots)
+                    extra["tail_rows"] = tail if runs else 0
             constants = self.calibrated_policy(spec)
             if constants is not None and constants[0] is not None:
                 extra["policy"] = constants[0]
