@@ -393,8 +393,9 @@ class MethodFactory:
             if is_auto(spec.policy):  # the budget from this card's measured round costs (cached per card)
                 extra["policy"], tail = self.auto_plan(spec, params, extra["drafter"], extra["drafter_params"], batch,
                                                        context, prompts, sampling, queue=getattr(a, "queue", False))
-                if getattr(a, "queue", False):  # as planned here, so the row says what ran; 0 where
-                    tree = tree_for(extra["drafter"], TreeConfig()) if spec.tree else None  # generate adds none
+                if getattr(a, "queue", False):  # the tail as planned here, so the row says what ran,
+                    # and none where generate would add none (a mesh, no real queue, no room in the positions)
+                    tree = tree_for(extra["drafter"], TreeConfig()) if spec.tree else None
                     slots = speculative_slots(extra["drafter"], tree, self.spec_k_max(spec) or 8)
                     runs = prompts is not None and default_tail_runs(self.cfg, prompts, batch, self.mesh,
                                                                      max_new_tokens or a.max_new_tokens, slots)

@@ -245,8 +245,8 @@ def verify_sampled_tree(key, tree: Tree, logits: jax.Array, sampling: Sampling, 
     k_accept, k_chain, k_residual, k_stop = jax.random.split(key, 4)
     # The target's law is needed only where children were drawn (the expansions), its samples only
     # at the root and a hybrid's n-gram nodes (what their deterministic children are tested
-    # against) and where the walk stops: not at every node (at batch 16 the 59-node tree's
-    # full-vocabulary softmax and sample over all 60 nodes were most of what sampling adds to a round).
+    # against) and where the walk stops, not at every node: a full-vocabulary softmax and sample
+    # over all 60 nodes of a 59-node tree were most of this function's time (3-6x on a CPU).
     M = layout.chain_nodes
     exp_node = jnp.asarray(layout.expansion_node)
     p = probs(logits[:, exp_node], sampling)  # [B, E, V]
