@@ -1,8 +1,11 @@
-"""Accepted tokens per target call of an EAGLE head's greedy chains, by task and category, on any
-device (the CPU included), from one teacher-forced pass per answer instead of a timed run.
+"""Accepted tokens per target call of an EAGLE head's or a draft model's greedy chains, by task and
+category, on any device (the CPU included), from one teacher-forced pass per answer instead of a
+timed run.
 
     python scripts/acceptance_by_category.py --model smollm2-135m-instruct \
         --tasks mt_bench,humaneval,chitchat --n-prompts 0 --k 1,2,4,6,8 --out results.json
+    python scripts/acceptance_by_category.py --model qwen2.5-coder-1.5b-instruct \
+        --drafter model:qwen2.5-coder-0.5b-instruct --tasks humaneval --n-prompts 24 --k 1,2,4,6,8 --out pair.json
 
 Why it is exact: `jspec.bench.acceptance` (labels from one teacher-forced pass, then a walk that
 replays the chain engine; tests/test_acceptance.py checks the target calls against the engine).
@@ -25,11 +28,12 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from jspec.bench.acceptance import chain_calls  # noqa: E402
+from jspec.bench.acceptance import chain_calls, draft_model_chain_calls  # noqa: E402
 from jspec.cards import card_name  # noqa: E402
 from jspec.bench.prompts import encode_questions  # noqa: E402
 from jspec.generate import SpeculativeConfig, generate  # noqa: E402
 from jspec.presets import list_presets, load_preset, resolve_model  # noqa: E402
+from jspec.speculative.drafters.model import ModelDrafter  # noqa: E402
 from jspec.speculative.factory import build_drafter  # noqa: E402
 from jspec.tasks import load_task  # noqa: E402
 
@@ -37,7 +41,7 @@ from jspec.tasks import load_task  # noqa: E402
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--drafter", default="eagle3", help="eagle3[:PATH] or eagle[:PATH] (default: the shipped head)")
+    ap.add_argument("--drafter", default="eagle3", help="eagle3[:PATH], eagle[:PATH] (default: the shipped head) or model:NAME|PATH")
     ap.add_argument("--tasks", default="mt_bench,humaneval")
     ap.add_argument("--n-prompts", type=int, default=0, help="first N prompts per task (0: all)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -50,7 +54,6 @@ def main(argv=None) -> int:
     ks = sorted(int(k) for k in a.k.split(","))
     cfg, params, tok = resolve_model(a.model, dtype=jnp.dtype(a.dtype))
     drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)
-    hcfg = drafter.head
     chat = load_preset(a.model).chat if a.model in list_presets() else None
     k_max = max(ks)
     report = {"model": a.model, "drafter": a.drafter, "dtype": a.dtype, "max_new_tokens": a.max_new_tokens,
@@ -65,7 +68,10 @@ def main(argv=None) -> int:
             batch = prompts[s : s + a.batch]
             ar = generate(params, cfg, batch, max_new_tokens=a.max_new_tokens)
             answers = [ar.row(i) for i in range(len(batch))]
-            calls = chain_calls(hcfg, dparams, params, batch, answers, ks, cfg.pad_token_id)
+            if isinstance(drafter, ModelDrafter):
+                calls = draft_model_chain_calls(drafter.cfg, dparams, batch, answers, ks, cfg.pad_token_id)
+            else:
+                calls = chain_calls(drafter.head, dparams, params, batch, answers, ks, cfg.pad_token_id)
             for i, (p, answer) in enumerate(zip(batch, answers)):
                 q = questions[s + i]
                 cat = by_cat.setdefault(q.category, {"prompts": 0, "tokens": 0, **{f"calls_k{k}": 0 for k in ks}})

@@ -4,7 +4,7 @@ target calls, for several K, from one teacher-forced pass."""
 import jax
 
 from jspec import model as M
-from jspec.bench.acceptance import chain_calls, walk
+from jspec.bench.acceptance import chain_calls, draft_model_chain_calls, walk
 from jspec.generate import SpeculativeConfig, generate
 from test_spec import CFG, _drafters, _prompts
 
@@ -24,6 +24,21 @@ def test_walk_matches_the_chain_engine():
     answers = [ar.row(b) for b in range(len(prompts))]
     counted = chain_calls(drafter.head, dparams, target, prompts, answers, [3], pad_id=0, multiple=8)
     for k in (3,):
+        sp = generate(target, CFG, prompts, max_new_tokens=24,
+                      speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, k_max=k))
+        assert [sp.row(b) for b in range(len(prompts))] == answers
+        assert [c[k] for c in counted] == [int(n) for n in sp.target_calls], k
+
+
+def test_draft_model_walk_matches_the_chain_engine():
+    target = M.init_params(CFG, jax.random.PRNGKey(0), scale=0.35)
+    drafter, dparams = _drafters(target)["model"]
+    prompts = _prompts(5, batch=4)
+    ar = generate(target, CFG, prompts, max_new_tokens=24)
+    answers = [ar.row(b) for b in range(len(prompts))]
+    counted = draft_model_chain_calls(drafter.cfg, dparams, prompts, answers, [2, 4], pad_id=0, multiple=8)
+    assert any(c[4] < len(a) for c, a in zip(counted, answers))  # some drafts accepted
+    for k in (2, 4):
         sp = generate(target, CFG, prompts, max_new_tokens=24,
                       speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, k_max=k))
         assert [sp.row(b) for b in range(len(prompts))] == answers

@@ -9,6 +9,10 @@ drafts on the diagonal, rope at t + j). `walk` then replays the engine: the pref
 first answer token, and a round after token x_c emits min(label[c - 1], K) + 1 tokens. The target
 calls it counts equal the chain engine's (tests/test_acceptance.py), for every K from one pass.
 
+An independent draft model is simpler still (`draft_model_chain_calls`): a draft that can be
+accepted follows drafts equal to the target's tokens, so it is the draft model's argmax on the
+answer's true prefix, and one teacher-forced pass of the draft model gives every label.
+
 Trees are not covered (their acceptance depends on the whole candidate set). A position average
 of the labels, as `jspec train-ldlp` reports, overestimates tokens per call: a long accepted run
 holds many positions but a single round start.
@@ -16,10 +20,16 @@ holds many positions but a single round start.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..config import ModelConfig
 from ..heads import eagle as H
+from ..model import forward, init_cache
+from ..train.losses import chunked_argmax_logits
 from ..train.ldlp import label_positions
 
 
@@ -50,3 +60,34 @@ def chain_calls(hcfg: H.HeadConfig, head_params: dict, target_params: dict, prom
                                       k_max=k_max, logits_chunk=min(128, multiple))
     labels = np.asarray(labels)
     return [{k: walk(labels[i], len(p), len(r), k)[1] for k in ks} for i, (p, r) in enumerate(zip(prompts, rows))]
+
+
+@functools.partial(jax.jit, static_argnames=("dcfg",))
+def _draft_argmax(dcfg: ModelConfig, dparams: dict, tokens: jax.Array) -> jax.Array:
+    """The draft model's argmax after every position of `tokens` [B, T] (teacher-forced)."""
+    B, T = tokens.shape
+    out = forward(dparams, dcfg, tokens, init_cache(dcfg, B, T, dparams["embed"].dtype))
+    return chunked_argmax_logits(dparams, dcfg, out.hidden, 64)
+
+
+def draft_model_chain_calls(dcfg: ModelConfig, dparams: dict, prompts: list[list[int]], answers: list[list[int]],
+                            ks: list[int], pad_id: int, multiple: int = 256) -> list[dict[int, int]]:
+    """Target calls of greedy chains of an independent draft model with each K in `ks`, per row,
+    for the target's own greedy `answers` (one teacher-forced pass of the draft model per row; the
+    label after answer position j is the run of positions from j + 1 where its argmax on the true
+    prefix is the answer's token)."""
+    out = []
+    for p, a in zip(prompts, answers):
+        row = list(p) + list(a)
+        T = len(row) + (-len(row)) % multiple
+        tokens = np.full((1, T), pad_id, np.int32)
+        tokens[0, : len(row)] = row
+        top = np.asarray(_draft_argmax(dcfg, dparams, jnp.asarray(tokens)))[0]
+        match = [int(top[len(p) + j - 1]) == a[j] for j in range(1, len(a))] + [False]
+        labels = np.zeros(len(row), np.int32)  # labels[c - 1]: accepted drafts in the round after row[c]
+        run = 0
+        for j in range(len(a) - 1, -1, -1):  # match[j]: answer token j + 1 drafted correctly
+            run = run + 1 if match[j] else 0
+            labels[len(p) + j - 1] = run
+        out.append({k: walk(labels, len(p), len(row), k)[1] for k in ks})
+    return out
