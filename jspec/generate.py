@@ -123,6 +123,8 @@ def generate(
     enable_default_compile_cache()
     # Every program below runs whole on each device (tensor parallelism too: it runs under a
     # shard_map), so the GPU kernels may run on a host with several GPUs (model.default_kernels).
+    check_token_lists(prompts)  # before anything below measures the prompts
+    batch_size, refill, tail_rows = (_count(v) for v in (batch_size, refill, tail_rows))
     rows = queue_rows(len(prompts), batch_size, refill, mesh, speculative)
     check_tail_rows(tail_rows, prompts, batch_size, mesh, speculative)
     with M.per_device_program():
@@ -150,6 +152,12 @@ def default_tail_runs(cfg: ModelConfig, prompts, batch_size, mesh, max_new_token
     prompts than rows in flight, and room in the model's positions (`tail_fits`)."""
     return (mesh is None and batch_size is not None and batch_size < len(prompts)
             and tail_fits(cfg, prompts, max_new_tokens, slots))
+
+
+def _count(value):
+    """A NumPy integer as a Python int (a row count from an array); anything else as given, for the
+    checks below to name."""
+    return int(value) if isinstance(value, np.integer) else value
 
 
 def check_tail_rows(tail_rows, prompts, batch_size, mesh, spec) -> None:
@@ -210,7 +218,6 @@ def _speculative_from_keywords(speculative: SpeculativeConfig | None, legacy: di
 
 def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_state, seed, cache_len, unroll,
               mesh, rows=None, tail_rows=None, budgets=None, key=None, min_prompt_width=0) -> GenerationResult:
-    check_token_lists(prompts)  # before anything below measures the prompts
     sampling = sampling or GREEDY
     if spec is None:
         drafter = drafter_params = policy = policy_params = tree = None
@@ -254,7 +261,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
             drafter = dataclasses.replace(drafter, k_max=k_max)
         autotune = False
     extra = speculative_slots(drafter, tree, k_max)
-    if cache_len is None and rows is None and mesh is None and _attention_reads_committed_slots(cfg):
+    if cache_len is None and rows is None and mesh is None and _attention_reads_committed_slots(cfg, extra, drafter):
         cache_len = shared_cache_len(bucket(max(max(len(p) for p in prompts), min_prompt_width)), max_new_tokens, extra)
     tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new_tokens, extra, cache_len, min_prompt_width)
     if autotune and drafter is not None:
@@ -316,10 +323,16 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
                            spec=spec, key=tail_key, unroll=unroll)
 
 
-def _attention_reads_committed_slots(cfg: ModelConfig) -> bool:
-    """Whether this call's attention (decode, verify, draft steps) runs the GPU kernel, which reads
-    each row's committed cache slots only: there a cache rounded up for a shared loop costs nothing."""
-    return M.default_kernels() == "pallas" and M.fused_attention_supported(cfg, 1, None)
+def _attention_reads_committed_slots(cfg: ModelConfig, block: int = 1, drafter=None) -> bool:
+    """Whether this call's attention runs the GPU kernel, which reads each row's committed cache
+    slots only (there a cache rounded up for a shared loop costs nothing): the target's decode and
+    its verify blocks of `block` tokens (a block over the kernel's MAX_BLOCK, e.g. a 59-node hybrid
+    tree, takes the einsum over the whole cache), and an independent draft model's steps."""
+    if M.default_kernels() != "pallas":
+        return False
+    draft_cfg = getattr(drafter, "cfg", None)  # a draft model attends over its own cache of the same length
+    return M.fused_attention_supported(cfg, max(1, block), None) and (
+        draft_cfg is None or M.fused_attention_supported(draft_cfg, 1, None))
 
 
 def _unfinished_rows(cfg: ModelConfig, res: GenerationResult, max_new_tokens: int) -> list[int]:

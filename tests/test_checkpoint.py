@@ -373,13 +373,17 @@ def test_gguf_unknown_quantization(tiny, tmp_path):
         load_gguf(path)
 
 
-def test_gguf_unknown_architecture_and_missing_tensor(tiny, tmp_path):
+def test_gguf_unknown_architecture_and_missing_tensor(tiny, tmp_path, monkeypatch):
     hf, cfg, _ = tiny("qwen3")
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, "qwen3", hf, cfg, arch="phi3")
     with pytest.raises(UnknownArchitectureError, match=r"m\.gguf.*'phi3'"):
         load_gguf(path)
     write_tiny_gguf(path, "qwen3", hf, cfg, drop={"blk.1.ffn_up.weight"})
+    import jspec.checkpoint.gguf_io as gguf_io
+
+    # named before any tensor is dequantized or placed
+    monkeypatch.setattr(gguf_io, "place_params", lambda *a, **kw: pytest.fail("placed before the check"))
     with pytest.raises(MissingTensorError, match=r"m\.gguf.*blk\.1\.ffn_up\.weight"):
         load_gguf(path)
 

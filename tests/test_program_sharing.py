@@ -10,6 +10,7 @@ import jspec.generate as G
 from jspec.decode import decode_loop_jit, plan_cache_len, shared_cache_len, start_decode_jit
 from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.engines.chain import spec_loop_jit, start_spec_jit
+from jspec.speculative.drafters.model import ModelDrafter
 from jspec.speculative.engines.tree import TreeConfig, tree_loop_jit
 import spec_tiny
 
@@ -48,7 +49,7 @@ def test_prompt_buckets_share_the_loop_program(target, method, monkeypatch):
         tree = TreeConfig(top_k=3, depth=3, num_nodes=8) if method == "tree" else None
         spec = SpeculativeConfig(drafter=d, drafter_params=dp, policy="static", k_max=spec_tiny.K, tree=tree)
     # as on a GPU, where attention reads each row's committed slots only: the cache is rounded up
-    monkeypatch.setattr(G, "_attention_reads_committed_slots", lambda cfg: True)
+    monkeypatch.setattr(G, "_attention_reads_committed_slots", lambda *a: True)
     short, long = two_widths()
     start.clear_cache(), loop.clear_cache()  # another test in this process may have compiled one of them
     results = [generate(target, CFG, ps, max_new_tokens=MAX_NEW, speculative=spec) for ps in (short, long)]
@@ -63,12 +64,17 @@ def test_prompt_buckets_share_the_loop_program(target, method, monkeypatch):
 
 def test_the_cache_is_rounded_up_only_where_attention_reads_committed_slots(monkeypatch):
     """On a CPU or TPU attention reads the whole cache, so a longer one costs time: no rounding up.
-    The GPU kernel reads each row's committed slots, for configs it serves (no sliding window)."""
+    The GPU kernel reads each row's committed slots, for configs it serves (no sliding window), in
+    blocks up to its MAX_BLOCK tokens, and for a draft model's config too."""
     import jspec.model as M
 
     assert jax.default_backend() == "cpu" and not G._attention_reads_committed_slots(CFG)
     monkeypatch.setattr(M, "default_kernels", lambda: "pallas")
     assert G._attention_reads_committed_slots(CFG.replace(head_dim=32))
+    assert not G._attention_reads_committed_slots(CFG.replace(head_dim=32), block=66)  # verify by einsum
+    wide = CFG.replace(head_dim=32)
+    assert G._attention_reads_committed_slots(wide, block=7, drafter=ModelDrafter(wide))
+    assert not G._attention_reads_committed_slots(wide, block=7, drafter=ModelDrafter(CFG.replace(head_dim=24)))
     assert not G._attention_reads_committed_slots(CFG.replace(head_dim=32, sliding_window=16,
                                                               sliding_layers=(True,) * CFG.num_layers))
 
@@ -78,6 +84,6 @@ def test_bad_prompts_fail_in_one_line_before_the_cache_is_sized(target, prompts,
     """Where the cache is rounded up (a GPU), prompts are measured before packing: they are checked first."""
     from jspec.decode import PromptError
 
-    monkeypatch.setattr(G, "_attention_reads_committed_slots", lambda cfg: True)
+    monkeypatch.setattr(G, "_attention_reads_committed_slots", lambda *a: True)
     with pytest.raises(PromptError, match=match):
         generate(target, CFG, prompts, max_new_tokens=4)

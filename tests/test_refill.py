@@ -155,7 +155,7 @@ def test_ar_rows_stop_at_their_budgets(target):
         assert (out[i, n:] == -1).all()
 
 
-@pytest.mark.parametrize("rows,tail", [(3, 1), (3, 2), (None, 2)])
+@pytest.mark.parametrize("rows,tail", [(3, 1), (3, 2), (None, 2), (np.int64(3), np.int64(1))])  # counts from arrays too
 def test_a_tail_gives_every_prompt_its_one_batch_output_ar(target, rows, tail):
     ps = prompts(8)
     whole = generate(target, CFG, ps, max_new_tokens=MAX_NEW)

@@ -29,7 +29,7 @@ from .errors import (
     UnknownArchitectureError,
     UnsupportedQuantizationError,
 )
-from .layout import check_shape, expected_shape
+from .layout import check_shape, expected_shape, global_tensor_names, layer_tensor_names
 from .streaming import place_params
 
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
@@ -323,6 +323,12 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, 
     cfg = config_from_gguf(reader, path)
     tensors = {t.name: t for t in reader.tensors}
     _reject_output_bias(tensors, path)
+    needed = [gguf_tensor_name(n, None) for n in global_tensor_names(cfg)]
+    needed += [gguf_tensor_name(n, layer) for layer in range(cfg.num_layers) for n in layer_tensor_names(cfg)]
+    missing = [n for n in needed if n not in tensors]
+    if missing:  # before anything is dequantized or placed
+        raise MissingTensorError(f"{path}: tensor {missing[0]!r} is missing (needed for {cfg.arch}; "
+                                 f"{len(missing)} of {len(needed)} missing)")
 
     def fetch(name: str, layer: int | None, shape: tuple) -> np.ndarray:
         gname = gguf_tensor_name(name, layer)
@@ -341,7 +347,10 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, 
         if (name, layer) not in last:
             last.clear()
             last[name, layer] = fetch(name, layer, expected_shape(cfg, name))
-        out[...] = last[name, layer][start : start + len(out)]
+        whole = last[name, layer]
+        out[...] = whole[start : start + len(out)]
+        if start + len(out) >= len(whole):  # read to its end: not held beside the next block
+            last.clear()
 
     return cfg, place_params(cfg, rows, dtype)
 
