@@ -381,7 +381,8 @@ def test_ngram_acceptance_is_estimated_from_the_prompts():
 
     from jspec.speculative.drafters.hybrid import HybridDrafter
     from jspec.speculative.drafters.ngram import NgramDrafter
-    from jspec.speculative.policies.auto import ACCEPTANCE_PRIOR, NGRAM_ESTIMATE, ngram_acceptance, plan_for
+    from jspec.speculative.policies.auto import (ACCEPTANCE_PRIOR, ACCEPTANCE_STEP, NGRAM_ESTIMATE, ngram_acceptance,
+                                                   plan_for)
 
     prior = ACCEPTANCE_PRIOR["ngram"]
     rng = np.random.default_rng(1)
@@ -396,8 +397,11 @@ def test_ngram_acceptance_is_estimated_from_the_prompts():
     ngram = NgramDrafter()
     plans = {name: plan_for(ngram, REFERENCE_COSTS, batch=1, k_cap=8, tree=None, prompts=p)
              for name, p in (("copying", copying), ("fresh", fresh), ("none", None))}
-    assert plans["copying"].gain > plans["none"].gain and plans["copying"].policy.alpha0 == pytest.approx(high)
-    assert plans["fresh"].policy.alpha0 == pytest.approx(low) and plans["none"].policy.alpha0 == pytest.approx(prior)
+    # the policy carries the estimate on a coarse grid (it is part of the compiled program)
+    grid = dict(abs=ACCEPTANCE_STEP / 2 + 1e-9)
+    assert plans["copying"].gain > plans["none"].gain and plans["copying"].policy.alpha0 == pytest.approx(high, **grid)
+    assert plans["fresh"].policy.alpha0 == pytest.approx(low, **grid)
+    assert plans["none"].policy.alpha0 == pytest.approx(prior, **grid)
     assert plan_for(ngram, REFERENCE_COSTS, batch=1, k_cap=8, tree=None, prompts=copying, ngram_estimate=None) == plans["none"]
     # a hybrid's n-gram branch: the estimate of its own lookup rule; its head's acceptance is untouched
     drafter, _ = _drafters(M.init_params(CFG, jax.random.PRNGKey(0)))["eagle3"]
@@ -560,3 +564,19 @@ def test_an_unmeasured_draft_model_is_planned_with_its_share_of_the_ar_step():
     p = plan_for(drafter, REFERENCE_COSTS, batch=1, k_cap=8, tree=None)
     head_priced = plan(REFERENCE_COSTS, batch=1, drafter_name="model", parallel=False)
     assert p.mode == "ar" or (p.k_max <= head_priced.k_max and p.gain < head_priced.gain)
+
+
+def test_plans_of_nearby_prompt_sets_share_one_compiled_policy():
+    """An `auto` policy is a static argument: calls whose prompts give nearby acceptance estimates
+    and costs get the same policy, so a loop over prompt batches compiles one program."""
+    from jspec.speculative.drafters.ngram import NgramDrafter
+    from jspec.speculative.policies.auto import coarse_acceptance, coarse_us, plan_for
+
+    rng = np.random.default_rng(2)
+    phrase = list(rng.integers(5, 60, 40))
+    batches = [[list(rng.integers(5, 60, 30)) + phrase * 4 for _ in range(4)] for _ in range(3)]
+    policies = {plan_for(NgramDrafter(), REFERENCE_COSTS, batch=1, k_cap=8, tree=None, prompts=p).policy for p in batches}
+    assert len(policies) == 1
+    assert coarse_acceptance(0.612) == coarse_acceptance(0.619) == pytest.approx(0.6)
+    assert coarse_acceptance(0.0) > 0 and coarse_acceptance(1.0) < 1
+    assert coarse_us(891.816) == 890.0 and coarse_us(62.0166) == 62.0 and coarse_us(1041.6) == 1000.0

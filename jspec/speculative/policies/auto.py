@@ -583,10 +583,28 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     else:
         a_mean, _, first, unit = chain_terms[best.drafter]
         verify_at = cm.verify(best.k_max + 1)
-    # rows start from the mean acceptance; each row's own estimate takes over from there
-    policy = AutoPolicy(k_max=best.k_max, alpha0=float(a_mean), step_us=float(unit), first_us=float(first),
-                        verify_us=float(verify_at))
+    # rows start from the mean acceptance; each row's own estimate takes over from there. The policy
+    # is part of the compiled program (a static argument), so its numbers are kept coarse: an
+    # acceptance estimated from each call's prompts (n-gram lookup) or costs read at each call's
+    # context would otherwise compile a new program per call in a loop over prompt batches.
+    policy = AutoPolicy(k_max=best.k_max, alpha0=coarse_acceptance(a_mean), step_us=coarse_us(unit),
+                        first_us=coarse_us(first), verify_us=coarse_us(verify_at))
     return dataclasses.replace(best, policy=policy)
+
+
+ACCEPTANCE_STEP = 0.05  # [I] the grid of a plan's acceptance prior (it counts as 4 of a row's trials)
+
+
+def coarse_acceptance(alpha: float) -> float:
+    """`alpha` on the ACCEPTANCE_STEP grid, inside (0, 1)."""
+    on_grid = round(round(float(alpha) / ACCEPTANCE_STEP) * ACCEPTANCE_STEP, 6)
+    return float(min(max(on_grid, ACCEPTANCE_STEP), 1.0 - ACCEPTANCE_STEP / 2))
+
+
+def coarse_us(us: float) -> float:
+    """A cost in µs to two significant digits (its measurement is good to a few percent)."""
+    us = float(us)
+    return float(f"{us:.2g}") if us > 0 else 0.0
 
 
 @struct.dataclass
