@@ -313,6 +313,9 @@ def test_load_gguf_matches_source(tiny, family, qtype, tmp_path):
         want_cfg = want_cfg.replace(query_pre_attn_scalar=float(cfg.head_dim))
     assert got_cfg == want_cfg
     assert_trees_equal(got, params_from_hf_state_dict(cfg, expected_sd))
+    if qtype in (Q.Q4_1, Q.Q8_0):  # bfloat16, the accelerators' default: each tensor rounded once, as the float32 is
+        _, half = load_gguf(path, jnp.bfloat16)
+        assert_trees_equal(half, jax.tree.map(lambda x: x.astype(jnp.bfloat16), got))
 
 
 # Where each block keeps its float16 scales (ggml's block layouts); every other byte of a block is

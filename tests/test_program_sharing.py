@@ -87,3 +87,67 @@ def test_bad_prompts_fail_in_one_line_before_the_cache_is_sized(target, prompts,
     monkeypatch.setattr(G, "_attention_reads_committed_slots", lambda *a: True)
     with pytest.raises(PromptError, match=match):
         generate(target, CFG, prompts, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("method", ["ar", "chain", "tree"])
+def test_sampled_split_generation_draws_what_the_whole_program_draws(target, method):
+    """Split into a prefill and a loop, one batch samples exactly the tokens of the whole-generation
+    program given the same key (the prefill consumes what the whole program's start consumed, the
+    loop carries the state's key on): the split is a refactoring, not a new law."""
+    from jspec.decode import generate_ar_jit, pack_prompts
+    from jspec.speculative.engines.chain import speculative_generate, speculative_generate_jit
+    from jspec.speculative.engines.tree import tree_generate, tree_generate_jit
+    from jspec.speculative.policies import resolve_policy
+    from jspec.speculative.state import result_from_device
+    from jspec.sampling import Sampling
+
+    sampling, key = Sampling(temperature=1.0), jax.random.PRNGKey(11)
+    ps = spec_tiny._prompts(6, batch=3)
+    if method == "ar":
+        tokens, lens, cache_len = pack_prompts(CFG, ps, MAX_NEW)
+        out, n_out, _ = jax.device_get(generate_ar_jit(target, CFG, tokens, lens, key, max_new=MAX_NEW,
+                                                       cache_len=cache_len, sampling=sampling))
+        state = start_decode_jit(target, CFG, tokens, lens, key, max_new=MAX_NEW, cache_len=cache_len, sampling=sampling)
+        state = decode_loop_jit(target, CFG, state, max_new=MAX_NEW, sampling=sampling)
+        np.testing.assert_array_equal(np.asarray(state.out), out)
+        np.testing.assert_array_equal(np.asarray(state.n_out), n_out)
+        return
+    d, dp = spec_tiny._drafters(target)["eagle3"]
+    tree = TreeConfig(top_k=3, depth=3, num_nodes=8) if method == "tree" else None
+    extra = tree.cache_slots if tree is not None else spec_tiny.K + 1
+    tokens, lens, cache_len = pack_prompts(CFG, ps, MAX_NEW, extra)
+    policy = resolve_policy("static", tree.depth if tree is not None else spec_tiny.K)
+    common = dict(tcfg=CFG, drafter=d, policy=policy, max_new=MAX_NEW, cache_len=cache_len, sampling=sampling, unroll=None)
+    if tree is None:
+        split = speculative_generate(target, CFG, tokens, lens, key, drafter_params=dp, policy_params=None,
+                                     k_max=spec_tiny.K, verify="lossless", **{k: v for k, v in common.items() if k != "tcfg"})
+        whole = result_from_device(speculative_generate_jit(target, dp, None, tokens, lens, key, None, None,
+                                                            k_max=spec_tiny.K, verify="lossless", with_policy_state=True,
+                                                            **common))
+    else:
+        split = tree_generate(target, CFG, tokens, lens, key, drafter_params=dp, policy_params=None, tree=tree,
+                              **{k: v for k, v in common.items() if k != "tcfg"})
+        whole = result_from_device(tree_generate_jit(target, dp, None, tokens, lens, key, None, None, tree=tree,
+                                                     with_policy_state=True, **common))
+    for i in range(len(ps)):
+        assert split.row(i) == whole.row(i), (method, i)
+    np.testing.assert_array_equal(split.target_calls, whole.target_calls)
+
+
+def test_streams_yield_the_batch_output(target):
+    """generate_stream and speculative_stream run the same prefill and loop programs a chunk at a
+    time: concatenated, their tokens are generate()'s (greedy)."""
+    from jspec.decode import pack_prompts
+    from jspec.generate import generate_stream
+    from jspec.sampling import GREEDY
+    from jspec.speculative.engines.chain import speculative_stream
+
+    prompt = spec_tiny._prompts(7, batch=1)[0]
+    want = generate(target, CFG, [prompt], max_new_tokens=MAX_NEW).row(0)
+    assert [t for chunk in generate_stream(target, CFG, prompt, max_new_tokens=MAX_NEW, chunk=3) for t in chunk] == want
+    d, dp = spec_tiny._drafters(target)["eagle3"]
+    tokens, lens, cache_len = pack_prompts(CFG, [prompt], MAX_NEW, spec_tiny.K + 1)
+    chunks = speculative_stream(target, CFG, tokens, lens, jax.random.PRNGKey(0), drafter=d, drafter_params=dp,
+                                policy="static", k_max=spec_tiny.K, max_new=MAX_NEW, cache_len=cache_len,
+                                sampling=GREEDY, rounds_per_chunk=2)
+    assert [t for chunk, _ in chunks for t in chunk] == want
