@@ -140,8 +140,9 @@ def tail_fits(cfg: ModelConfig, prompts, max_new_tokens: int, extra: int) -> boo
     return max(len(p) for p in prompts) + 2 * max_new_tokens + extra <= cfg.max_position_embeddings
 
 
-def speculative_slots(drafter, tree, k_max: int) -> int:
-    """Cache slots one round of this speculation drafts into past the committed tokens (0 for AR)."""
+def drafted_slots(drafter, tree, k_max: int) -> int:
+    """Cache slots one round of this built drafter drafts into past the committed tokens (0 for AR;
+    the command line's `speculative_slots` reads the same from a config before anything is built)."""
     if drafter is None:
         return 0
     return tree.cache_slots if tree is not None else k_max + 1
@@ -244,7 +245,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
         tree = tree_for(drafter, tree)  # a hybrid drafter's n-gram branch
     tail = tail_rows or 0
     # the most cache slots any plan of this config drafts into: the tail's own plan may be larger
-    most_slots = speculative_slots(drafter, tree, k_max)
+    most_slots = drafted_slots(drafter, tree, k_max)
     if tail and not tail_fits(cfg, prompts, max_new_tokens, most_slots):
         raise UsageError(f"tail_rows {tail}: the longest prompt ({max(len(p) for p in prompts)} tokens) plus twice "
                          f"max_new_tokens {max_new_tokens} plus {most_slots} speculative slots exceeds the model's "
@@ -260,7 +261,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
         if getattr(drafter, "block", False) and drafter.k_max != k_max:  # a block drafter drafts the planned k
             drafter = dataclasses.replace(drafter, k_max=k_max)
         autotune = False
-    extra = speculative_slots(drafter, tree, k_max)
+    extra = drafted_slots(drafter, tree, k_max)
     if cache_len is None and rows is None and mesh is None and _attention_reads_committed_slots(cfg, extra, drafter):
         cache_len = shared_cache_len(bucket(max(max(len(p) for p in prompts), min_prompt_width)), max_new_tokens, extra)
     tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new_tokens, extra, cache_len, min_prompt_width)
