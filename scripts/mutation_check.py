@@ -164,6 +164,12 @@ MUTATIONS = (
         ("tests/test_lossless_sampling.py", "-k", "tail"),
         "a tail re-prefills a row without its last token: the tail samples from the wrong context"),
     Mutation(
+        "tail_key_is_first_refills", "jspec/generate.py",
+        "key, tail_key = jax.random.split(key) if tail else (key, None)",
+        "tail_key = jax.random.fold_in(key, 1) if tail else None",
+        ("tests/test_refill.py", "-k", "stream_no_refill"),
+        "the tail samples with the first refill's key: rows correlated, each row's own law intact"),
+    Mutation(
         "tail_cut_counts_dropped", "jspec/speculative/state.py",
         "accepted=before.accepted + jnp.minimum(after.accepted - before.accepted, kept)",
         "accepted=after.accepted",
