@@ -23,7 +23,7 @@ from .compile_cache import add_compile_cache_arg, use_compile_cache
 from .config import UnsupportedModelError, config_from_hf
 from .decode import PromptError, pack_prompts
 from .errors import UsageError
-from .generate import SpeculativeConfig, default_tail_runs, drafted_slots, generate, generate_stream
+from .generate import SpeculativeConfig, default_tail_runs, generate, generate_stream
 from .presets import (TOKENIZER_FILES, list_presets, models_dir, resolve_checkpoint, resolve_config, resolve_model,
                       resolve_tokenizer)
 from .sampling import Sampling
@@ -34,7 +34,7 @@ from .heads.hrad import load_hrad
 from .speculative.engines.chain import speculative_stream
 from .speculative.engines.pearl import parse_role_mesh
 from .speculative.engines.specbranch import SpecBranchConfig
-from .speculative.engines.tree import TreeConfig, tree_for
+from .speculative.engines.tree import TreeConfig
 from .speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, resolve_policy_spec, shipped_head_path
 from .speculative.policies import POLICY_NAMES, is_auto, make_policy
 from .speculative.policies.auto import AutoPlan, auto_budget, load_costs, mean_context, plan_for, tail_rows
@@ -433,9 +433,8 @@ def cmd_generate(a) -> int:
                             context=mean_context([len(p) for p in prompts], a.max_new_tokens), prompts=prompts,
                             sampling=sampling)
             tail = a.tail_rows
-            tree = TreeConfig() if spec.tree in (True, "auto") else spec.tree
-            slots = drafted_slots(drafter, tree_for(drafter, tree) if tree else None, spec.k_max)
-            if tail is None and default_tail_runs(cfg, prompts, a.batch_size, a.mesh, a.max_new_tokens, slots):
+            if tail is None and default_tail_runs(cfg, prompts, a.batch_size, a.mesh, a.max_new_tokens, drafter,
+                                                  spec.tree, spec.k_max):
                 tail = tail_rows(drafter, costs, rows=rows, k_cap=spec.k_max, tree=spec.tree,
                                  context=mean_context([len(p) for p in prompts], a.max_new_tokens), prompts=prompts,
                                  sampling=sampling)

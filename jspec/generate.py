@@ -148,9 +148,14 @@ def drafted_slots(drafter, tree, k_max: int) -> int:
     return tree.cache_slots if tree is not None else k_max + 1
 
 
-def default_tail_runs(cfg: ModelConfig, prompts, batch_size, mesh, max_new_tokens: int, slots: int) -> bool:
+def default_tail_runs(cfg: ModelConfig, prompts, batch_size, mesh, max_new_tokens: int, drafter=None, tree=None,
+                      k_max: int = 8) -> bool:
     """Whether generate's `auto` adds its planned tail by itself: one device, a queue with more
-    prompts than rows in flight, and room in the model's positions (`tail_fits`)."""
+    prompts than rows in flight, and room in the model's positions for the prompts, the tail and
+    what the drafter drafts a round (`tail_fits`; `tree` as SpeculativeConfig takes it)."""
+    if tree is True or tree == "auto":
+        tree = TreeConfig()
+    slots = drafted_slots(drafter, tree_for(drafter, tree) if drafter is not None and tree else None, k_max)
     return (mesh is None and batch_size is not None and batch_size < len(prompts)
             and tail_fits(cfg, prompts, max_new_tokens, slots))
 
@@ -253,7 +258,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
     if drafter is not None and is_auto(policy):  # batch-aware budget
         costs = load_costs(cfg.preset, models_dir=str(models_dir()))
         context = mean_context([len(p) for p in prompts], max_new_tokens)
-        if tail_rows is None and rows and default_tail_runs(cfg, prompts, rows[0], mesh, max_new_tokens, most_slots):
+        if tail_rows is None and rows and default_tail_runs(cfg, prompts, rows[0], mesh, max_new_tokens, drafter, tree, k_max):
             tail = auto_tail_rows(drafter, costs, rows=rows[0], k_cap=k_max, tree=tree, context=context,
                                   prompts=prompts, sampling=sampling)
         drafter, policy, k_max, tree = auto_budget(policy, drafter, rows[0] if rows else len(prompts), k_max, tree,

@@ -36,11 +36,11 @@ from jspec.cards import card_key, card_name
 from jspec.config import ModelConfig
 from jspec.decode import pack_prompts
 from jspec.errors import UsageError
-from jspec.generate import SpeculativeConfig, default_tail_runs, drafted_slots, generate
+from jspec.generate import SpeculativeConfig, default_tail_runs, generate
 from jspec.presets import resolve_model
 from jspec.sampling import Sampling
 from jspec.scoring import completion_logprobs
-from jspec.speculative.engines.tree import TreeConfig, tree_for
+from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.factory import build_drafter
 from jspec.speculative.policies.auto import load_costs, mean_context, plan_for, tail_rows
 from jspec.tasks import load_questions_file, load_task
@@ -72,8 +72,7 @@ def speculative_config(spec, cfg, params, model_name, rows, prompts, max_new, sa
         kw["policy"] = plan_for(drafter, costs, batch=rows, k_cap=kw["k_max"], tree=tc, context=context,
                                 prompts=prompts, sampling=sampling)
         plan = kw["policy"].describe()
-        slots = drafted_slots(drafter, tree_for(drafter, tc) if tc else None, kw["k_max"])
-        if tail is None and default_tail_runs(cfg, prompts, rows, None, max_new, slots):  # as generate adds it
+        if tail is None and default_tail_runs(cfg, prompts, rows, None, max_new, drafter, tc, kw["k_max"]):  # as generate adds it
             tail = tail_rows(drafter, costs, rows=rows, k_cap=kw["k_max"], tree=tc, context=context, prompts=prompts,
                              sampling=sampling)
         if tail:

@@ -289,7 +289,7 @@ def test_a_tail_runs_by_default_only_where_generate_can_add_it():
     from jspec.generate import default_tail_runs
 
     ps = prompts(8)
-    assert default_tail_runs(CFG, ps, 4, None, MAX_NEW, 8)
-    assert not default_tail_runs(CFG, ps, 4, "data=2", MAX_NEW, 8)
-    assert not default_tail_runs(CFG, ps, 8, None, MAX_NEW, 8)  # every prompt in flight at once: no queue
-    assert not default_tail_runs(CFG, ps, 4, None, CFG.max_position_embeddings // 2, 8)
+    assert default_tail_runs(CFG, ps, 4, None, MAX_NEW)
+    assert not default_tail_runs(CFG, ps, 4, "data=2", MAX_NEW)
+    assert not default_tail_runs(CFG, ps, 8, None, MAX_NEW)  # every prompt in flight at once: no queue
+    assert not default_tail_runs(CFG, ps, 4, None, CFG.max_position_embeddings // 2)

@@ -28,8 +28,8 @@ from jspec.speculative.policies.calibration import CALIBRATED_POLICIES
 from jspec.speculative.policies.ldlp import load_ldlp
 from jspec.speculative.drafters.eagle import EagleDrafter
 from jspec.speculative.drafters.hybrid import HybridDrafter
-from jspec.generate import default_tail_runs, drafted_slots
-from jspec.speculative.engines.tree import TreeConfig, tree_for
+from jspec.generate import default_tail_runs
+from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.policies.auto import AutoPlan, mean_context, plan_for, tail_rows
 from jspec.bench.round_cost import VERIFY_TS, attach_profile, ensure_costs, plot_round_cost, profile_method
 from jspec.errors import UsageError
@@ -395,10 +395,9 @@ class MethodFactory:
                                                        context, prompts, sampling, queue=getattr(a, "queue", False))
                 if getattr(a, "queue", False):  # the tail as planned here, so the row says what ran,
                     # and none where generate would add none (a mesh, no real queue, no room in the positions)
-                    tree = tree_for(extra["drafter"], TreeConfig()) if spec.tree else None
-                    slots = drafted_slots(extra["drafter"], tree, self.spec_k_max(spec) or 8)
-                    runs = prompts is not None and default_tail_runs(self.cfg, prompts, batch, self.mesh,
-                                                                     max_new_tokens or a.max_new_tokens, slots)
+                    runs = prompts is not None and default_tail_runs(
+                        self.cfg, prompts, batch, self.mesh, max_new_tokens or a.max_new_tokens, extra["drafter"],
+                        bool(spec.tree), self.spec_k_max(spec) or 8)
                     extra["tail_rows"] = tail if runs else 0
             constants = self.calibrated_policy(spec)
             if constants is not None and constants[0] is not None:

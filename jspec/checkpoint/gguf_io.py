@@ -331,9 +331,7 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, 
                                  f"{len(missing)} of {len(needed)} missing)")
 
     def fetch(name: str, layer: int | None, shape: tuple) -> np.ndarray:
-        gname = gguf_tensor_name(name, layer)
-        if gname not in tensors:
-            raise MissingTensorError(f"{path}: tensor {gname!r} is missing (needed for {cfg.arch})")
+        gname = gguf_tensor_name(name, layer)  # present: checked above
         w = dequantize_tensor(tensors[gname], path)
         if cfg.arch in ("llama", "mistral") and name in ("q_proj", "q_bias"):
             w = unpermute_qk(w, cfg.num_heads)
