@@ -36,9 +36,22 @@ demo: setup
 # Two passes: the suite on two workers, then the `alone` tests (Qwen2.5-Coder 1.5B in float32 beside
 # transformers' copy: 15 GB, OOM-killed beside a second worker on a 24 GB host) by themselves. Without
 # `make models-qwen` they skip, and the second pass only collects.
+# A crash or a hang fails the run instead of eating CI's 90 minutes:
+# * --max-worker-restart=0: a worker that dies (a segfault, or pyproject's faulthandler_timeout
+#   ending a hung test) stops the run, reported as a failure of the test it was running. With
+#   restarts (xdist's default), --dist loadfile hangs for good: pytest-xdist 3.8's LoadScopeScheduling
+#   .remove_node puts every file the dead worker ever ran back on the queue, completed ones as empty
+#   work units that never report back (pytest-dev/pytest-xdist#1378, #1323): seen in CI as
+#   "[gw1] node down: Not properly terminated", "F...", then nothing until the job was killed.
+# * timeout: the parallel pass (8 minutes on a 2-core CPU) gets TEST_TIMEOUT seconds in all, then
+#   SIGINT (pytest prints its summary), SIGKILL a minute later; for a hang outside any one test.
+# * the `alone` pass keeps faulthandler's per-test limit but raises it: the Qwen2.5-Coder 1.5B test
+#   takes about 10 minutes.
+TEST_TIMEOUT ?= 2400
 test: setup
-	$(PY) -m pytest -n 2 --dist loadfile --durations=15 -m "not alone"
-	$(PY) -m pytest -m alone
+	timeout --signal=INT --kill-after=60 $(TEST_TIMEOUT) \
+		$(PY) -m pytest -n 2 --dist loadfile --max-worker-restart=0 --durations=15 -m "not alone"
+	$(PY) -m pytest -m alone -o faulthandler_timeout=1800
 
 # The AR-vs-peers report (jspec AR, transformers generate and its prompt lookup): 4.4 min on an H200.
 bench: setup

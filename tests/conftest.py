@@ -54,8 +54,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import jax  # noqa: E402
+import tqdm  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# No tqdm monitor thread: the first progress bar (transformers' weight loading, jspec's own bars)
+# would start tqdm's TMonitor, which wakes every 10 s for the rest of the worker's life to refresh
+# bars that tests never look at. Without it a worker runs no Python thread of its own beside the
+# test's and execnet's, and a crash or faulthandler_timeout dump (pyproject.toml) lists only those.
+# Bars still draw; only the background refresh of a stalled bar is off. Set on the base class, so
+# tqdm.auto's and transformers' subclasses inherit it.
+tqdm.tqdm.monitor_interval = 0
 
 
 # Under `pytest -n 2 --dist loadfile` a file runs whole on one worker, handed out in collection
@@ -95,6 +103,26 @@ def pytest_sessionfinish(session):
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay contiguous
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_compiled_programs():
+    """After each test file, drop what jax compiled for it (jax.clear_caches; the file's own
+    module fixtures are torn down before this one, set up first of its scope).
+
+    Every program XLA:CPU compiles keeps its JIT code in memory mappings of its own, about three
+    per compiled kernel (code, read-only data, data; ~95 for a small jitted function), for as long
+    as jax's caches hold the executable. A `--dist loadfile` worker that keeps everything it ran
+    peaked at 52,000 mappings (and 9 GB resident) in a local `make test`, against the kernel's
+    vm.max_map_count of 65,530. At that limit mmap fails, XLA logs "LLVM compilation error: Cannot
+    allocate memory" and the process dies of a segmentation fault in backend_compile_and_load
+    (reproduced by filling a process's mappings up to the limit, then jitting). That is the
+    likely cause of the worker segfault CI saw at 97% of the suite (intermittent: the count
+    depends on which files a worker drew). Cleared per file, a worker stays under 12,500
+    mappings (the largest file's) and about 3 GB; files share few programs (each builds its own
+    tiny models), and the suite takes as long as before (507 s against 505 s, 2-core CPU)."""
+    yield
+    jax.clear_caches()
 
 
 @pytest.fixture(autouse=True)
