@@ -178,7 +178,12 @@ def extrapolated(rows: list[dict]) -> list[dict]:
         row = dict(shape=name, method=method, unroll=unroll, layers=target, shape_layers=target, extrapolated_to=target,
                    from_layers=sorted(r["layers"] for r in rs), card=rs[0]["card"])
         for key in ("first_total_s", "cached_total_s"):
-            slope, intercept = linear_fit([r["layers"] for r in rs], [r[key] for r in rs])
+            layers, seconds = [r["layers"] for r in rs], [r[key] for r in rs]
+            slope, intercept = linear_fit(layers, seconds)
+            if slope <= 0:  # more layers measured no slower (noise over a flat cost): no growth to extend,
+                # so the figure is the slowest cut's, not a line run down past zero
+                row[key], row[key.replace("total_s", "s_per_layer")] = round(max(seconds), 1), 0.0
+                continue
             row[key] = round(intercept + slope * target, 1)
             row[key.replace("total_s", "s_per_layer")] = round(slope, 3)
         out.append(row)

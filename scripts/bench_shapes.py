@@ -92,7 +92,7 @@ SHAPES = {
     "tiny": ModelConfig(arch="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=True),
 }
-PEER_SHAPES = {"smollm2-135m": "smollm2", "llama-3.2-1b": "llama1b", "llama-3.1-8b": "llama8b"}
+PEER_SHAPES = {"smollm2-135m": "smollm2", "llama-3.2-1b": "llama1b", "llama-3.1-8b": "llama8b", "qwen2.5-1.5b": "qwen1.5b"}
 # Datasheet HBM bandwidth, bytes/s (the floor's denominator)
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
 PROMPT, NEW = 64, 256

@@ -11,7 +11,8 @@ from jspec import model as M
 from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.policies import make_policy
-from jspec.speculative.policies.auto import (PLAN_TOLERANCE, REFERENCE_COSTS, ROW_SPREAD, TREE_SIZES, AutoPolicy, acceptance_at,
+from jspec.speculative.policies.auto import (PLAN_TOLERANCE, REFERENCE_COSTS, ROW_SPREAD, SAMPLED_US, TREE_SIZES, AutoPolicy,
+                                             CostModel, acceptance_at,
                                              plan, sampled_tree_reach)
 from test_spec import CFG, _drafters, _prompts
 
@@ -580,3 +581,15 @@ def test_plans_of_nearby_prompt_sets_share_one_compiled_policy():
     assert coarse_acceptance(0.612) == coarse_acceptance(0.619) == pytest.approx(0.6)
     assert coarse_acceptance(0.0) > 0 and coarse_acceptance(1.0) < 1
     assert coarse_us(891.816) == 890.0 and coarse_us(62.0166) == 62.0 and coarse_us(1041.6) == 1000.0
+
+
+def test_sampled_costs_beyond_the_measured_batches_grow_as_the_reference_does():
+    """A table that measured sampling at 1 and 16 rows: between them it interpolates; at 64 rows its
+    16-row figure grows as SAMPLED_US's does from 16 to 64, not along the line through 1 and 16
+    (which priced an H100's 64-row chain round 17% dearer and planned plain decoding there)."""
+    costs = {"sampled_us": {"chain": {"1": 51.4, "16": 135.0}}}
+    assert CostModel(costs, 16).sampled("chain") == pytest.approx(135.0)
+    assert CostModel(costs, 8).sampled("chain") == pytest.approx(51.4 + (135.0 - 51.4) * 7 / 15)
+    growth = SAMPLED_US["chain"]["64"] / SAMPLED_US["chain"]["16"]
+    assert CostModel(costs, 64).sampled("chain") == pytest.approx(135.0 * growth)
+    assert CostModel(costs, 64).sampled("tree") == pytest.approx(SAMPLED_US["tree"]["64"])  # not measured: the reference

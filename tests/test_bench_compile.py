@@ -45,3 +45,14 @@ def test_cut_shapes_extrapolate_to_their_full_depth(bc):
     assert (out["shape"], out["unroll"], out["extrapolated_to"], out["from_layers"]) == ("llama-3.1-70b", "auto", 80, [8, 16])
     assert out["first_total_s"] == pytest.approx(164.0) and out["first_s_per_layer"] == pytest.approx(2.0)
     assert out["cached_total_s"] == pytest.approx(11.0)
+
+
+def test_a_flat_or_falling_cost_is_not_extrapolated_below_what_was_measured(bc):
+    """Two cuts where the deeper one compiled faster (noise over a flat cost) give the slowest cut's
+    seconds and no growth per layer, not a line run down past zero at the full depth."""
+    rows = [dict(shape=f"llama-3.1-70b:{n}", method="chain", unroll="auto", layers=n, shape_layers=80,
+                 first_total_s=first, cached_total_s=cached, card="cpu")
+            for n, first, cached in ((8, 8.6, 1.6), (16, 7.7, 1.2))]
+    (out,) = bc.extrapolated(rows)
+    assert (out["first_total_s"], out["first_s_per_layer"]) == (8.6, 0.0)
+    assert (out["cached_total_s"], out["cached_s_per_layer"]) == (1.6, 0.0)
