@@ -14,7 +14,8 @@ preset.json fields:
               {"type": "path", "path": X}                            X relative to the preset dir
     dtype     default parameter dtype per backend, e.g. {"cpu": "float32", "gpu": "bfloat16"}
     chat      whether prompts go through the chat template
-    drafters  default drafter-head checkpoints by method name (paths relative to the preset dir)
+    drafters  default drafter-head checkpoints by method name (paths relative to the preset dir; a
+              draft model, "model", may name another preset instead)
 
 The presets folder is the repository's top-level models/ unless JSPEC_MODELS_DIR says otherwise;
 assembled GGUF files are cached in $JSPEC_CACHE (default ~/.cache/jspec).

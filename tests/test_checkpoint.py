@@ -423,6 +423,17 @@ def test_convert_hf_to_orbax_to_hf(tiny, tmp_path):
     np.testing.assert_allclose(hf_logits(back.eval(), tokens), hf_logits(hf, tokens), rtol=0, atol=1e-5)
 
 
+def test_a_preset_names_another_preset_as_its_draft_model():
+    """Qwen2.5-Coder 1.5B's preset ships its 0.5B sibling as the draft model by name, so
+    `--drafter model` needs no argument; a kind a preset ships no file for is still None. Reads
+    preset.json only: the chunk packages need not be installed."""
+    from jspec.speculative.factory import shipped_head_path
+
+    assert shipped_head_path("qwen2.5-coder-1.5b-instruct", "model") == "qwen2.5-coder-0.5b-instruct"
+    assert shipped_head_path("qwen2.5-coder-1.5b-instruct", "eagle3") is None
+    assert shipped_head_path("qwen2.5-coder-0.5b-instruct", "model") is None
+
+
 def test_presets_listed_and_resolved(tiny, tmp_path, monkeypatch):
     assert {"smollm2-135m-instruct", "gemma3-270m"} <= set(presets.list_presets())
     smol = presets.load_preset("smollm2-135m-instruct")

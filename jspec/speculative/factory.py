@@ -248,12 +248,17 @@ def find_ldlp_weights(drafter_spec: str | None, model_name: str | None, explicit
 
 def shipped_head_path(model_name: str | None, kind: str):
     """The head a preset ships for `kind` ("eagle", "eagle3", "model", "dlm", ...: preset.json
-    "drafters"), or None."""
+    "drafters"), or None. A draft model ("model") may be another preset, named as one (the
+    Qwen2.5-Coder 1.5B's is the 0.5B): that preset's name, which `--drafter model:NAME` takes too."""
     if not model_name:
         return None
-    if model_name not in list_presets():
+    presets = list_presets()
+    if model_name not in presets:
         return None
-    path = load_preset(model_name).drafter_path(kind)
+    preset = load_preset(model_name)
+    if kind == "model" and preset.drafters.get("model") in presets:
+        return preset.drafters["model"]
+    path = preset.drafter_path(kind)
     return path if path is not None and path.exists() else None
 
 
