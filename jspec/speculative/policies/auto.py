@@ -397,7 +397,7 @@ class CostModel:
         if not measured:
             return max(_interp(reference, self.batch), 0.0)
         low, high = min(measured), max(measured)
-        if low <= self.batch <= high or len(reference) < 2:
+        if low <= self.batch <= high:
             return max(_interp(measured, self.batch), 0.0)
         edge = high if self.batch > high else low
         growth = _interp(reference, self.batch) / max(_interp(reference, edge), 1e-9)
