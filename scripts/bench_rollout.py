@@ -185,7 +185,7 @@ def main(argv=None) -> list[dict]:
                 "card": card_name(), "jax_version": jax.__version__, "target": "tiny" if a.tiny else a.model,
                 "name": name, "auto_plan": plan or None, "rows_in_flight": rows, "n_prompts": len(prompts),
                 "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,
-                "dtype": str(params["embed"].dtype), "tokens": tokens,
+                "dtype": str(params["embed"].dtype), "tokens": tokens, "pass_tokens": pass_tokens,
                 "length_p10_p50_p90": [int(x) for x in np.percentile(res.lengths, [10, 50, 90])],
                 "ended_at_eos": float(np.mean(np.asarray(res.lengths) < a.max_new_tokens)),
                 "generate_s": gen_s, "score_s": score_s, "compile_and_first_s": compile_s,
