@@ -34,7 +34,7 @@ from .heads.hrad import load_hrad
 from .speculative.engines.chain import speculative_stream
 from .speculative.engines.pearl import parse_role_mesh
 from .speculative.engines.specbranch import SpecBranchConfig
-from .speculative.engines.tree import TreeConfig
+from .speculative.engines.tree import TreeConfig, tree_config
 from .speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, resolve_policy_spec, shipped_head_path
 from .speculative.policies import POLICY_NAMES, is_auto, make_policy
 from .speculative.policies.auto import AutoPlan, auto_budget, load_costs, mean_context, plan_for, tail_rows
@@ -183,7 +183,7 @@ def check_generate_args(a) -> None:
     if issubclass(drafter_cls, HybridDrafter) and not a.tree:
         raise UsageError(f"--drafter {a.drafter} drafts trees (the head's tree plus an n-gram branch): add --tree")
     tree = _tree_arg(a)
-    depth = (tree if isinstance(tree, TreeConfig) else TreeConfig()).depth if tree is not None else a.k_max
+    depth = tree_config(tree).depth if tree is not None else a.k_max
     try:  # "svip" takes the head's calibrated constants when `jspec calibrate` wrote them; "svip:paper" the paper's
         policy, a.policy_constants = resolve_policy_spec(a.policy, a.drafter, a.model, depth)
         policy_obj = make_policy(policy, k_max=depth) if isinstance(policy, str) else policy
@@ -277,7 +277,7 @@ def speculative_slots(spec: SpeculativeConfig | None) -> int:
         gamma = spec.engine.gamma if isinstance(spec.engine, SpecBranchConfig) else spec.gamma
         return 1 if spec.engine == "ppsd" else 2 * (gamma or 1)
     if spec.tree is not None:
-        return (spec.tree if isinstance(spec.tree, TreeConfig) else TreeConfig()).cache_slots
+        return tree_config(spec.tree).cache_slots
     return spec.k_max + 1
 
 

@@ -58,7 +58,7 @@ from .speculative.engines.pearl import DATA_AXIS as ROLE_MESH_DATA, measure_gamm
 from .speculative.engines.ppsd import ppsd_generate
 from .speculative.engines.specbranch import SpecBranchConfig, specbranch_generate
 from .speculative.config import SpeculativeConfig
-from .speculative.engines.tree import TreeConfig, autotuned_tree, tree_for, tree_generate, tree_generate_jit
+from .speculative.engines.tree import autotuned_tree, tree_config, tree_for, tree_generate, tree_generate_jit
 from .presets import models_dir
 from .speculative.factory import build_drafter, policy_for_drafter
 from .speculative.policies import is_auto, resolve_policy
@@ -153,8 +153,7 @@ def default_tail_runs(cfg: ModelConfig, prompts, batch_size, mesh, max_new_token
     """Whether generate's `auto` adds its planned tail by itself: one device, a queue with more
     prompts than rows in flight, and room in the model's positions for the prompts, the tail and
     what the drafter drafts a round (`tail_fits`; `tree` as SpeculativeConfig takes it)."""
-    if tree is True or tree == "auto":
-        tree = TreeConfig()
+    tree = tree_config(tree)
     slots = drafted_slots(drafter, tree_for(drafter, tree) if drafter is not None and tree else None, k_max)
     return (mesh is None and batch_size is not None and batch_size < len(prompts)
             and tail_fits(cfg, prompts, max_new_tokens, slots))
@@ -240,8 +239,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
         k_max, verify, tree = spec.k_max, spec.verify_rule, spec.tree
     mesh = parse_mesh(mesh)
     autotune = tree == "auto"
-    if tree is True or autotune:
-        tree = TreeConfig()  # autotune: EAGLE's largest candidate (59 nodes) sizes the cache
+    tree = tree_config(tree)  # autotune: EAGLE's largest candidate (59 nodes) sizes the cache
     if isinstance(drafter, str):  # read as `jspec generate` reads it: what cfg's preset ships, if any
         policy, policy_params = policy_for_drafter(policy, policy_params, drafter, cfg.preset,
                                                    tree.depth if tree is not None else k_max)

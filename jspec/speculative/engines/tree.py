@@ -419,6 +419,14 @@ def with_ngram_branch(tcfg, tree: Tree, tokens: jax.Array, valid: jax.Array, max
     return Tree(tok, parent, depth, ancestors, valid)
 
 
+def tree_config(setting) -> TreeConfig | None:
+    """The TreeConfig a tree setting (SpeculativeConfig.tree) names: None (chains), a TreeConfig as
+    given, True or "auto" EAGLE-2's default tree (autotune's largest candidate, which sizes the cache)."""
+    if setting is True or setting == "auto":
+        return TreeConfig()
+    return setting
+
+
 def tree_for(drafter, tree: TreeConfig) -> TreeConfig:
     """The tree a drafter drafts: a hybrid's n-gram branch defaults to the tree's depth."""
     hybrid = isinstance(drafter, HybridDrafter)
