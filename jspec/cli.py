@@ -23,9 +23,9 @@ from .compile_cache import add_compile_cache_arg, use_compile_cache
 from .config import UnsupportedModelError, config_from_hf
 from .decode import PromptError, pack_prompts
 from .errors import UsageError
-from .generate import SpeculativeConfig, default_tail_runs, generate, generate_stream
-from .presets import (TOKENIZER_FILES, list_presets, models_dir, resolve_checkpoint, resolve_config, resolve_model,
-                      resolve_tokenizer)
+from .generate import SpeculativeConfig, default_tail_runs, generate, generate_stream, pack_stream_prompt
+from .presets import (TOKENIZER_FILES, list_presets, load_preset, models_dir, resolve_checkpoint, resolve_config,
+                      resolve_model, resolve_tokenizer)
 from .sampling import Sampling
 from .sharding import axis_size, check_tensor_parallel, parse_mesh
 from .speculative.drafters.base import DrafterError
@@ -68,7 +68,9 @@ def add_generate_args(p: argparse.ArgumentParser):
                    help="read prompts from PATH ('-': standard input): one per line, or JSON lines "
                         '{"prompt": TEXT} when the first line starts with "{" (for prompts with newlines)')
     p.add_argument("--model", default=DEFAULT_MODEL, help="preset name, HF dir, .gguf file or Orbax dir")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the model's chat template (default: on for a preset that says so, "
+                        "preset.json \"chat\", such as the instruct models; off for a checkpoint path)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--stop", action="append", default=None, metavar="STR",
                    help="stop a prompt's generation at STR (repeatable); its output ends with STR. Streamed "
@@ -372,6 +374,13 @@ def stop_reason(ids: list[int], stop: str | None, cfg, max_new_tokens: int) -> s
     return "the end of the cache"
 
 
+def preset_chat(model: str) -> bool:
+    """Whether prompts to `model` go through its chat template when --chat is not given: the
+    preset's "chat" setting (an instruct model answers a bare prompt with EOS at once); a checkpoint
+    path, which may be a base model, takes the text as it is."""
+    return model in list_presets() and load_preset(model).chat
+
+
 def load_checked(a):
     """Everything a generation needs, each check before the step that costs time: the flags
     (check_generate_args), the prompts, then the model's config from its header (drafter checks
@@ -388,7 +397,8 @@ def load_checked(a):
         raise UsageError(no_tokenizer_message(a.model))
     if a.chat and not has_chat_template(tok):
         raise UsageError(f"--chat: {a.model} has no chat template (a base model?): drop --chat")
-    prompts = [prompt_ids(tok, text, a.chat) for text in texts]
+    chat = a.chat if a.chat is not None else preset_chat(a.model) and has_chat_template(tok)
+    prompts = [prompt_ids(tok, text, chat) for text in texts]
     pack_prompts(cfg, prompts, a.max_new_tokens, speculative_slots(a.speculative))  # lengths vs the context
     if a.policy_constants:  # which constants a calibrated policy runs: never a silent choice
         print(f"[jspec] policy {a.policy}: {a.policy_constants}", file=sys.stderr)
@@ -504,7 +514,7 @@ def _stream(a, cfg, params, tok, prompt, sampling, spec) -> None:
         chunks = ((chunk, None) for chunk in generate_stream(params, cfg, prompt, max_new_tokens=a.max_new_tokens,
                                                               sampling=sampling, seed=a.seed))
     else:
-        tokens, lens, cache_len = pack_prompts(cfg, [prompt], a.max_new_tokens, spec.k_max + 1)
+        tokens, lens, cache_len = pack_stream_prompt(cfg, prompt, a.max_new_tokens, spec.k_max + 1, spec.drafter)
         chunks = speculative_stream(
             params, cfg, tokens, lens, jax.random.PRNGKey(a.seed), drafter=spec.drafter,
             drafter_params=spec.drafter_params, policy=spec.policy, policy_params=spec.policy_params,

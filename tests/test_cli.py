@@ -665,3 +665,22 @@ def test_train_head_with_too_few_rows_for_a_batch_is_one_line(capsys, tmp_path, 
     rc, err = run(capsys, *_train_args(tmp_path, "--data", str(tmp_path / "data")))
     assert rc == 2 and err.count("\n") == 1, err
     assert "too few rows for a local batch of 64: lower --batch-size (the recipe's 64) or distil more rows" in err, err
+
+
+def test_an_instruct_preset_wraps_prompts_in_its_chat_template_by_default(monkeypatch):
+    """`jspec generate "..."` on an instruct preset (preset.json "chat": true) uses its chat template
+    without --chat; --no-chat sends the text as it is; a checkpoint path takes the text as it is."""
+    parse = lambda *argv: cli.build_parser().parse_args(["generate", *argv])  # noqa: E731
+    assert parse("hi").chat is None and parse("--chat", "hi").chat is True and parse("--no-chat", "hi").chat is False
+    assert cli.preset_chat("smollm2-135m-instruct") and not cli.preset_chat("/some/checkpoint")
+    base = [p for p in cli.list_presets() if not cli.load_preset(p).chat]
+    assert all(not cli.preset_chat(p) for p in base)
+    seen = []
+    monkeypatch.setattr(cli, "prompt_ids", lambda tok, text, chat: seen.append(chat) or [5, 6, 7])
+    monkeypatch.setattr(cli, "has_chat_template", lambda tok: True)
+    monkeypatch.setattr(cli, "resolve_tokenizer", lambda model: object())
+    monkeypatch.setattr(cli, "pack_prompts", lambda *x, **k: (_ for _ in ()).throw(RuntimeError("built")))
+    for argv, chat in ((["hi"], True), (["--no-chat", "hi"], False), (["--chat", "hi"], True)):
+        with pytest.raises(RuntimeError, match="built"):  # stops once the prompts are built, before any weights
+            cli.load_checked(parse(*argv))
+        assert seen.pop() is chat
