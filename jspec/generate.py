@@ -572,6 +572,16 @@ def _generate_parallel(engine, params, cfg, prompts, *, drafter, drafter_params,
     })
 
 
+def pack_stream_prompt(cfg: ModelConfig, prompt: list[int], max_new_tokens: int, extra: int = 0, drafter=None):
+    """pack_prompts for one streamed prompt, its cache rounded as `generate` rounds a batch's
+    (shared_cache_len, where attention reads only committed slots): prompts streamed in turn by
+    the CLI share one decode loop's program across nearby prompt buckets."""
+    cache_len = None
+    if _attention_reads_committed_slots(cfg, extra, drafter):
+        cache_len = shared_cache_len(bucket(len(prompt)), max_new_tokens, extra)
+    return pack_prompts(cfg, [prompt], max_new_tokens, extra, cache_len)
+
+
 def generate_stream(
     params: dict,
     cfg: ModelConfig,
@@ -586,7 +596,7 @@ def generate_stream(
     """Yield new tokens as they come, `chunk` jitted decode steps at a time (one host sync per chunk)."""
     sampling = sampling or GREEDY
     enable_default_compile_cache()
-    tokens, lens, cache_len = pack_prompts(cfg, [prompt], max_new_tokens)
+    tokens, lens, cache_len = pack_stream_prompt(cfg, prompt, max_new_tokens)
     with M.per_device_program():  # one device: GPU kernels even on a host with several GPUs
         state = start_decode_jit(
             params, cfg, jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(seed),

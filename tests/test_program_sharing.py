@@ -151,3 +151,19 @@ def test_streams_yield_the_batch_output(target):
                                 policy="static", k_max=spec_tiny.K, max_new=MAX_NEW, cache_len=cache_len,
                                 sampling=GREEDY, rounds_per_chunk=2)
     assert [t for chunk, _ in chunks for t in chunk] == want
+
+
+def test_a_streamed_prompt_rounds_its_cache_as_a_batch_does(target, monkeypatch):
+    """The CLI streams prompts one at a time: each is packed with the cache `generate` would give a
+    batch of it (shared_cache_len where attention reads committed slots only), so nearby prompt
+    buckets share a decode loop; elsewhere the plain plan. The stream's tokens stay the batch's."""
+    from jspec.generate import generate_stream, pack_stream_prompt
+
+    prompt = spec_tiny._prompts(7, batch=1)[0]
+    plan = plan_cache_len(32, MAX_NEW)
+    assert pack_stream_prompt(CFG, prompt, MAX_NEW)[2] == plan
+    monkeypatch.setattr(G, "_attention_reads_committed_slots", lambda *a: True)
+    monkeypatch.setattr(G, "shared_cache_len", lambda width, new, extra=0: plan_cache_len(width, new, extra) + 128)
+    assert pack_stream_prompt(CFG, prompt, MAX_NEW)[2] == plan + 128
+    want = generate(target, CFG, [prompt], max_new_tokens=MAX_NEW).row(0)
+    assert [t for chunk in generate_stream(target, CFG, prompt, max_new_tokens=MAX_NEW, chunk=3) for t in chunk] == want
