@@ -55,8 +55,9 @@ def test_one_bad_verify_timing_does_not_collapse_the_plan():
     bad = {**clean, "verify_us": {"1": {**clean["verify_us"]["1"], "4": 1627, "8": 1769}}}
     for tree in (False, True):
         a, b = (plan(t, batch=1, drafter_name="eagle", parallel=False, alpha=0.65, tree=tree) for t in (clean, bad))
-        # a chain's cap may move by one where the replaced entries sat at a near-tie's edge
-        assert (a.mode, a.num_nodes) == (b.mode, b.num_nodes) and abs(a.k_max - b.k_max) <= (0 if tree else 1)
+        # a chain's cap may move where the replaced entries sat at a near-tie's edge (batch 1 takes the
+        # largest near-tie K: 6 on the clean table's 3% band, 4 on the repaired one's)
+        assert (a.mode, a.num_nodes) == (b.mode, b.num_nodes) and abs(a.k_max - b.k_max) <= (0 if tree else 2)
     assert plan(bad, batch=1, drafter_name="eagle", parallel=False, alpha=0.65).k_max >= 3
     # plain decoding's own step stays as measured, even where a 2-token block timed faster
     from jspec.speculative.policies.auto import CostModel
@@ -547,7 +548,8 @@ def test_bench_queue_auto_rows_name_the_tail_they_ran(tmp_path, monkeypatch):
 
 def test_an_unmeasured_draft_model_is_planned_with_its_share_of_the_ar_step():
     """Before a table holds a draft model's measured step, `auto` prices it as step_fraction times
-    the AR step (the mean of its layer and weight ratios to the target), not as an EAGLE head's."""
+    the AR step (a latency per layer plus its weights' bytes, against the target's: 0.49 for the
+    Qwen2.5-Coder pair, as measured on an H100), not as an EAGLE head's."""
     from jspec.config import ModelConfig
     from jspec.speculative.drafters.model import ModelDrafter, step_fraction
     from jspec.speculative.policies.auto import CostModel, plan_for
@@ -557,7 +559,7 @@ def test_an_unmeasured_draft_model_is_planned_with_its_share_of_the_ar_step():
                            num_heads=heads, num_kv_heads=2, head_dim=hidden // heads)
 
     target, draft = qwen(28, 1536, 8960, 12), qwen(24, 896, 4864, 14)
-    assert step_fraction(draft, target) == pytest.approx(0.59, abs=0.01)
+    assert step_fraction(draft, target) == pytest.approx(0.49, abs=0.01)
     drafter = ModelDrafter(draft, step_fraction=0.59)
     cm = CostModel(REFERENCE_COSTS, 1, drafter_key=drafter.cost_key, step_fraction=0.59)
     assert cm.draft_step() == pytest.approx(0.59 * CostModel(REFERENCE_COSTS, 1).ar_step())

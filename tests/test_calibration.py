@@ -206,6 +206,83 @@ def test_calibrate_command_writes_to_the_user_cache(setup, tmp_path, monkeypatch
     assert "calibrate fits confidence, svip" in capsys.readouterr().err
 
 
+def test_calibrate_a_draft_model_keeps_its_fits_per_target(setup, tmp_path, monkeypatch, capsys, no_evaluation_sets):
+    """`jspec calibrate --drafter model:PATH` records and fits a draft model's chains as an EAGLE
+    head's; its fits are kept per target (one draft model may serve several), found by `svip` for
+    that target only, and the calibrated rule stays greedy-identical to AR."""
+    from jspec.cards import card_key
+    from jspec.checkpoint.draft_format import save_draft_model
+    from jspec.speculative.factory import calibration_home
+    from jspec.speculative.policies.calibration import calibrated_constants, head_fingerprint
+
+    target, *_ = setup
+    drafter, dparams = _drafters(target)["model"]
+    draft = tmp_path / "draft"
+    save_draft_model(str(draft), drafter.cfg, dparams, CFG, (0,), dtype="float32")
+    spec = f"model:{draft}"
+    assert calibration_home(spec, "tiny") == (draft, "tiny") and calibration_home("ngram", "tiny") == (None, None)
+    monkeypatch.setattr(C.presets, "resolve_model", lambda *a, **k: (CFG, target, ShortTokenizer()))
+    argv = ["calibrate", "--model", "tiny", "--drafter", spec, "--k-max", str(K), "--n-prompts", "6",
+            "--record-batch", "3", "--max-new-tokens", "12", "--round-cost", "table"]
+    monkeypatch.setattr(C, "ensure_costs", lambda *a, **k: REFERENCE_COSTS)
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "a draft model has no LDLP predictor" in out and "svip calibrated" in out
+    path = user_calibration_path(draft, "tiny")
+    assert path.name == f"{head_fingerprint(draft)}-tiny.json" and f"calibration: {path}" in out
+    (entry,) = json.loads(path.read_text())["cards"].values()
+    assert set(entry["policies"]) == set(CALIBRATED_POLICIES) - {"ldlp"} and entry["target"] == "tiny"
+    # the recorded per-token acceptance is what `auto` plans this pair with, for this target only
+    from jspec.speculative.factory import build_drafter
+
+    alpha = entry["acceptance"]["alpha"]
+    assert 0.0 <= alpha <= 1.0 and "per-token acceptance (greedy" in out
+    assert build_drafter(spec, CFG, target, model_name="tiny")[0].acceptance == alpha
+    assert build_drafter(spec, CFG, target, model_name="other-target")[0].acceptance is None
+    svip, constants = resolve_policy_spec("svip", spec, "tiny", K)
+    assert svip.threshold == entry["policies"]["svip"]["constants"]["threshold"] and constants.startswith("calibrated on")
+    # another target's policies never read this pair's fits
+    assert calibrated_constants(draft, "svip", card_key(), "other-target") is None
+    policy, constants = resolve_policy_spec("svip", spec, "other-target", K)
+    assert policy == "svip" and "no `jspec calibrate` fit for this draft model" in constants
+    with pytest.raises(DrafterError, match="draft model \\(for target other-target\\)"):
+        resolve_policy_spec("svip:calibrated", spec, "other-target", K)
+    # --out-dir: the file a draft model's folder ships, one per target
+    assert cli.main([*argv, "--policy", "confidence", "--out-dir", str(draft)]) == 0
+    assert (draft / "jspec" / "calibration-tiny.json").is_file() and not (draft / "jspec" / "calibration.json").exists()
+    ar = generate(target, CFG, _prompts(2), max_new_tokens=16)
+    out = generate(target, CFG, _prompts(2), max_new_tokens=16, speculative=SpeculativeConfig(
+        drafter=drafter, drafter_params=dparams, policy=svip, k_max=K))
+    assert all(out.row(b) == ar.row(b) for b in range(3))
+
+
+def test_recorded_acceptance_is_the_geometric_fit():
+    """Accepted drafts over accepted drafts plus first rejections; a round that accepted all it
+    drafted shows no rejection, and rounds past a row's last are not counted."""
+    from jspec.speculative.policies.calibration import recorded_acceptance
+
+    drafted = np.array([[4, 4, 4], [4, 2, 4]])
+    accepted = np.array([[4, 1, 0], [2, 2, 4]])  # row 1's third round is past its last
+    rec = Records(np.zeros((2, 3, 4, 4)), drafted, accepted, np.zeros((2, 3)), np.array([3, 2]))
+    assert recorded_acceptance(rec) == pytest.approx(9 / (9 + 3))
+
+
+def test_a_preset_folder_is_fingerprinted_by_its_pinned_hash(tmp_path):
+    """A draft model assembled from packages has no weight files in its preset folder: its fits
+    are keyed by the preset's pinned SHA-256; a single weights file (a GGUF) by its own bytes."""
+    from jspec.speculative.policies.calibration import head_fingerprint, target_tag
+
+    (tmp_path / "preset.json").write_text(json.dumps({"source": {"sha256": "ab" * 32}}))
+    assert head_fingerprint(tmp_path) == "ab" * 8
+    gguf = tmp_path / "draft.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    assert head_fingerprint(gguf) is not None and head_fingerprint(gguf) != head_fingerprint(tmp_path)
+    assert head_fingerprint(tmp_path / "missing") is None
+    assert target_tag("qwen2.5-coder-1.5b-instruct") == "qwen2.5-coder-1.5b-instruct"
+    tag = target_tag("/ckpt/my model")
+    assert tag.startswith("my_model-") and len(tag) == len("my_model-") + 8 and tag != target_tag("/other/my model")
+
+
 def test_calibration_prompts_from_a_questions_file(tmp_path):
     """--prompt-file: a user's own workload (bench --questions' format), all of it or its first
     --n-prompts; a missing file or too large a count is a one-line usage error before any loading."""

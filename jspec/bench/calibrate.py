@@ -1,6 +1,7 @@
-"""`jspec calibrate`: fit draft-length policies' constants to an EAGLE head on this card.
+"""`jspec calibrate`: fit draft-length policies' constants to an EAGLE head or a draft model on this card.
 
     jspec calibrate --drafter eagle3 --policy svip,adaedl,confidence,tapout,ldlp
+    jspec calibrate --model qwen2.5-coder-1.5b-instruct --drafter model --k-max 8
 
 records rounds of a static K = --k-max chain on training-side prompts (chitchat's training split,
 `jspec.tasks.training_prompts`; never an evaluation set), replays them through each policy's rules
@@ -9,7 +10,9 @@ card (the draft step and the rest of a round timed here on static chains, the ve
 the card's cost table; `--round-cost table` for the table alone), and writes them to the user
 cache ($JSPEC_CACHE/calibration/<head fingerprint>.json, one entry per card; `--out-dir HEAD` for
 the file a head ships, <HEAD>/jspec/calibration.json), where a policy spec without a suffix finds
-them (`svip`; `svip:paper` keeps the paper's). The method is in
+them (`svip`; `svip:paper` keeps the paper's). A draft model's fits hold for one target, so they
+are kept per target: <fingerprint>-<target>.json in the cache, calibration-<target>.json in the
+draft model's folder (its preset's folder for `--drafter model` on a preset that names one). The method is in
 jspec.speculative.policies.calibration.
 """
 
@@ -31,10 +34,11 @@ from jspec.compile_cache import add_compile_cache_arg, use_compile_cache
 from jspec.errors import UsageError
 from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.drafters.base import DrafterError
-from jspec.speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, head_dir
+from jspec.speculative.factory import build_drafter, calibration_home, check_drafter_spec, find_ldlp_weights
 from jspec.speculative.policies import make_policy
 from jspec.speculative.policies.calibration import (CALIBRATED_POLICIES, Records, RecordingPolicy, RoundCost, calibration_path,
-                                                    fit_all, head_fingerprint, save_calibration, user_calibration_path)
+                                                    fit_all, head_fingerprint, recorded_acceptance, save_calibration,
+                                                    user_calibration_path)
 from jspec.speculative.policies.ldlp import load_ldlp
 from jspec.tasks import Question, TaskDataError, load_questions_file, training_prompts
 
@@ -46,7 +50,8 @@ ROUND_COSTS = ("timed", "table")
 
 def add_calibrate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m-instruct", help="preset name or checkpoint path")
-    p.add_argument("--drafter", default="eagle3", help="an EAGLE head: eagle3[:PATH] or eagle[:PATH] (default: the preset's)")
+    p.add_argument("--drafter", default="eagle3", help="an EAGLE head: eagle3[:PATH] or eagle[:PATH], or a draft model: "
+                   "model[:PATH] (default: the preset's)")
     p.add_argument("--policy", default=None,
                    help=f"comma list of policies to fit (default: all of {', '.join(CALIBRATED_POLICIES)}; ldlp only "
                         "when the head ships its predictor weights)")
@@ -66,9 +71,9 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0, help="which training prompts")
     p.add_argument("--out-dir", default=None, metavar="HEAD_DIR",
-                   help="write HEAD_DIR/jspec/calibration.json, the fits a head directory ships, instead of the user "
-                        "cache ($JSPEC_CACHE or ~/.cache/jspec, calibration/<head fingerprint>.json), where policies "
-                        "using this head find them")
+                   help="write HEAD_DIR/jspec/calibration.json, the fits a head directory ships (a draft model's: "
+                        "calibration-<target>.json), instead of the user cache ($JSPEC_CACHE or ~/.cache/jspec, "
+                        "calibration/<fingerprint>.json), where policies using this drafter find them")
     p.add_argument("--models-dir", default=None, help="the repository's models/ folder, whose committed cost tables are "
                    "read (default: jspec's own)")
     add_compile_cache_arg(p)
@@ -83,8 +88,9 @@ def check_calibrate_args(a) -> list[str]:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if a.k_max < 2:
         raise UsageError(f"--k-max {a.k_max}: a policy can only choose a draft length when k_max >= 2")
-    if not check_drafter_spec(a.drafter).__name__.startswith("Eagle"):
-        raise UsageError(f"--drafter {a.drafter!r}: calibration fits policies to an EAGLE head (eagle3[:PATH], eagle[:PATH])")
+    if check_drafter_spec(a.drafter).__name__ not in ("EagleDrafter", "ModelDrafter"):
+        raise UsageError(f"--drafter {a.drafter!r}: calibration fits policies to an EAGLE head (eagle3[:PATH], eagle[:PATH]) "
+                         "or a draft model (model[:PATH])")
     if a.policy is None:
         return default_policies(a.drafter, a.model)
     names = [n.strip() for n in a.policy.split(",") if n.strip()]
@@ -96,12 +102,14 @@ def check_calibrate_args(a) -> list[str]:
 
 def default_policies(drafter: str, model: str) -> list[str]:
     """Every calibrated policy, ldlp only where the head ships predictor weights: a freshly trained
-    head has none until `jspec train-ldlp` runs, and its other fits should not wait for that."""
+    head has none until `jspec train-ldlp` runs, and its other fits should not wait for that (a
+    draft model has none: LDLP reads an EAGLE head's features)."""
     try:
         find_ldlp_weights(drafter, model)
         return list(CALIBRATED_POLICIES)
     except DrafterError:
-        print("calibrate: this head has no LDLP predictor (jspec train-ldlp writes one), so ldlp is not fit")
+        what = "a draft model" if check_drafter_spec(drafter).__name__ == "ModelDrafter" else "this head"
+        print(f"calibrate: {what} has no LDLP predictor (jspec train-ldlp writes one for an EAGLE head), so ldlp is not fit")
         return [n for n in CALIBRATED_POLICIES if n != "ldlp"]
 
 
@@ -121,10 +129,16 @@ def calibration_prompts(a) -> tuple[list[str], str]:
     return [q.turns[0] for q in questions[:n]], f"{Path(a.prompt_file).name}: the first {n} of {len(questions)} questions"
 
 
-def calibration_file(out_dir: str | None, head: Path) -> Path:
-    """Where the fits go: --out-dir's jspec/calibration.json, else the user cache's file for this
-    head (never the shipped file beside a repository's head unless --out-dir names that head)."""
-    return calibration_path(out_dir) if out_dir else user_calibration_path(head)
+def calibration_file(out_dir: str | None, head: Path, target: str | None = None) -> Path:
+    """Where the fits go: --out-dir's jspec/calibration.json (a draft model's: calibration-<target>.json),
+    else the user cache's file for this drafter (never the shipped file beside a repository's head
+    unless --out-dir names that head). Raises UsageError for a drafter whose weights cannot be
+    fingerprinted without --out-dir."""
+    path = calibration_path(out_dir, target) if out_dir else user_calibration_path(head, target)
+    if path is None:
+        raise UsageError(f"--drafter: the weights at {head} cannot be fingerprinted for the user cache (no *.safetensors, "
+                         "*.bin or preset.json there): pass --out-dir DIR to write the fits there")
+    return path
 
 
 def record_rounds(params, cfg, drafter, dparams, prompts: list[list[int]], *, k_max: int, batch: int, max_new: int,
@@ -172,11 +186,11 @@ def time_rounds(params, cfg, drafter, dparams, prompts: list[list[int]], *, k_ma
 
 
 def round_cost(costs: dict, batch: int, k_max: int, timed: tuple[dict[int, float], float] | None,
-               drafter_key: str | None = None) -> tuple[RoundCost, dict]:
+               drafter_key: str | None = None, step_fraction: float | None = None) -> tuple[RoundCost, dict]:
     """The replay's RoundCost and what the entry records of it: timed on this card when `timed`
     (time_rounds) gives a positive draft step, else the cost table's (the drafter's own draft
-    costs: its `cost_key`)."""
-    table = RoundCost.from_table(costs, batch, k_max, drafter_key)
+    costs: its `cost_key`; a draft model the table has not measured: `step_fraction` of the AR step)."""
+    table = RoundCost.from_table(costs, batch, k_max, drafter_key, step_fraction)
     note = {"source": f"cost table {costs.get('card', 'reference')}", "table_step_us": table.step_us}
     if timed is not None and costs.get("card") != card_key():  # another card's table: its shape, this card's scale
         table = table.scaled(timed[1] / table.ar_us)
@@ -210,16 +224,20 @@ def calibrate(params, cfg, drafter, dparams, prompts, names, *, costs: dict, k_m
     """Record, then fit every named policy: the calibration entry of one card (save_calibration)."""
     records = record_rounds(params, cfg, drafter, dparams, prompts, k_max=k_max, batch=record_batch, max_new=max_new,
                             ldlp_params=ldlp_params, log=log)
-    cost, cost_note = round_cost(costs, batch, k_max, timed, getattr(drafter, "cost_key", None))
+    cost, cost_note = round_cost(costs, batch, k_max, timed, getattr(drafter, "cost_key", None),
+                                 getattr(drafter, "step_fraction", None))
     fits = fit_all(names, records, k_max, cost)
     return {"k_max": k_max, "batch": batch, "rounds": records.n_rounds, "max_new_tokens": max_new,
-            "cost_table": costs.get("card", "reference"), "round_cost": cost_note, **fits}
+            "cost_table": costs.get("card", "reference"), "round_cost": cost_note,
+            "acceptance": {"alpha": round(recorded_acceptance(records), 4), "temperature": 0.0}, **fits}
 
 
 def report_lines(entry: dict) -> list[str]:
     """One line per policy: its constants (paper -> calibrated) and the replayed rates."""
     static = entry["static"].get(str(STATIC_REFERENCE))
     lines = [f"{entry['rounds']} rounds recorded at K = {entry['k_max']}; costs at batch {entry['batch']} (verify shape: the {entry['cost_table']} table)"]
+    if entry.get("acceptance"):
+        lines.append(f"  per-token acceptance (greedy, what `auto` plans with): {entry['acceptance']['alpha']:.3f}")
     rc = entry.get("round_cost")
     if rc:
         lines.append(f"  round cost: {rc['source']}: draft step {rc['step_us']:.0f} µs (the table's {rc['table_step_us']:.0f}), "
@@ -249,9 +267,10 @@ def run_calibrate(a) -> int:
     names = check_calibrate_args(a)
     use_compile_cache(a.compile_cache)
     texts, source = calibration_prompts(a)  # before the model loads: a bad file or count fails fast
+    head, target = calibration_home(a.drafter, a.model)
+    out_file = calibration_file(a.out_dir, head, target) if head is not None else None  # an unusable one fails fast
     cfg, params, tokenizer = presets.resolve_model(a.model)
-    drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)
-    head = head_dir(a.drafter, a.model)
+    drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)  # no head or draft model: its error
     ldlp_params = load_ldlp(str(find_ldlp_weights(a.drafter, a.model)))[0] if "ldlp" in names else None
     prompts = encode_questions(tokenizer, [Question(i, "train", [t]) for i, t in enumerate(texts)])
     timed = None
@@ -269,7 +288,9 @@ def run_calibrate(a) -> int:
     fingerprint = head_fingerprint(head)  # the weights recorded, whichever file is written
     for fit in entry["policies"].values():
         fit["head"] = fingerprint
-    path = save_calibration(calibration_file(a.out_dir, head), card_key(), entry)
+    if target is not None:
+        entry["target"] = target
+    path = save_calibration(out_file or calibration_file(a.out_dir, head, target), card_key(), entry)
     print("\n".join(report_lines(entry)))
     print(f"calibration: {path}")
     print("(replayed rounds, not timed runs of the fitted rules: time them on your own prompts with `jspec bench "

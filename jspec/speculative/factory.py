@@ -39,7 +39,7 @@ from ..checkpoint.eagle_format import (CONFIG_FILE as HEAD_CONFIG, EXTRAS_DIR, W
 from ..checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from ..config import ModelConfig, UnsupportedModelError
 from ..heads import dlm as D
-from ..presets import list_presets, load_preset, resolve_config, resolve_model
+from ..presets import list_presets, load_preset, models_dir, resolve_config, resolve_model
 from .drafters.base import DrafterError
 from .drafters.diffusion import PROXY_FILE, DiffuSpecDrafter, load_proxy
 from .drafters.eagle import EagleDrafter
@@ -48,7 +48,7 @@ from .drafters.early_exit import EarlyExitDrafter
 from .drafters.model import ModelDrafter, step_fraction
 from .drafters.ngram import NgramDrafter
 from .policies import POLICY_NAMES, make_policy
-from .policies.calibration import CALIBRATED_POLICIES, calibrated_constants, policy_from_constants
+from .policies.calibration import CALIBRATED_POLICIES, calibrated_acceptance, calibrated_constants, policy_from_constants
 from .policies.ldlp import WEIGHTS_FILE as LDLP_WEIGHTS_FILE, load_ldlp
 
 DRAFTER_NAMES = ("ngram", "early-exit", "model", "eagle", "eagle3", "dlm")
@@ -218,6 +218,25 @@ def head_dir(spec: str, model_name: str | None) -> Path | None:
     return Path(arg) if arg else shipped_head_path(model_name, "eagle3" if name == "eagle3" else "eagle")
 
 
+def calibration_home(spec: str, model_name: str | None) -> tuple[Path | None, str | None]:
+    """(folder, target) of a drafter's policy fits (`jspec calibrate`): an EAGLE head's folder
+    (target None: a head drafts for its own target only); a draft model's folder (its preset's
+    under models/, or PATH) with the target `model_name`, since one draft model may serve several
+    targets and accepts differently for each. (None, None) for drafters without calibration."""
+    hybrid = split_hybrid(spec)
+    name, arg = _split(hybrid[0] if hybrid else spec)
+    if name.startswith("eagle"):
+        return head_dir(spec, model_name), None
+    if name != "model":
+        return None, None
+    draft = arg or shipped_head_path(model_name, "model")
+    if draft is None:
+        return None, None
+    draft = str(draft)
+    home = models_dir() / draft if draft in list_presets() else Path(draft)
+    return home, str(model_name) if model_name else "target"
+
+
 def find_ldlp_weights(drafter_spec: str | None, model_name: str | None, explicit: str | None = None) -> Path:
     """The directory holding LDLP predictor weights (ldlp.safetensors + ldlp.json, written by
     `jspec train-ldlp`): ``explicit`` if given, else the drafter's EAGLE head's jspec/ subfolder
@@ -340,7 +359,9 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
             dcfg, dparams = load_draft_model(arg, cfg, params, dtype=dtype)
         else:
             dcfg, dparams, _ = resolve_model(arg, dtype=dtype or params["embed"].dtype, tokenizer=False)
-        drafter = ModelDrafter(dcfg, step_fraction=round(step_fraction(dcfg, cfg), 3))
+        home, target = calibration_home(spec, model_name)
+        drafter = ModelDrafter(dcfg, step_fraction=round(step_fraction(dcfg, cfg), 3),
+                               acceptance=calibrated_acceptance(home, card_key(), target))
         drafter.check(cfg)
         return drafter, dparams
     if name in ("eagle", "eagle1", "eagle3"):
@@ -395,14 +416,15 @@ def resolve_policy_spec(text: str, drafter_spec: str | None, model_name: str | N
         return name, None
     if which == "paper":
         return make_policy(name, k_max=k_max), "the paper's constants (:paper)"
-    head = head_dir(drafter_spec, model_name) if drafter_spec else None
+    head, target = calibration_home(drafter_spec, model_name) if drafter_spec else (None, None)
     card = card_key()
-    found = None if head is None else calibrated_constants(head, name, card)
+    found = None if head is None else calibrated_constants(head, name, card, target)
     if found is not None:
         return policy_from_constants(name, found.constants, k_max), found.describe()
+    what = "head" if target is None else f"draft model (for target {target})"
     if which == "calibrated":
-        where = f"head {head}" if head is not None else "this drafter (no EAGLE head)"
+        where = f"{what} {head}" if head is not None else "this drafter (neither an EAGLE head nor a draft model)"
         raise DrafterError(f"policy {text!r}: no {name} fit for {where} on {card}: run `jspec calibrate --drafter "
                            f"{drafter_spec or 'eagle3'} --policy {name}`")
-    reason = "no EAGLE head to calibrate" if head is None else f"no `jspec calibrate` fit for this head on {card}"
+    reason = "no EAGLE head or draft model to calibrate" if head is None else f"no `jspec calibrate` fit for this {what.split(' (')[0]} on {card}"
     return name, f"the paper's constants ({reason})"

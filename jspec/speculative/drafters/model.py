@@ -26,23 +26,35 @@ def approx_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * (attention + 3 * cfg.hidden_size * cfg.intermediate_size) + cfg.vocab_size * cfg.hidden_size
 
 
-def step_fraction(dcfg: ModelConfig, tcfg: ModelConfig) -> float:
-    """[I] A draft model's step as a fraction of its target's, before anything is timed: the mean
-    of the two models' layer-count ratio (a small model's step is bound by kernel launches, a fixed
-    cost per layer) and weight ratio (a large one's by reading its weights). Qwen2.5-Coder 0.5B for
-    the 1.5B: layers 24 / 28, weights 0.32 of the target's, so 0.59. `auto` plans with it until a
-    cost table holds the pair's measured draft step (policies.auto.CostModel)."""
-    return 0.5 * (dcfg.num_layers / tcfg.num_layers + approx_params(dcfg) / approx_params(tcfg))
+# [I] A decode step at batch 1 as a fixed latency per layer plus the bytes of its weights, in
+# units of bytes: a layer costs what reading LAYER_LATENCY_BYTES more would. Fitted to the one pair
+# measured (H100, bf16): Qwen2.5-Coder 1.5B 1,923 µs a step (28 layers, 3.1 GB), 0.5B 934 µs
+# (24 layers, 1.0 GB), i.e. 21 µs a layer and 0.43 µs a MB.
+LAYER_LATENCY_BYTES = 48e6
+
+
+def step_fraction(dcfg: ModelConfig, tcfg: ModelConfig, bytes_per_weight: int = 2) -> float:
+    """[I] A draft model's step as a fraction of its target's, before anything is timed: each
+    model's layers times LAYER_LATENCY_BYTES (a small model's step is bound by per-layer launch
+    and latency cost) plus its weights' bytes (a large one's by reading them). Qwen2.5-Coder 0.5B
+    for the 1.5B: 0.49, as measured on an H100. `auto` plans with it until a cost table holds the
+    pair's measured draft step (policies.auto.CostModel)."""
+    def cost(c: ModelConfig) -> float:
+        return c.num_layers * LAYER_LATENCY_BYTES + bytes_per_weight * approx_params(c)
+    return cost(dcfg) / cost(tcfg)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter:
     """An independent small draft model sharing the target's vocabulary (dparams: its weights).
     `step_fraction`: its step as a share of the target's (`step_fraction`), which `auto` plans
-    with where no cost table holds its measured draft step; None: unknown."""
+    with where no cost table holds its measured draft step; None: unknown. `acceptance`: see below."""
 
     cfg: ModelConfig
     step_fraction: float | None = None
+    # per-token acceptance `jspec calibrate` recorded for this draft model and target, which `auto`
+    # plans with (policies.auto.plan_for); None: the cost table's or the default prior
+    acceptance: float | None = None
     name = "model"
     parallel = False
     deterministic = False

@@ -1,7 +1,10 @@
 """`auto`: batch-aware draft budgets from a measured cost model, so speculation is never planned
 slower than plain decoding.
 
-A round that drafts k tokens costs   c(k) = first + k * step + verify(T, B) + overhead
+A round that drafts k tokens costs   c(k) = first + (k - 1) * step + verify(T, B) + overhead
+(`first`: the draft loop at k = 1, its first token included, as the cost table measures it; until
+jspec 2026-12-05 the plan charged k steps besides it, one draft forward too many a round: a few
+percent of an EAGLE head's round, a quarter of a 0.5B draft model's, which it then never drafted)
 and, with per-token acceptance a, yields   tau(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)
 tokens. Plain decoding yields 1 token per verify(1, B). The expected gain of a budget is
     gain(k) = tau(k) * verify(1, B) / c(k).
@@ -538,7 +541,7 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     def add_chains(drafter: str, into: list | None = None, longest: int = k_cap) -> None:
         _, a_slow, first_us, step_us = chain_terms[drafter]
         for k in range(1, longest + 1):
-            gain = float(expected_tokens(a_slow, k)) * ar / (first_us + k * step_us + cm.verify(k + 1))
+            gain = float(expected_tokens(a_slow, k)) * ar / (first_us + (k - 1) * step_us + cm.verify(k + 1))
             (candidates if into is None else into).append((gain, k, k, AutoPlan("chain", k, 0, gain, None, drafter=drafter)))
 
     def tree_gain(depth: int, n: int, ngram_alpha: float, m: int) -> float:
@@ -643,8 +646,8 @@ def acceptance_sums(successes, trials, n_drafted, n_accepted, discount: float):
 class AutoPolicy(Policy):
     """Per-row draft length (or tree depth) maximising expected tokens per µs (module doc).
 
-    step_us: one draft step / tree level; first_us: the draft's fixed start; verify_us: the static
-    verify block's forward. alpha0: acceptance prior, worth `prior_trials` trials; discount: weight
+    step_us: one draft step / tree level; first_us: the draft's fixed start with its first token;
+    verify_us: the static verify block's forward. alpha0: acceptance prior, worth `prior_trials` trials; discount: weight
     of a round one round older in the per-row sums (0.95: about the last 20 rounds count). Built
     by `plan` from a card's cost table; `make_policy("auto", k_max=K)` gives the reference costs
     at batch 1."""
@@ -669,7 +672,7 @@ class AutoPolicy(Policy):
     def round_limit(self, state, k_max, features=None):
         self._check_k_max(k_max)
         k = jnp.arange(1, k_max + 1, dtype=jnp.float32)  # [K]
-        rate = expected_tokens(state.alpha[:, None], k[None]) / (self.first_us + k * self.step_us + self.verify_us)
+        rate = expected_tokens(state.alpha[:, None], k[None]) / (self.first_us + (k - 1) * self.step_us + self.verify_us)
         return clip_limit(jnp.argmax(rate, axis=1) + 1, k_max)
 
     def update(self, state, n_drafted, n_accepted, active):

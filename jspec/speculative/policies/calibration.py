@@ -37,6 +37,7 @@ import functools
 import hashlib
 import itertools
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -179,14 +180,19 @@ class Records:
 class RoundCost:
     """µs of a chain round's parts at one batch size (a card's cost table, or timed: `timed`)."""
 
-    fixed_us: float  # draft start + round overhead (timed: everything but the draft steps and the verify)
+    fixed_us: float  # a round but its draft steps and verify: draft start less one step (its first token) + overhead
     step_us: float  # one draft step
     verify_us: tuple[float, ...]  # verify_us[k] = the target's forward over k + 1 tokens
 
     @classmethod
-    def from_table(cls, costs: dict, batch: int, k_max: int, drafter_key: str | None = None) -> "RoundCost":
-        cm = CostModel(costs, batch, drafter_key=drafter_key)
-        return cls(cm.draft_first() + cm.overhead(False), cm.draft_step(), tuple(cm.verify(k + 1) for k in range(k_max + 1)))
+    def from_table(cls, costs: dict, batch: int, k_max: int, drafter_key: str | None = None,
+                   step_fraction: float | None = None) -> "RoundCost":
+        """The table's parts; a draft model's step (`drafter_key`) its own, or `step_fraction` of the
+        AR step where the table has not measured it (CostModel)."""
+        cm = CostModel(costs, batch, drafter_key=drafter_key, step_fraction=step_fraction)
+        # the table's draft loop of L tokens is first + (L - 1) steps, the replay's fixed + L steps
+        fixed = cm.draft_first() - cm.draft_step() + cm.overhead(False)
+        return cls(fixed, cm.draft_step(), tuple(cm.verify(k + 1) for k in range(k_max + 1)))
 
     @classmethod
     def timed(cls, table: "RoundCost", k_max: int, round_us: dict[int, float], ar_us: float) -> "RoundCost":
@@ -274,6 +280,17 @@ def oracle_summary(rec: Records, k: int, cost: RoundCost) -> dict[str, float]:
     return summary(replay(make_policy("static", k_max=k), rec, k, cost, limits=limits), cost)
 
 
+def recorded_acceptance(rec: Records) -> float:
+    """The per-token acceptance of the recorded chains as `auto` models it (a draft is accepted with
+    probability a given its predecessor was): the geometric model's maximum-likelihood fit, accepted
+    drafts over accepted drafts plus first rejections (a round that accepted all it drafted, or
+    whose draft an EOS ended, shows no rejection)."""
+    live = np.arange(rec.drafted.shape[1])[None] < rec.rounds[:, None]
+    accepted, drafted = rec.accepted[live], rec.drafted[live]
+    total = float(accepted.sum())
+    return total / max(total + float((accepted < drafted).sum()), 1.0)
+
+
 # ---- 3. fitting -----------------------------------------------------------------------------------
 
 
@@ -346,24 +363,39 @@ def fit_all(names, rec: Records, k_max: int, cost: RoundCost) -> dict[str, Any]:
 # ---- the files: the user's fits and those shipped beside a head ----------------------------------
 
 
-def calibration_path(head_dir) -> Path:
-    """The fits shipped beside a head (<head>/jspec/calibration.json): only read, unless
-    `jspec calibrate --out-dir HEAD` is asked to write them."""
-    return Path(head_dir) / CALIBRATION_DIR / CALIBRATION_FILE
+def target_tag(target: str) -> str:
+    """A file-name tag for the target a draft model's fits hold for: a preset's name as it is, a
+    path's last part and a hash of the whole path (two checkpoints may share a folder name)."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(target).name)[:64] or "target"
+    if name == target:
+        return name
+    return f"{name}-{hashlib.sha256(str(Path(target).expanduser().resolve()).encode()).hexdigest()[:8]}"
 
 
-def user_calibration_path(head_dir) -> Path | None:
-    """Where `jspec calibrate` writes a user's fits for a head by default: the user cache, one file
-    per head weights (head_fingerprint), wherever the head lives. None for a head without weights."""
+def calibration_path(head_dir, target: str | None = None) -> Path:
+    """The fits shipped beside a drafter (<dir>/jspec/calibration.json for an EAGLE head; a draft
+    model, which may serve several targets, keeps one file per target: calibration-<target>.json):
+    only read, unless `jspec calibrate --out-dir DIR` is asked to write them."""
+    name = CALIBRATION_FILE if target is None else f"calibration-{target_tag(target)}.json"
+    return Path(head_dir) / CALIBRATION_DIR / name
+
+
+def user_calibration_path(head_dir, target: str | None = None) -> Path | None:
+    """Where `jspec calibrate` writes a user's fits for a drafter by default: the user cache, one file
+    per drafter weights (head_fingerprint; for a draft model, per target too), wherever the drafter
+    lives. None for a drafter whose weights cannot be fingerprinted."""
     fingerprint = head_fingerprint(head_dir)
-    return None if fingerprint is None else user_cache_dir() / USER_CALIBRATION_DIR / f"{fingerprint}.json"
+    if fingerprint is None:
+        return None
+    name = fingerprint if target is None else f"{fingerprint}-{target_tag(target)}"
+    return user_cache_dir() / USER_CALIBRATION_DIR / f"{name}.json"
 
 
-def calibration_files(head_dir) -> list[Path]:
-    """The files a head's fits are read from, first hit wins: the user's, then the shipped ones.
-    (The head's weights are hashed only when the user has fits at all.)"""
-    user = user_calibration_path(head_dir) if (user_cache_dir() / USER_CALIBRATION_DIR).is_dir() else None
-    return [p for p in (user, calibration_path(head_dir)) if p is not None]
+def calibration_files(head_dir, target: str | None = None) -> list[Path]:
+    """The files a drafter's fits are read from, first hit wins: the user's, then the shipped ones.
+    (The weights are hashed only when the user has fits at all.)"""
+    user = user_calibration_path(head_dir, target) if (user_cache_dir() / USER_CALIBRATION_DIR).is_dir() else None
+    return [p for p in (user, calibration_path(head_dir, target)) if p is not None]
 
 
 def save_calibration(path, card: str, entry: dict) -> Path:
@@ -378,12 +410,21 @@ def save_calibration(path, card: str, entry: dict) -> Path:
 
 
 def head_fingerprint(head_dir) -> str | None:
-    """The first 16 hex digits of the SHA-256 of a head's weight files (its top-level *.safetensors
-    and *.bin, by name), or None when it has none. Cached per file size and modification time."""
-    files = sorted(f for f in Path(head_dir).glob("*") if f.suffix in (".safetensors", ".bin") and f.is_file())
-    if not files:
+    """The first 16 hex digits of the SHA-256 of a drafter's weights: a head's (or a draft model
+    checkpoint's) top-level *.safetensors and *.bin, by name; a single weights file (a GGUF) itself;
+    a preset folder without weight files (a GGUF assembled from packages) its pinned SHA-256. None
+    when there is none of these. Cached per file size and modification time."""
+    path = Path(head_dir)
+    if path.is_file():
+        return _fingerprint(((str(path), path.stat().st_size, path.stat().st_mtime_ns),))
+    files = sorted(f for f in path.glob("*") if f.suffix in (".safetensors", ".bin") and f.is_file())
+    if files:
+        return _fingerprint(tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    try:
+        pinned = json.loads((path / "preset.json").read_text())["source"]["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    return _fingerprint(tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    return str(pinned)[:16] if pinned else None
 
 
 @functools.lru_cache(maxsize=16)
@@ -418,13 +459,28 @@ class CalibrationFit:
         return f"calibrated on {self.card}{rounds} ({self.path})"
 
 
-def calibrated_constants(head_dir, name: str, card: str) -> CalibrationFit | None:
-    """The fit of policy `name` for a head on this card: the user's (`jspec calibrate`), else the
-    one shipped beside the head; None when neither has one. Only this card's: another card's
-    constants were fit to another card's round costs. A fit recorded with other weights than the
-    head's own (its `head` fingerprint differs) is skipped, with a warning."""
+def calibrated_acceptance(head_dir, card: str, target: str | None = None) -> float | None:
+    """The per-token acceptance `jspec calibrate` recorded for a drafter (a draft model: for
+    `target`), which `auto` plans with: this card's entry's, else another card's (acceptance does
+    not depend on the card), else a file's top-level record; the user's files first. None: none."""
+    for path in calibration_files(head_dir, target):
+        data = load_calibration_file(path) or {}
+        cards = data.get("cards", {})
+        for entry in [cards.get(card, {}), *(cards[c] for c in sorted(cards) if c != card), data]:
+            alpha = (entry.get("acceptance") or {}).get("alpha")
+            if alpha is not None:
+                return float(alpha)
+    return None
+
+
+def calibrated_constants(head_dir, name: str, card: str, target: str | None = None) -> CalibrationFit | None:
+    """The fit of policy `name` for a drafter on this card: the user's (`jspec calibrate`), else the
+    one shipped beside the drafter; None when neither has one. Only this card's: another card's
+    constants were fit to another card's round costs. `target`: the target a draft model drafts
+    for (its fits are per target; None for an EAGLE head). A fit recorded with other weights than
+    the drafter's own (its `head` fingerprint differs) is skipped, with a warning."""
     current = None
-    for path in calibration_files(head_dir):
+    for path in calibration_files(head_dir, target):
         data = load_calibration_file(path)
         entry = (data or {}).get("cards", {}).get(card, {})
         fit = entry.get("policies", {}).get(name)
