@@ -174,7 +174,7 @@ def test_calibrate_command_writes_to_the_user_cache(setup, tmp_path, monkeypatch
     monkeypatch.setattr(C, "ensure_costs", lambda *a, **k: measured.append(1) or REFERENCE_COSTS)  # the round-cost tests time
     argv = ["calibrate", "--model", "tiny", "--drafter", f"eagle3:{head}", "--policy", "svip,ldlp", "--k-max", str(K),
             "--n-prompts", "6", "--record-batch", "3", "--max-new-tokens", "12"]
-    assert cli.main(argv) == 0
+    assert cli.main([*argv, "--temperatures", "0.7"]) == 0
     out = capsys.readouterr().out
     assert "svip calibrated" in out and "static K=4" in out and "oracle stop" in out
     assert not calibration_path(head).exists() and not measured and f"calibration: {user_calibration_path(head)}" in out
@@ -186,6 +186,12 @@ def test_calibrate_command_writes_to_the_user_cache(setup, tmp_path, monkeypatch
     from jspec.speculative.policies.calibration import head_fingerprint
 
     assert {fit["head"] for fit in entry["policies"].values()} == {head_fingerprint(head)}
+    # the recorded acceptance (greedy, and sampled with --temperatures) is what `auto` plans this head with
+    from jspec.speculative.factory import build_drafter
+
+    recorded = build_drafter(f"eagle3:{head}", CFG, target)[0]
+    assert recorded.acceptance == entry["acceptance"]["alpha"]
+    assert recorded.acceptance_by_temperature == ((0.7, entry["acceptance"]["by_temperature"]["0.7"]),)
     rc = entry["round_cost"]  # timed here unless the CPU's timings gave no positive draft step
     assert rc["source"].startswith("timed here") or "timing too noisy" in rc["source"], rc
     assert "round cost: " in out
@@ -223,7 +229,7 @@ def test_calibrate_a_draft_model_keeps_its_fits_per_target(setup, tmp_path, monk
     assert calibration_home(spec, "tiny") == (draft, "tiny") and calibration_home("ngram", "tiny") == (None, None)
     monkeypatch.setattr(C.presets, "resolve_model", lambda *a, **k: (CFG, target, ShortTokenizer()))
     argv = ["calibrate", "--model", "tiny", "--drafter", spec, "--k-max", str(K), "--n-prompts", "6",
-            "--record-batch", "3", "--max-new-tokens", "12", "--round-cost", "table"]
+            "--record-batch", "3", "--max-new-tokens", "12", "--round-cost", "table", "--temperatures", "1"]
     monkeypatch.setattr(C, "ensure_costs", lambda *a, **k: REFERENCE_COSTS)
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
@@ -235,10 +241,12 @@ def test_calibrate_a_draft_model_keeps_its_fits_per_target(setup, tmp_path, monk
     # the recorded per-token acceptance is what `auto` plans this pair with, for this target only
     from jspec.speculative.factory import build_drafter
 
-    alpha = entry["acceptance"]["alpha"]
-    assert 0.0 <= alpha <= 1.0 and "per-token acceptance (greedy" in out
-    assert build_drafter(spec, CFG, target, model_name="tiny")[0].acceptance == alpha
-    assert build_drafter(spec, CFG, target, model_name="other-target")[0].acceptance is None
+    alpha, sampled = entry["acceptance"]["alpha"], entry["acceptance"]["by_temperature"]["1"]
+    assert 0.0 <= alpha <= 1.0 and 0.0 <= sampled <= 1.0 and "per-token acceptance (what `auto` plans with)" in out
+    pair = build_drafter(spec, CFG, target, model_name="tiny")[0]
+    assert pair.acceptance == alpha and pair.acceptance_by_temperature == ((1.0, sampled),)
+    other = build_drafter(spec, CFG, target, model_name="other-target")[0]
+    assert other.acceptance is None and other.acceptance_by_temperature is None
     svip, constants = resolve_policy_spec("svip", spec, "tiny", K)
     assert svip.threshold == entry["policies"]["svip"]["constants"]["threshold"] and constants.startswith("calibrated on")
     # another target's policies never read this pair's fits
@@ -247,6 +255,7 @@ def test_calibrate_a_draft_model_keeps_its_fits_per_target(setup, tmp_path, monk
     assert policy == "svip" and "no `jspec calibrate` fit for this draft model" in constants
     with pytest.raises(DrafterError, match="draft model \\(for target other-target\\)"):
         resolve_policy_spec("svip:calibrated", spec, "other-target", K)
+    assert cli.main([*argv[:-1], "0.7,0"]) == 2 and "--temperatures: '0' is not a temperature above 0" in capsys.readouterr().err
     # --out-dir: the file a draft model's folder ships, one per target
     assert cli.main([*argv, "--policy", "confidence", "--out-dir", str(draft)]) == 0
     assert (draft / "jspec" / "calibration-tiny.json").is_file() and not (draft / "jspec" / "calibration.json").exists()

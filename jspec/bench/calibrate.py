@@ -33,6 +33,7 @@ from jspec.cards import card_key
 from jspec.compile_cache import add_compile_cache_arg, use_compile_cache
 from jspec.errors import UsageError
 from jspec.generate import SpeculativeConfig, generate
+from jspec.sampling import Sampling
 from jspec.speculative.drafters.base import DrafterError
 from jspec.speculative.factory import build_drafter, calibration_home, check_drafter_spec, find_ldlp_weights
 from jspec.speculative.policies import make_policy
@@ -68,6 +69,9 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="timed (default): time plain decoding and static chains drafting 2 and --k-max tokens on "
                         "these prompts, and replay on the draft step and round cost they show; table: the card's "
                         "cost table alone (its parts timed one by one)")
+    p.add_argument("--temperatures", default="", metavar="T,...",
+                   help="also record sampled chains at these temperatures (> 0) and keep the drafter's per-token "
+                        "acceptance at each, which `auto` plans sampled calls with (default: none; the fits stay greedy)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0, help="which training prompts")
     p.add_argument("--out-dir", default=None, metavar="HEAD_DIR",
@@ -88,6 +92,7 @@ def check_calibrate_args(a) -> list[str]:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if a.k_max < 2:
         raise UsageError(f"--k-max {a.k_max}: a policy can only choose a draft length when k_max >= 2")
+    sampling_temperatures(a.temperatures)
     if check_drafter_spec(a.drafter).__name__ not in ("EagleDrafter", "ModelDrafter"):
         raise UsageError(f"--drafter {a.drafter!r}: calibration fits policies to an EAGLE head (eagle3[:PATH], eagle[:PATH]) "
                          "or a draft model (model[:PATH])")
@@ -98,6 +103,22 @@ def check_calibrate_args(a) -> list[str]:
     if not names or bad:
         raise UsageError(f"--policy {a.policy!r}: calibrate fits {', '.join(CALIBRATED_POLICIES)}")
     return names
+
+
+def sampling_temperatures(text: str) -> list[float]:
+    """--temperatures as floats, each > 0 (UsageError naming the bad one)."""
+    out = []
+    for part in (x.strip() for x in (text or "").split(",")):
+        if not part:
+            continue
+        try:
+            t = float(part)
+        except ValueError:
+            t = float("nan")
+        if not t > 0:
+            raise UsageError(f"--temperatures: {part!r} is not a temperature above 0 (greedy rounds are always recorded)")
+        out.append(t)
+    return out
 
 
 def default_policies(drafter: str, model: str) -> list[str]:
@@ -142,14 +163,15 @@ def calibration_file(out_dir: str | None, head: Path, target: str | None = None)
 
 
 def record_rounds(params, cfg, drafter, dparams, prompts: list[list[int]], *, k_max: int, batch: int, max_new: int,
-                  ldlp_params=None, log=None) -> Records:
+                  ldlp_params=None, log=None, sampling: Sampling | None = None) -> Records:
     """Generate with `RecordingPolicy` (a static chain of k_max) and collect the recorded rounds;
-    `log`: a progress line per batch, or None."""
+    `log`: a progress line per batch, or None; `sampling`: sampled chains (None: greedy)."""
     spec = SpeculativeConfig(drafter=drafter, drafter_params=dparams, k_max=k_max,
                              policy=RecordingPolicy(k_max=k_max, max_rounds=max_new), policy_params=ldlp_params)
     parts = []
     for i in range(0, len(prompts), batch):
-        res = generate(params, cfg, prompts[i : i + batch], max_new_tokens=max_new, speculative=spec)
+        res = generate(params, cfg, prompts[i : i + batch], max_new_tokens=max_new, speculative=spec, sampling=sampling,
+                       seed=i)
         parts.append(Records.from_state(res.policy_state))
         if log is not None:
             log(f"calibrate:   recorded {min(i + batch, len(prompts))}/{len(prompts)} prompts")
@@ -220,16 +242,23 @@ def calibration_costs(a, params, cfg, drafter, dparams) -> dict:
 
 
 def calibrate(params, cfg, drafter, dparams, prompts, names, *, costs: dict, k_max: int, batch: int, record_batch: int,
-              max_new: int, ldlp_params=None, timed: tuple[dict[int, float], float] | None = None, log=None) -> dict:
-    """Record, then fit every named policy: the calibration entry of one card (save_calibration)."""
+              max_new: int, ldlp_params=None, timed: tuple[dict[int, float], float] | None = None, log=None,
+              temperatures: tuple[float, ...] = ()) -> dict:
+    """Record, then fit every named policy: the calibration entry of one card (save_calibration).
+    `temperatures`: sampled chains recorded as well, for the per-token acceptance at each."""
     records = record_rounds(params, cfg, drafter, dparams, prompts, k_max=k_max, batch=record_batch, max_new=max_new,
                             ldlp_params=ldlp_params, log=log)
+    acceptance = {"alpha": round(recorded_acceptance(records), 4), "temperature": 0.0}
+    for t in temperatures:
+        sampled = record_rounds(params, cfg, drafter, dparams, prompts, k_max=k_max, batch=record_batch, max_new=max_new,
+                                ldlp_params=ldlp_params, log=log, sampling=Sampling(temperature=t))
+        acceptance.setdefault("by_temperature", {})[f"{t:g}"] = round(recorded_acceptance(sampled), 4)
     cost, cost_note = round_cost(costs, batch, k_max, timed, getattr(drafter, "cost_key", None),
                                  getattr(drafter, "step_fraction", None))
     fits = fit_all(names, records, k_max, cost)
     return {"k_max": k_max, "batch": batch, "rounds": records.n_rounds, "max_new_tokens": max_new,
             "cost_table": costs.get("card", "reference"), "round_cost": cost_note,
-            "acceptance": {"alpha": round(recorded_acceptance(records), 4), "temperature": 0.0}, **fits}
+            "acceptance": acceptance, **fits}
 
 
 def report_lines(entry: dict) -> list[str]:
@@ -237,7 +266,8 @@ def report_lines(entry: dict) -> list[str]:
     static = entry["static"].get(str(STATIC_REFERENCE))
     lines = [f"{entry['rounds']} rounds recorded at K = {entry['k_max']}; costs at batch {entry['batch']} (verify shape: the {entry['cost_table']} table)"]
     if entry.get("acceptance"):
-        lines.append(f"  per-token acceptance (greedy, what `auto` plans with): {entry['acceptance']['alpha']:.3f}")
+        sampled = "".join(f", {a:.3f} at T = {t}" for t, a in entry["acceptance"].get("by_temperature", {}).items())
+        lines.append(f"  per-token acceptance (what `auto` plans with): {entry['acceptance']['alpha']:.3f} greedy{sampled}")
     rc = entry.get("round_cost")
     if rc:
         lines.append(f"  round cost: {rc['source']}: draft step {rc['step_us']:.0f} µs (the table's {rc['table_step_us']:.0f}), "
@@ -283,7 +313,7 @@ def run_calibrate(a) -> int:
     print(f"calibrate: recording static K = {a.k_max} chains on {len(prompts)} prompts, then fitting {', '.join(names)}")
     entry = calibrate(params, cfg, drafter, dparams, prompts, names, costs=costs, k_max=a.k_max, batch=a.batch,
                       record_batch=a.record_batch, max_new=a.max_new_tokens, ldlp_params=ldlp_params, timed=timed,
-                      log=progress)
+                      log=progress, temperatures=tuple(sampling_temperatures(a.temperatures)))
     entry["prompts"] = source
     fingerprint = head_fingerprint(head)  # the weights recorded, whichever file is written
     for fit in entry["policies"].values():

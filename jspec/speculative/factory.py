@@ -281,6 +281,15 @@ def shipped_head_path(model_name: str | None, kind: str):
     return path if path is not None and path.exists() else None
 
 
+def recorded_acceptance(home: Path | None, target: str | None) -> tuple[float | None, tuple[tuple[float, float], ...] | None]:
+    """(greedy acceptance, ((temperature, acceptance), ...)) `jspec calibrate` recorded for the
+    drafter at `home` (for `target`, a draft model's), which `auto` plans with before a head's own
+    config.json record; (None, None) where nothing was recorded."""
+    record = (calibrated_acceptance(home, card_key(), target) if home is not None else None) or {}
+    sampled = tuple(sorted((float(t), float(a)) for t, a in (record.get("by_temperature") or {}).items()))
+    return record.get("alpha"), sampled or None
+
+
 def _head_acceptance_record(head_dir) -> dict:
     try:
         with open(Path(head_dir) / "config.json") as fh:
@@ -359,9 +368,9 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
             dcfg, dparams = load_draft_model(arg, cfg, params, dtype=dtype)
         else:
             dcfg, dparams, _ = resolve_model(arg, dtype=dtype or params["embed"].dtype, tokenizer=False)
-        home, target = calibration_home(spec, model_name)
-        drafter = ModelDrafter(dcfg, step_fraction=round(step_fraction(dcfg, cfg), 3),
-                               acceptance=calibrated_acceptance(home, card_key(), target))
+        alpha, sampled = recorded_acceptance(*calibration_home(spec, model_name))
+        drafter = ModelDrafter(dcfg, step_fraction=round(step_fraction(dcfg, cfg), 3), acceptance=alpha,
+                               acceptance_by_temperature=sampled)
         drafter.check(cfg)
         return drafter, dparams
     if name in ("eagle", "eagle1", "eagle3"):
@@ -373,8 +382,9 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
                 f"train one with `jspec train-head` or pass --drafter {kind}:PATH"
             )
         hcfg, hparams = load_eagle_head(str(path), cfg, dtype=dtype or params["embed"].dtype)
-        drafter = EagleDrafter(hcfg, acceptance=head_acceptance(path),
-                               acceptance_by_temperature=head_acceptance_by_temperature(path))
+        alpha, sampled = recorded_acceptance(Path(path), None)
+        drafter = EagleDrafter(hcfg, acceptance=head_acceptance(path) if alpha is None else alpha,
+                               acceptance_by_temperature=sampled or head_acceptance_by_temperature(path))
         drafter.check(cfg)
         return drafter, hparams
     raise DrafterError(f"unknown drafter {spec!r}; choose from {', '.join(DRAFTER_NAMES)} (e.g. ngram, early-exit:8, model:PATH)")

@@ -55,6 +55,9 @@ class ModelDrafter:
     # per-token acceptance `jspec calibrate` recorded for this draft model and target, which `auto`
     # plans with (policies.auto.plan_for); None: the cost table's or the default prior
     acceptance: float | None = None
+    # ((temperature, acceptance), ...) `jspec calibrate --temperatures` recorded, which `auto` plans
+    # sampled calls with; None: policies.auto.TEMPERATURE_RATIO of `acceptance`
+    acceptance_by_temperature: tuple[tuple[float, float], ...] | None = None
     name = "model"
     parallel = False
     deterministic = False

@@ -459,17 +459,19 @@ class CalibrationFit:
         return f"calibrated on {self.card}{rounds} ({self.path})"
 
 
-def calibrated_acceptance(head_dir, card: str, target: str | None = None) -> float | None:
+def calibrated_acceptance(head_dir, card: str, target: str | None = None) -> dict | None:
     """The per-token acceptance `jspec calibrate` recorded for a drafter (a draft model: for
-    `target`), which `auto` plans with: this card's entry's, else another card's (acceptance does
-    not depend on the card), else a file's top-level record; the user's files first. None: none."""
+    `target`), which `auto` plans with: {"alpha": greedy, "by_temperature": {"T": a, ...}} (the
+    latter when sampled chains were recorded too). This card's entry's, else another card's
+    (acceptance does not depend on the card), else a file's top-level record; the user's files
+    first. None: none recorded."""
     for path in calibration_files(head_dir, target):
         data = load_calibration_file(path) or {}
         cards = data.get("cards", {})
         for entry in [cards.get(card, {}), *(cards[c] for c in sorted(cards) if c != card), data]:
-            alpha = (entry.get("acceptance") or {}).get("alpha")
-            if alpha is not None:
-                return float(alpha)
+            record = entry.get("acceptance") or {}
+            if record.get("alpha") is not None:
+                return record
     return None
 
 
