@@ -656,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("inputs", nargs="+", help="distilled dataset directories (jspec distill)")
     ldlp = sub.add_parser("train-ldlp", help="train AdaEAGLE's draft-length predictor for an EAGLE head")
     add_export_head_args(sub.add_parser("export-head", help="write an EAGLE head as SGLang or vLLM loads it"))
-    calibrate = sub.add_parser("calibrate", help="fit draft-length policies' constants to an EAGLE head on this card")
+    calibrate = sub.add_parser("calibrate", help="fit draft-length policies' constants to an EAGLE head or a draft model on this card")
     from .bench.calibrate import add_calibrate_args
 
     add_calibrate_args(calibrate)

@@ -41,6 +41,12 @@ class Mutation:
 
 MUTATIONS = (
     Mutation(
+        "chain_cost_extra_draft_step", "jspec/speculative/policies/auto.py",
+        "(first_us + (k - 1) * step_us + cm.verify(k + 1))",
+        "(first_us + k * step_us + cm.verify(k + 1))",
+        ("tests/test_auto.py", "-k", "first_step_and_k_minus"),
+        "auto's chain cost charges one draft step more than the table measured"),
+    Mutation(
         "top_p_one_past_nucleus", "jspec/sampling.py",
         "keep_sorted = mass_before < sampling.top_p",
         "keep_sorted = jnp.concatenate([jnp.ones_like(mass_before[..., :1], bool), "

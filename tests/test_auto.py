@@ -595,3 +595,23 @@ def test_sampled_costs_beyond_the_measured_batches_grow_as_the_reference_does():
     growth = SAMPLED_US["chain"]["64"] / SAMPLED_US["chain"]["16"]
     assert CostModel(costs, 64).sampled("chain") == pytest.approx(135.0 * growth)
     assert CostModel(costs, 64).sampled("tree") == pytest.approx(SAMPLED_US["tree"]["64"])  # not measured: the reference
+
+
+def test_a_chain_of_k_drafts_costs_the_table_s_first_step_and_k_minus_one_more():
+    """The cost table measures the draft loop at K = 1 (its first token included) and the step as
+    the slope beyond it, so a chain of k drafts costs first + (k - 1) steps besides its verify and
+    round overhead: the plan's gain and the per-row limit price it so (one step more had planned
+    plain decoding for a draft model whose step is half the target's)."""
+    from jspec.speculative.policies.auto import AutoPolicy, expected_tokens
+
+    costs = {"verify_us": {"1": {"1": 1000, "2": 1000, "4": 1000, "8": 1000}},
+             "draft_first_us": {"1": 500}, "draft_step_us": {"1": 500}, "round_overhead_us": {"1": 100}}
+    gain = {k: float(expected_tokens(0.8, k)) * 1000 / (500 + (k - 1) * 500 + 1000 + 100) for k in range(1, 9)}
+    for cap in (1, 2, 4, 8):
+        p = plan(costs, batch=1, drafter_name="model", parallel=False, alpha=0.8, k_cap=cap, min_gain=0.0)
+        assert p.mode == "chain" and p.gain == pytest.approx(gain[p.k_max])
+        assert p.gain >= max(gain[k] for k in range(1, cap + 1)) * (1 - PLAN_TOLERANCE)
+    policy = AutoPolicy(k_max=4, alpha0=0.8, step_us=500.0, first_us=600.0, verify_us=1000.0)
+    rates = [float(expected_tokens(0.8, k)) / (600 + (k - 1) * 500 + 1000) for k in range(1, 5)]
+    state = policy.init(1, None)
+    assert int(policy.round_limit(state, 4)[0]) == 1 + max(range(4), key=lambda i: rates[i])
