@@ -55,9 +55,8 @@ def test_one_bad_verify_timing_does_not_collapse_the_plan():
     bad = {**clean, "verify_us": {"1": {**clean["verify_us"]["1"], "4": 1627, "8": 1769}}}
     for tree in (False, True):
         a, b = (plan(t, batch=1, drafter_name="eagle", parallel=False, alpha=0.65, tree=tree) for t in (clean, bad))
-        # a chain's cap may move where the replaced entries sat at a near-tie's edge (batch 1 takes the
-        # largest near-tie K: 6 on the clean table's 3% band, 4 on the repaired one's)
-        assert (a.mode, a.num_nodes) == (b.mode, b.num_nodes) and abs(a.k_max - b.k_max) <= (0 if tree else 2)
+        # a chain's cap may move by one where the replaced entries sat at a near-tie's edge
+        assert (a.mode, a.num_nodes) == (b.mode, b.num_nodes) and abs(a.k_max - b.k_max) <= (0 if tree else 1)
     assert plan(bad, batch=1, drafter_name="eagle", parallel=False, alpha=0.65).k_max >= 3
     # plain decoding's own step stays as measured, even where a 2-token block timed faster
     from jspec.speculative.policies.auto import CostModel
@@ -599,18 +598,23 @@ def test_sampled_costs_beyond_the_measured_batches_grow_as_the_reference_does():
 
 def test_a_chain_of_k_drafts_costs_the_table_s_first_step_and_k_minus_one_more():
     """The cost table measures the draft loop at K = 1 (its first token included) and the step as
-    the slope beyond it, so a chain of k drafts costs first + (k - 1) steps besides its verify and
-    round overhead: the plan's gain and the per-row limit price it so (one step more had planned
-    plain decoding for a draft model whose step is half the target's)."""
-    from jspec.speculative.policies.auto import AutoPolicy, expected_tokens
+    the slope beyond it, so a draft model's chain of k drafts costs first + (k - 1) steps besides its
+    verify and round overhead: the plan's gain and the per-row limit price it so (one step more had
+    planned plain decoding for a draft model whose step is half the target's). An EAGLE head's
+    rounds keep HEAD_EXTRA_FORWARDS more, as its fitted constants assume."""
+    from jspec.speculative.policies.auto import HEAD_EXTRA_FORWARDS, AutoPolicy, expected_tokens
 
     costs = {"verify_us": {"1": {"1": 1000, "2": 1000, "4": 1000, "8": 1000}},
              "draft_first_us": {"1": 500}, "draft_step_us": {"1": 500}, "round_overhead_us": {"1": 100}}
     gain = {k: float(expected_tokens(0.8, k)) * 1000 / (500 + (k - 1) * 500 + 1000 + 100) for k in range(1, 9)}
     for cap in (1, 2, 4, 8):
-        p = plan(costs, batch=1, drafter_name="model", parallel=False, alpha=0.8, k_cap=cap, min_gain=0.0)
+        p = plan(costs, batch=1, drafter_name="model", parallel=False, alpha=0.8, k_cap=cap, min_gain=0.0,
+                 drafter_key="model:x")
         assert p.mode == "chain" and p.gain == pytest.approx(gain[p.k_max])
         assert p.gain >= max(gain[k] for k in range(1, cap + 1)) * (1 - PLAN_TOLERANCE)
+    head = plan(costs, batch=1, drafter_name="eagle", parallel=False, alpha=0.8, k_cap=2, min_gain=0.0)  # below 1: "ar"
+    assert head.gain == pytest.approx(max(float(expected_tokens(0.8, k)) * 1000
+                                          / (500 + (k - 1 + HEAD_EXTRA_FORWARDS) * 500 + 1000 + 100) for k in (1, 2)))
     policy = AutoPolicy(k_max=4, alpha0=0.8, step_us=500.0, first_us=600.0, verify_us=1000.0)
     rates = [float(expected_tokens(0.8, k)) / (600 + (k - 1) * 500 + 1000) for k in range(1, 5)]
     state = policy.init(1, None)

@@ -2,9 +2,9 @@
 slower than plain decoding.
 
 A round that drafts k tokens costs   c(k) = first + (k - 1) * step + verify(T, B) + overhead
-(`first`: the draft loop at k = 1, its first token included, as the cost table measures it; until
-jspec 2026-12-05 the plan charged k steps besides it, one draft forward too many a round: a few
-percent of an EAGLE head's round, a quarter of a 0.5B draft model's, which it then never drafted)
+(`first`: the draft loop at k = 1, its first token included, as the cost table measures it; a tree
+of D levels likewise costs first + (D - 1) levels, its first level coming from the head's stored
+logits; an EAGLE head's rounds are charged HEAD_EXTRA_FORWARDS more, below)
 and, with per-token acceptance a, yields   tau(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)
 tokens. Plain decoding yields 1 token per verify(1, B). The expected gain of a budget is
     gain(k) = tau(k) * verify(1, B) / c(k).
@@ -524,8 +524,11 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
     step = 0.0 if parallel else cm.draft_step()
     draft_start = 0.0 if parallel else cm.draft_first()
     chain_extra = cm.sampled("chain") if sampled else 0.0
-    first = draft_start + cm.overhead(tree) + ((cm.sampled("tree") if tree else chain_extra) if sampled else 0.0)
-    chain_first = draft_start + cm.overhead(False) + chain_extra
+    # an EAGLE head's rounds keep the forward HEAD_EXTRA_FORWARDS adds (a drafter with its own costs, a draft model's, does not)
+    head_extra = HEAD_EXTRA_FORWARDS if drafter_key is None else 0.0
+    first = (draft_start + cm.overhead(tree) + ((cm.sampled("tree") if tree else chain_extra) if sampled else 0.0)
+             + head_extra * (cm.tree_level() if tree else step))
+    chain_first = draft_start + cm.overhead(False) + chain_extra + head_extra * step
     candidates = []  # (gain, draft tokens, depth or K, plan)
     a_ngram = a_ngram_mean = 0.0
     if hybrid:
@@ -551,7 +554,7 @@ def plan(costs: dict, *, batch: int, drafter_name: str, parallel: bool, k_cap: i
         else:
             tau = hybrid_tokens(float(tree_acceptance(a, n, depth)), depth, ngram_alpha, m)
         branch = cm.hybrid_branch() if m else 0.0
-        return tau * ar / (first + depth * cm.tree_level() + cm.verify(n + m + 1, tree=True) + branch)
+        return tau * ar / (first + (depth - 1) * cm.tree_level() + cm.verify(n + m + 1, tree=True) + branch)
 
     if tree:
         for depth in range(2, tree_depth + 1):
@@ -740,6 +743,19 @@ def plan_for(drafter, costs: dict, *, batch: int, k_cap: int, tree, context: flo
                 temperature=0.0 if sampling is None else float(sampling.temperature),
                 alpha_by_temperature=getattr(drafter, "acceptance_by_temperature", None),
                 drafter_key=getattr(drafter, "cost_key", None), step_fraction=getattr(drafter, "step_fraction", None))
+
+
+# [I] Draft forwards an EAGLE head's round is charged beyond what the cost table measured. A chain of
+# k drafts costs the table's first + (k - 1) steps and a tree of D levels first + (D - 1) levels (the
+# head's first token or level comes from its stored logits), but until 2026-12-05 the plan charged k
+# steps and D levels besides `first`, and the constants fit to measured rows since (ROW_SPREAD,
+# HYBRID_BRANCH_US, WEAK_LOOKUP_TOKENS, the tie band's picks) were fit under that accounting: dropped
+# for heads alone, the committed tables' plans move (H200 batch 1: 15-node trees of depth 4, not 5;
+# a hybrid's n-gram branch dropped where it had paid). So heads keep one forward more until those are
+# re-fit on a GPU; a draft model, whose step is a whole model's forward (a quarter of a Qwen2.5-Coder
+# 0.5B round), is charged what the table measured: with the extra forward `auto` planned plain
+# decoding for a pair that runs 1.12-1.38x at static K = 4.
+HEAD_EXTRA_FORWARDS = 1.0
 
 
 # [I] A queue's tail moves to a batch of rows // TAIL_FRACTION rows when the plan expects a token
