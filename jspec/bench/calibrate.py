@@ -35,6 +35,8 @@ from jspec.errors import UsageError
 from jspec.generate import SpeculativeConfig, generate
 from jspec.sampling import Sampling
 from jspec.speculative.drafters.base import DrafterError
+from jspec.speculative.drafters.eagle import EagleDrafter
+from jspec.speculative.drafters.model import ModelDrafter
 from jspec.speculative.factory import build_drafter, calibration_home, check_drafter_spec, find_ldlp_weights
 from jspec.speculative.policies import make_policy
 from jspec.speculative.policies.calibration import (CALIBRATED_POLICIES, Records, RecordingPolicy, RoundCost, calibration_path,
@@ -93,7 +95,7 @@ def check_calibrate_args(a) -> list[str]:
     if a.k_max < 2:
         raise UsageError(f"--k-max {a.k_max}: a policy can only choose a draft length when k_max >= 2")
     sampling_temperatures(a.temperatures)
-    if check_drafter_spec(a.drafter).__name__ not in ("EagleDrafter", "ModelDrafter"):
+    if check_drafter_spec(a.drafter) not in (EagleDrafter, ModelDrafter):
         raise UsageError(f"--drafter {a.drafter!r}: calibration fits policies to an EAGLE head (eagle3[:PATH], eagle[:PATH]) "
                          "or a draft model (model[:PATH])")
     if a.policy is None:
@@ -129,7 +131,7 @@ def default_policies(drafter: str, model: str) -> list[str]:
         find_ldlp_weights(drafter, model)
         return list(CALIBRATED_POLICIES)
     except DrafterError:
-        what = "a draft model" if check_drafter_spec(drafter).__name__ == "ModelDrafter" else "this head"
+        what = "a draft model" if check_drafter_spec(drafter) is ModelDrafter else "this head"
         print(f"calibrate: {what} has no LDLP predictor (jspec train-ldlp writes one for an EAGLE head), so ldlp is not fit")
         return [n for n in CALIBRATED_POLICIES if n != "ldlp"]
 
@@ -300,7 +302,7 @@ def run_calibrate(a) -> int:
     head, target = calibration_home(a.drafter, a.model)
     out_file = calibration_file(a.out_dir, head, target) if head is not None else None  # an unusable one fails fast
     cfg, params, tokenizer = presets.resolve_model(a.model)
-    drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)  # no head or draft model: its error
+    drafter, dparams = build_drafter(a.drafter, cfg, params, model_name=a.model)  # no head or draft model (head None): its error
     ldlp_params = load_ldlp(str(find_ldlp_weights(a.drafter, a.model)))[0] if "ldlp" in names else None
     prompts = encode_questions(tokenizer, [Question(i, "train", [t]) for i, t in enumerate(texts)])
     timed = None
@@ -320,7 +322,7 @@ def run_calibrate(a) -> int:
         fit["head"] = fingerprint
     if target is not None:
         entry["target"] = target
-    path = save_calibration(out_file or calibration_file(a.out_dir, head, target), card_key(), entry)
+    path = save_calibration(out_file, card_key(), entry)
     print("\n".join(report_lines(entry)))
     print(f"calibration: {path}")
     print("(replayed rounds, not timed runs of the fitted rules: time them on your own prompts with `jspec bench "

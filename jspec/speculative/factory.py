@@ -281,7 +281,7 @@ def shipped_head_path(model_name: str | None, kind: str):
     return path if path is not None and path.exists() else None
 
 
-def recorded_acceptance(home: Path | None, target: str | None) -> tuple[float | None, tuple[tuple[float, float], ...] | None]:
+def planned_acceptance(home: Path | None, target: str | None) -> tuple[float | None, tuple[tuple[float, float], ...] | None]:
     """(greedy acceptance, ((temperature, acceptance), ...)) `jspec calibrate` recorded for the
     drafter at `home` (for `target`, a draft model's), which `auto` plans with before a head's own
     config.json record; (None, None) where nothing was recorded."""
@@ -368,7 +368,7 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
             dcfg, dparams = load_draft_model(arg, cfg, params, dtype=dtype)
         else:
             dcfg, dparams, _ = resolve_model(arg, dtype=dtype or params["embed"].dtype, tokenizer=False)
-        alpha, sampled = recorded_acceptance(*calibration_home(spec, model_name))
+        alpha, sampled = planned_acceptance(*calibration_home(spec, model_name))
         drafter = ModelDrafter(dcfg, step_fraction=round(step_fraction(dcfg, cfg), 3), acceptance=alpha,
                                acceptance_by_temperature=sampled)
         drafter.check(cfg)
@@ -382,7 +382,7 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
                 f"train one with `jspec train-head` or pass --drafter {kind}:PATH"
             )
         hcfg, hparams = load_eagle_head(str(path), cfg, dtype=dtype or params["embed"].dtype)
-        alpha, sampled = recorded_acceptance(Path(path), None)
+        alpha, sampled = planned_acceptance(Path(path), None)
         drafter = EagleDrafter(hcfg, acceptance=head_acceptance(path) if alpha is None else alpha,
                                acceptance_by_temperature=sampled or head_acceptance_by_temperature(path))
         drafter.check(cfg)
