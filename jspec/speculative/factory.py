@@ -431,10 +431,11 @@ def resolve_policy_spec(text: str, drafter_spec: str | None, model_name: str | N
     found = None if head is None else calibrated_constants(head, name, card, target)
     if found is not None:
         return policy_from_constants(name, found.constants, k_max), found.describe()
-    what = "head" if target is None else f"draft model (for target {target})"
+    kind = "head" if target is None else "draft model"
     if which == "calibrated":
+        what = kind if target is None else f"{kind} (for target {target})"
         where = f"{what} {head}" if head is not None else "this drafter (neither an EAGLE head nor a draft model)"
         raise DrafterError(f"policy {text!r}: no {name} fit for {where} on {card}: run `jspec calibrate --drafter "
                            f"{drafter_spec or 'eagle3'} --policy {name}`")
-    reason = "no EAGLE head or draft model to calibrate" if head is None else f"no `jspec calibrate` fit for this {what.split(' (')[0]} on {card}"
+    reason = "no EAGLE head or draft model to calibrate" if head is None else f"no `jspec calibrate` fit for this {kind} on {card}"
     return name, f"the paper's constants ({reason})"

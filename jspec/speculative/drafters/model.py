@@ -48,7 +48,8 @@ def step_fraction(dcfg: ModelConfig, tcfg: ModelConfig, bytes_per_weight: int = 
 class ModelDrafter:
     """An independent small draft model sharing the target's vocabulary (dparams: its weights).
     `step_fraction`: its step as a share of the target's (`step_fraction`), which `auto` plans
-    with where no cost table holds its measured draft step; None: unknown. `acceptance`: see below."""
+    with where no cost table holds its measured draft step; None: unknown. `acceptance` and
+    `acceptance_by_temperature`: what `jspec calibrate` recorded for this pair (fields below)."""
 
     cfg: ModelConfig
     step_fraction: float | None = None
