@@ -99,9 +99,11 @@ def add_generate_args(p: argparse.ArgumentParser):
                         "59 nodes); implies --no-stream")
     p.add_argument("--tree-nodes", default=None, metavar="N|auto",
                    help="--tree: draft nodes kept (EAGLE's total_token - 1); auto: timed on this device")
-    p.add_argument("--verify", default=None, choices=["lossless", "consultant"],
-                   help="needs --drafter; 'consultant' is Consultant Decoding's LOSSY rule (output differs from "
-                        "the target's; chains only)")
+    p.add_argument("--verify", default=None, choices=["lossless", "token", "consultant"],
+                   help="needs --drafter; 'lossless' (default): sampled chains verified as one block (block "
+                        "verification), trees by recursive rejection; 'token': sampled chains verified token by "
+                        "token (the same law, fewer tokens accepted; chains only); 'consultant' is Consultant "
+                        "Decoding's LOSSY rule (output differs from the target's; chains only)")
     p.add_argument("--consultant-eps", type=float, default=None,
                    help=f"--verify consultant: accept a draft while the target's NLL of it is <= EPS nats (default {DEFAULT_EPS})")
     p.add_argument("--consultant-smoothing", type=float, default=None, metavar="BETA",
@@ -196,6 +198,10 @@ def check_generate_args(a) -> None:
                          "have; use static, heuristic or adl")
     consultant = {"--consultant-eps": a.consultant_eps, "--consultant-smoothing": a.consultant_smoothing}
     verify = "lossless"
+    if a.verify == "token":
+        if tree is not None:
+            raise UsageError("--verify token verifies chains token by token; sampled trees use recursive rejection: drop --tree")
+        verify = "token"
     if a.verify == "consultant":
         if tree is not None:
             raise UsageError("--verify consultant: Consultant Decoding verifies chains, not trees; drop --tree")

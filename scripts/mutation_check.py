@@ -41,6 +41,18 @@ class Mutation:
 
 MUTATIONS = (
     Mutation(
+        "block_first_coin", "jspec/speculative/verify/block.py",
+        "n = jnp.max(jnp.where(u < h, i, 0), axis=-1).astype(jnp.int32)",
+        "n = jnp.sum(jnp.cumprod((u < h).astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)",
+        ("tests/test_lossless_sampling.py", "-k", "block"),
+        "block verification keeps the drafts before the first failing coin, not up to the last passing one"),
+    Mutation(
+        "block_residual_unweighted", "jspec/speculative/verify/block.py",
+        "residual = jnp.maximum(w_n * p_n - q_n, 0.0)",
+        "residual = jnp.maximum(p_n - q_n, 0.0)",
+        ("tests/test_lossless_sampling.py", "-k", "block_law"),
+        "block verification's residual drops the running weight (the token rule's residual)"),
+    Mutation(
         "chain_cost_extra_draft_step", "jspec/speculative/policies/auto.py",
         "(first_us + (k - 1) * step_us + cm.verify(k + 1))",
         "(first_us + k * step_us + cm.verify(k + 1))",

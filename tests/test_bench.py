@@ -207,10 +207,13 @@ def test_method_specs_carry_arguments_and_are_all_checked_first():
     kw = parse_method_spec("spec:eagle:adaedl:lambda_rule=B:lambda_init=0.3:verify=consultant:eps=3").generate_kwargs()
     assert (kw["policy"].lambda_rule, kw["policy"].lambda_init, kw["policy"].k_max) == ("B", 0.3, 8)
     assert kw["verify"] == ConsultantRule(eps=3.0)
+    assert parse_method_spec("spec:model:static:k=3:verify=token").generate_kwargs()["verify"] == "token"
+    assert "verify" not in parse_method_spec("spec:model:static:k=3").generate_kwargs()  # block verification
     # One bad entry fails the whole list before anything runs, naming the entry.
     for bad, message in [("spec:ngram:tapout", "draft distributions"), ("spec:ngram:static:tree", "EAGLE head"),
                          ("spec:eagle:svip:threshhold=1", "no field 'threshhold'"), ("spec:eagle:nosuch", "unknown policy"),
-                         ("spec:ngram:static:k=0", "positive"), ("spec:eagle:static:eps=3", "verify=consultant")]:
+                         ("spec:ngram:static:k=0", "positive"), ("spec:eagle:static:eps=3", "verify=consultant"),
+                         ("spec:eagle3:static:tree:verify=token", "verifies chains, not trees")]:
         with pytest.raises(MethodSpecError, match=message):
             parse_method_specs(f"ar,spec:ngram:static,{bad}")
 

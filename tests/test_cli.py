@@ -87,6 +87,7 @@ def run(capsys, *argv):
     (["--drafter", "early-exit:99"], "exit layer 99 is outside the target's layers: use 1 to 1 (the target has 2)"),
     (["--drafter", "ngram", "--tree"], "trees need an EAGLE head drafter"),
     (["--drafter", "eagle3", "--tree", "--verify", "consultant"], "Consultant Decoding verifies chains, not trees"),
+    (["--drafter", "eagle3", "--tree", "--verify", "token"], "--verify token verifies chains token by token"),
     (["--drafter", "eagle3", "--tree-nodes", "9"], "--tree-nodes needs --tree"),
     (["--drafter", "eagle3", "--tree", "--k-max", "4"], "--k-max sets a chain's draft length"),
     (["--drafter", "ngram", "--k-max", "100000"], "context of 512 positions"),

@@ -31,7 +31,11 @@ Drafters differ from the target and are accepted at every position: a noised cop
 as a draft model (chain, static K = 3, top-p sampling), and a perturbed EAGLE-1 head built from
 the target's own layer (chain with the max-confidence draft length, K <= 3; EAGLE-2 tree of depth
 3 with the top-k children rule), and that head's tree with an n-gram branch beside it (the hybrid,
-top-p 0.9), whose n-gram child often repeats a head child of the root.
+top-p 0.9), whose n-gram child often repeats a head child of the root. Both chains run twice: with
+block verification (the default) and token by token (verify="token"). Block verification keeps
+the LAST draft whose coin passes, so whether a draft is kept depends on the drafts after it; the
+strata stay valid because, given the tokens before it and its offset, each emitted token still
+follows p (the rule's per-position guarantee, which these tests check).
 
 Mutation check: the verifier is monkeypatched with mutants made from its own source, one line
 changed each (`MUTANTS`). The patched verifier serves each group of N rows with a different
@@ -41,9 +45,9 @@ rows pass everywhere and that every mutant's rows are rejected, overall and in t
 bug lives in. Seeds are fixed, so the outcome is deterministic; the thresholds leave wide margins
 (shipped p-values are far above PASS, mutant p-values are far below REJECT).
 
-The chain verifier is also checked alone on one block with exact per-position laws, for sampled
+Both chain verifiers are also checked alone on one block with exact per-position laws, for sampled
 drafts and for point-mass drafts (q = 1, the n-gram path, which the generation runs above do not
-take), with the same mutants (`test_chain_verifier_block_law`).
+take), with the same mutants and one the generation runs cannot see (`test_chain_verifier_block_law`).
 
 The expected laws come from `sampling.probs`, the function the engines use, so a wrong top-k or
 top-p would move the run and its expectation together: `test_sampling_law_matches_numpy` checks
@@ -75,6 +79,7 @@ from jspec.speculative.drafters.ngram import NgramDrafter
 from jspec.speculative.engines import chain as chain_engine
 from jspec.speculative.engines import tree as tree_engine
 from jspec.speculative.engines.tree import TreeConfig
+from jspec.speculative.verify import block as block_verify
 from jspec.speculative.verify import chain as chain_verify
 from jspec.speculative.verify import sampled_tree as sampled_verify
 from jspec.speculative.verify import tree as tree_verify
@@ -166,7 +171,7 @@ def mutant(fn, old: str, new: str):
 # Each mutant: (the function it changes, the line fragment, its replacement); `PATCHED` says where
 # the engines look each function up.
 MUTANTS = {
-    "chain": {
+    "chain": {  # token-by-token verification (verify="token")
         # (a) the bonus token (n = K) drawn from p at position K-1 instead of K
         "bonus_position": (
             "verify_sampling",
@@ -178,6 +183,20 @@ MUTANTS = {
             "verify_sampling",
             "q_n = jnp.take_along_axis(draft_probs, jnp.minimum(n, K - 1)[:, None, None], axis=1)[:, 0]",
             "q_n = draft_probs[:, 0]",
+        ),
+    },
+    "block": {  # block verification (verify="lossless", the default for sampled chains)
+        # (a) the bonus token drawn from p at position K-1 instead of K
+        "bonus_position": (
+            "verify_block",
+            "p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]",
+            "p_n = jnp.take_along_axis(p, jnp.minimum(n, K - 1)[:, None, None], axis=1)[:, 0]",
+        ),
+        # (b) the weights a plain product of the ratios, capped at 1, not restarted at their running maximum
+        "weights_uncapped": (
+            "block_weights",
+            "return jnp.exp(c - jnp.maximum(jax.lax.cummax(c, axis=c.ndim - 1), 0.0))",
+            "return jnp.minimum(jnp.exp(c), 1.0)",
         ),
     },
     "tree": {  # deterministic (top-k) children
@@ -233,8 +252,26 @@ POINT_MASS_MUTANTS = {
         "q_n = jax.nn.one_hot(draft_tokens[:, 0], p.shape[-1], dtype=p.dtype)",
     ),
 }
+# (c) the block rule's residual built as the token rule's, without the weight w_n: a subtle bug, which
+# 2,000 generated rows cannot see (p = 0.14), checked on the verifier alone (40,000 blocks, p = 1e-29).
+BLOCK_RESIDUAL_MUTANT = {
+    "residual_unweighted": (
+        "verify_block",
+        "residual = jnp.maximum(w_n * p_n - q_n, 0.0)",
+        "residual = jnp.maximum(p_n - q_n, 0.0)",
+    ),
+}
+BLOCK_POINT_MASS_MUTANTS = {
+    "bonus_position": MUTANTS["block"]["bonus_position"],
+    "residual_first_token": (
+        "verify_block",
+        "tok_n = jnp.take_along_axis(draft_tokens, jnp.minimum(n, K - 1)[:, None], axis=1)[:, 0]",
+        "tok_n = draft_tokens[:, 0]",
+    ),
+}  # (with q = 1 every ratio is p <= 1: the weights are the plain products, and the residual's weight cancels)
 # The stratum offsets where each bug acts (the mutant must be rejected there too).
 BUG_OFFSETS = {"bonus_position": (K,), "residual_first_q": (1, 2), "residual_first_token": (1, 2), "root_sample": (1, 2),
+               "residual_unweighted": (1, 2), "weights_uncapped": (1, 2, K),
                "residual_without_q": (0, 1, 2), "stale_mass": (0, 1, 2), "ngram_kept": (0, 1)}
 
 
@@ -325,9 +362,9 @@ def group_pvalue(group, positions=None, offsets=None) -> tuple[float, int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _model_drafter(tparams) -> SpeculativeConfig:
+def _model_drafter(tparams, **fields) -> SpeculativeConfig:
     return SpeculativeConfig(drafter=ModelDrafter(CFG), drafter_params=noised(tparams, jax.random.PRNGKey(2), NOISE),
-                             k_max=K)
+                             k_max=K, **fields)
 
 
 def _eagle_drafter(tparams, noise=NOISE, **fields) -> SpeculativeConfig:
@@ -348,11 +385,16 @@ SAMPLED_NOISE = 0.6
 
 TOP_K_TREE = dataclasses.replace(TREE, siblings="top_k")
 RUNS = {  # (drafter, sampling, mutant groups, jitted engine): static K for the model drafter and the trees, a
-    # dynamic draft length for the EAGLE chain; trees with deterministic (top-k) and sampled children, each also
-    # with an n-gram branch beside the head's (the hybrid, top-p 0.9)
-    "chain-model": (_model_drafter, Sampling(temperature=0.9, top_p=0.95), ("chain",), "chain"),
-    "chain-eagle": (functools.partial(_eagle_drafter, k_max=K, policy="confidence"), Sampling(temperature=1.0),
+    # dynamic draft length for the EAGLE chain; chains verified token by token and as blocks (the default);
+    # trees with deterministic (top-k) and sampled children, each also with an n-gram branch beside the
+    # head's (the hybrid, top-p 0.9)
+    "chain-model": (functools.partial(_model_drafter, verify="token"), Sampling(temperature=0.9, top_p=0.95),
                     ("chain",), "chain"),
+    "chain-eagle": (functools.partial(_eagle_drafter, k_max=K, policy="confidence", verify="token"),
+                    Sampling(temperature=1.0), ("chain",), "chain"),
+    "block-model": (_model_drafter, Sampling(temperature=0.9, top_p=0.95), ("block",), "chain"),
+    "block-eagle": (functools.partial(_eagle_drafter, k_max=K, policy="confidence"), Sampling(temperature=1.0),
+                    (), "chain"),  # a draft length the head's confidence sets; its mutants are block-model's
     "tree-eagle": (functools.partial(_eagle_drafter, tree=TOP_K_TREE), Sampling(temperature=1.0), ("tree",), "tree"),
     "tree-hybrid": (functools.partial(_hybrid_drafter, tree=TOP_K_TREE), Sampling(temperature=1.0, top_p=0.9),
                     (), "tree"),  # its mutants are tree-eagle's
@@ -362,6 +404,8 @@ RUNS = {  # (drafter, sampling, mutant groups, jitted engine): static K for the 
 }
 PATCHED = {  # where the engines look each mutated function up, and the shipped function
     "verify_sampling": (chain_engine, chain_verify.verify_sampling),
+    "verify_block": (chain_engine, block_verify.verify_block),
+    "block_weights": (block_verify, block_verify.block_weights),
     "verify_tree_sampling": (tree_engine, tree_verify.verify_tree_sampling),
     "verify_sampled_tree": (tree_engine, sampled_verify.verify_sampled_tree),
     "sibling_acceptance": (sampled_verify, sampled_verify.sibling_acceptance),
@@ -437,11 +481,12 @@ def test_every_mutant_is_rejected(run):
 # ---------------------------------------------------------------------------------------------
 
 
-def chain_block_tokens(variants, point_mass: bool, rows: int = 40_000):
+def chain_block_tokens(variants, point_mass: bool, rows: int = 40_000, q_share: float = 0.5):
     """(target laws P [K+1, V], per variant: emitted tokens [rows, K+1], -1 where none was emitted).
 
     One verified block per row with fixed target laws p_0..p_K (a target whose next-token law
-    depends only on the position) and drafts either fixed (q = 1) or drawn from fixed q_0..q_K-1.
+    depends only on the position) and drafts either fixed (q = 1) or drawn from fixed q_0..q_K-1
+    (each q_i a mix of p_i and a random law, `q_share` the random law's weight).
     Token i is d_i+1 if i < n, the verifier's next token if i = n, nothing if i > n; given that
     tokens 0..i-1 were emitted (n >= i), token i must follow p_i (i = K: bonus tokens alone).
     All variants run in one jitted call, `rows` rows each (`by_row_group`)."""
@@ -450,7 +495,7 @@ def chain_block_tokens(variants, point_mass: bool, rows: int = 40_000):
     likely = np.arange(K)  # distinct tokens, each likely at its position: the q = 1 drafts
     P = rs.dirichlet(np.ones(V), K + 1)
     P[:K] = 0.6 * np.eye(V)[likely] + 0.4 * P[:K]
-    Q = 0.5 * P[:K] + 0.5 * rs.dirichlet(np.ones(V), K)
+    Q = (1 - q_share) * P[:K] + q_share * rs.dirichlet(np.ones(V), K)
     k_draft, k_verify = jax.random.split(jax.random.PRNGKey(1))
     if point_mass:
         drafts = jnp.broadcast_to(jnp.asarray(likely, jnp.int32), (B, K))
@@ -477,11 +522,30 @@ def block_pvalue(P, tokens, positions) -> float:
     return float(stats.chi2.sf(stat, df))
 
 
+# (verifier, mutants with sampled q, mutants with q = 1, q's share not taken from p). The block rule's
+# weight w only matters where q is far from p: an unweighted residual passes 0.5 (p = 0.2) and fails
+# an independent q (p = 1e-29).
+CHAIN_RULES = {"token": (chain_verify.verify_sampling, MUTANTS["chain"], POINT_MASS_MUTANTS, 0.5),
+               "block": (block_verify.verify_block, MUTANTS["block"] | BLOCK_RESIDUAL_MUTANT, BLOCK_POINT_MASS_MUTANTS, 1.0)}
+
+
+def with_mutant(shipped, site):
+    """`shipped` with the mutation `site` (function name, old, new) planted in it or in a function it calls."""
+    fn, old, new = site
+    if fn == shipped.__name__:
+        return mutant(shipped, old, new)
+    module, callee = PATCHED[fn]
+    namespace = dict(shipped.__globals__, **{fn: mutant(callee, old, new)})
+    return type(shipped)(shipped.__code__, namespace, shipped.__name__, shipped.__defaults__, shipped.__closure__)
+
+
+@pytest.mark.parametrize("rule", list(CHAIN_RULES))
 @pytest.mark.parametrize("point_mass", [False, True], ids=["sampled-q", "q=1"])
-def test_chain_verifier_block_law(point_mass):
-    shipped = chain_verify.verify_sampling
-    mutants = POINT_MASS_MUTANTS if point_mass else MUTANTS["chain"]
-    P, groups = chain_block_tokens([shipped] + [mutant(shipped, *mutants[m][1:]) for m in mutants], point_mass)
+def test_chain_verifier_block_law(rule, point_mass):
+    shipped, sampled_mutants, point_mass_mutants, q_share = CHAIN_RULES[rule]
+    mutants = point_mass_mutants if point_mass else sampled_mutants
+    P, groups = chain_block_tokens([shipped] + [with_mutant(shipped, mutants[m]) for m in mutants], point_mass,
+                                   q_share=q_share)
     tokens = groups[0]
     assert ((tokens >= 0).sum(0) > 5000).all()  # every position, the bonus included, is reached
     for i in range(K + 1):
@@ -534,7 +598,7 @@ def test_sampling_law_matches_numpy(top_k, top_p):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["chain-eagle", "sampled-eagle"])
+@pytest.mark.parametrize("name", ["block-eagle", "sampled-eagle"])
 def test_rows_finished_in_a_tail_follow_the_target_law(target, name, monkeypatch):
     """Half the rows of one batch move to a tail when half are done: each moved row is re-prefilled
     with its prompt and tokens so far, and its tokens from then on (the tail's prefill token first)

@@ -10,6 +10,7 @@ from jspec.config import ModelConfig
 from jspec.generate import generate
 from jspec.sampling import Sampling
 from jspec.sharding import make_mesh, param_shardings, shard_params, spec_for, verify_shardings
+from jspec.speculative.verify.block import verify_block
 from jspec.speculative.verify.chain import verify_greedy, verify_sampling
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
@@ -49,6 +50,7 @@ def test_sharded_acceptance_equals_single_device():
 
     ref_g = verify_greedy(logits, draft, valid)
     ref_s = verify_sampling(key, logits, draft, valid, sampling, q)
+    ref_b = verify_block(key, logits, draft, valid, sampling, q)
 
     mesh = make_mesh(data=2, model=4)
     ls, rs = verify_shardings(mesh, B, K, V)
@@ -56,5 +58,6 @@ def test_sharded_acceptance_equals_single_device():
     lg, dr, va, qq = (jax.device_put(logits, ls), jax.device_put(draft, rs), jax.device_put(valid, rs), jax.device_put(q, qs))
     got_g = jax.jit(verify_greedy)(lg, dr, va)
     got_s = jax.jit(verify_sampling, static_argnums=4)(key, lg, dr, va, sampling, qq)
-    for a, b in zip(ref_g + ref_s, got_g + got_s):
+    got_b = jax.jit(verify_block, static_argnums=4)(key, lg, dr, va, sampling, qq)
+    for a, b in zip(ref_g + ref_s + ref_b, got_g + got_s + got_b):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

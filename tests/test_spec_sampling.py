@@ -12,6 +12,8 @@ from spec_tiny import CFG, _drafters, make_target
 from jspec import model as M
 from jspec.generate import SpeculativeConfig, generate
 from jspec.sampling import Sampling, probs
+from jspec.speculative.verify import block as block_verify
+from jspec.speculative.verify import chain as chain_verify
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +72,11 @@ def test_sampling_is_lossless(target, drafter_name):
         assert 0 < res.accepted.sum() < res.drafted.sum()  # both accept and reject paths ran
 
 
+@pytest.mark.parametrize("rule", ["token", "block"])
 @pytest.mark.parametrize("with_q", [False, True])
-def test_verify_sampling_first_token_law(with_q):
+def test_verify_sampling_first_token_law(with_q, rule):
     """The first emitted token is distributed as p, for point-mass (q=1) and sampled drafts."""
-    from jspec.speculative.verify.chain import verify_sampling
-
+    verify_sampling = {"token": chain_verify.verify_sampling, "block": block_verify.verify_block}[rule]
     n, V = 40000, 5
     logits = jnp.log(jnp.asarray([0.1, 0.4, 0.2, 0.25, 0.05]))
     q = jnp.asarray([0.5, 0.1, 0.1, 0.2, 0.1])
@@ -87,3 +89,25 @@ def test_verify_sampling_first_token_law(with_q):
     freq = np.bincount(first, minlength=V) / n
     np.testing.assert_allclose(freq, np.exp(np.asarray(logits)), atol=0.01)
     assert 0 < int(acc.sum()) < n
+
+
+def test_block_verification_accepts_more_than_token_by_token():
+    """Block verification keeps more drafts than the token rule on the same drafts and target laws
+    (never fewer in expectation; the paper proves it), here K = 4 drafts from a q unlike p; with
+    q = 1 drafts (n-grams) the two rules accept alike."""
+    rows, K, V = 40_000, 4, 8
+    rs = np.random.RandomState(3)
+    P, Q = rs.dirichlet(np.ones(V), K + 1), rs.dirichlet(np.ones(V), K)
+    kd, kv = jax.random.split(jax.random.PRNGKey(5))
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray(P, jnp.float32)), (rows, K + 1, V))
+    valid = jnp.ones((rows, K), bool)
+    sampled = jax.random.categorical(kd, jnp.log(jnp.asarray(Q, jnp.float32)), shape=(rows, K))
+    q = jnp.broadcast_to(jnp.asarray(Q, jnp.float32), (rows, K, V))
+    fixed = jnp.broadcast_to(jnp.asarray(np.argmax(P[:K], 1), jnp.int32), (rows, K))
+    mean_n = {}
+    for rule, fn in (("token", chain_verify.verify_sampling), ("block", block_verify.verify_block)):
+        for drafts, probs in (("sampled", q), ("fixed", None)):
+            n, _ = fn(kv, logits, sampled if drafts == "sampled" else fixed, valid, Sampling(temperature=1.0), probs)
+            mean_n[rule, drafts] = float(np.mean(np.asarray(n)))
+    assert mean_n["block", "sampled"] > 1.05 * mean_n["token", "sampled"], mean_n
+    assert abs(mean_n["block", "fixed"] - mean_n["token", "fixed"]) < 0.02, mean_n

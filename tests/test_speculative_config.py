@@ -20,6 +20,7 @@ CFG = ModelConfig(
 @pytest.mark.parametrize("fields, message", [
     (dict(drafter=None), "needs a drafter"),
     (dict(drafter="eagle3", tree=True, verify="consultant"), "Consultant Decoding verifies chains, not trees"),
+    (dict(drafter="eagle3", tree=True, verify="token"), "token-by-token verification verifies chains, not trees"),
     (dict(drafter="eagle3", tree=TreeConfig(), verify=ConsultantRule(eps=50.0)), "verifies chains, not trees"),
     (dict(drafter="ngram", tree=True), "trees need an EAGLE head drafter"),
     (dict(drafter="eagle3", tree="big"), "expected None, True, .auto. or a TreeConfig"),

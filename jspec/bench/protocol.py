@@ -11,6 +11,7 @@ from jspec.speculative.drafters.hybrid import HybridDrafter
 from jspec.speculative.drafters.early_exit import EarlyExitDrafter
 from jspec.speculative.drafters.model import ModelDrafter
 from jspec.speculative.engines.specbranch import CUTS, SpecBranchConfig
+from jspec.speculative.config import VERIFY_NAMES
 from jspec.speculative.engines.tree import TreeConfig
 from jspec.speculative.factory import DRAFTER_NAMES, check_drafter_spec
 from jspec.speculative.policies import POLICY_NAMES, make_policy
@@ -83,6 +84,7 @@ Methods (--methods, comma-separated; all are checked before any runs):
              ngram=N         eagle3+ngram: nodes of the n-gram branch beside the head's tree, up to 8,
                              deeper than the tree if need be (default the depth; with auto, the plan picks it)
              k=N             chain: most draft tokens per round (k_max; default --k-max, else 8)
+             verify=token    sampled chains verified token by token (same law; default: block verification)
              verify=consultant   Consultant Decoding's LOSSY rule; eps=X and smoothing=B set it
              FIELD=VALUE     any field of the policy, e.g. threshold=0.4, lambda_rule=B,
                              arms=svip+adaedl (tuple fields: values joined by +)
@@ -172,6 +174,8 @@ class MethodSpec:
             kwargs["policy"] = self.policy
         if opts.get("verify", "lossless") == "consultant":
             kwargs["verify"] = ConsultantRule(eps=float(opts.get("eps", DEFAULT_EPS)), smoothing=float(opts.get("smoothing", 0.0)))
+        elif opts.get("verify") == "token":
+            kwargs["verify"] = "token"
         return kwargs
 
 
@@ -349,8 +353,8 @@ def check_method_spec(spec: MethodSpec) -> None:
         raise MethodSpecError(f"method {text!r}: nodes=auto times EAGLE-2's default tree (top_k 10, depth 6); drop topk/depth")
     if "constants" in opts and (opts["constants"] not in POLICY_CONSTANTS or spec.policy not in CALIBRATED_POLICIES):
         raise MethodSpecError(f"method {text!r}: :paper / :calibrated choose the constants of {', '.join(CALIBRATED_POLICIES)}")
-    if "verify" in opts and opts["verify"] not in ("lossless", "consultant"):
-        raise MethodSpecError(f"method {text!r}: verify={opts['verify']}: choose lossless or consultant")
+    if "verify" in opts and opts["verify"] not in VERIFY_NAMES:
+        raise MethodSpecError(f"method {text!r}: verify={opts['verify']}: choose {', '.join(VERIFY_NAMES)}")
     if ({"eps", "smoothing"} & set(opts)) and opts.get("verify") != "consultant":
         raise MethodSpecError(f"method {text!r}: eps / smoothing set Consultant Decoding: add verify=consultant")
     if spec.tree:
@@ -359,8 +363,8 @@ def check_method_spec(spec: MethodSpec) -> None:
                                   f"not {spec.drafter!r}")
         if "k" in opts:
             raise MethodSpecError(f"method {text!r}: k sets a chain's draft length; a tree's is depth=N")
-        if opts.get("verify") == "consultant":
-            raise MethodSpecError(f"method {text!r}: Consultant Decoding verifies chains, not trees")
+        if opts.get("verify") in ("consultant", "token"):
+            raise MethodSpecError(f"method {text!r}: verify={opts['verify']} verifies chains, not trees")
     try:
         kwargs = spec.generate_kwargs()  # builds the TreeConfig, the policy with its fields, the rule
         policy = kwargs["policy"]

@@ -28,6 +28,7 @@ from .policies import POLICY_NAMES, AutoPlan, Policy
 from .verify.consultant import DEFAULT_EPS, ConsultantRule
 
 ENGINES = ("pearl", "ppsd", "specbranch")
+VERIFY_NAMES = ("lossless", "token", "consultant")
 TREE_DRAFTERS = ("eagle", "eagle1", "eagle3")
 
 
@@ -46,8 +47,10 @@ class SpeculativeConfig:
     tree            None (chains), True (EAGLE-2's default tree), "auto" (num_nodes timed on this
                     device) or a TreeConfig: EAGLE-2 dynamic trees, EAGLE heads only (eagle3+ngram
                     drafts trees only)
-    verify          "lossless" (greedy identity / lossless sampling), or Consultant Decoding's
-                    LOSSY rule: "consultant" (eps DEFAULT_EPS) or a ConsultantRule; chains only
+    verify          "lossless" (greedy identity; sampled chains: block verification, trees: recursive
+                    rejection), "token" (sampled chains verified token by token: the same law, fewer
+                    tokens accepted; chains only), or Consultant Decoding's LOSSY rule: "consultant"
+                    (eps DEFAULT_EPS) or a ConsultantRule; chains only
     engine          None (chains / trees), "pearl", "ppsd", "specbranch" or a SpecBranchConfig:
                     draft while the target verifies; policies, trees and verify rules do not apply
     gamma           PEARL's window (None: measured once per process); SpecBranch's is its config's
@@ -70,10 +73,8 @@ class SpeculativeConfig:
         if isinstance(self.drafter, str):
             check_drafter_name(self.drafter)  # what a path holds is checked where the drafter is built
         self._check_policy()
-        if isinstance(self.verify, str) and self.verify not in ("lossless", "consultant"):
-            raise ValueError(f"verify={self.verify!r}: choose 'lossless', 'consultant' or a ConsultantRule")
-        if not isinstance(self.verify, (str, ConsultantRule)):
-            raise ValueError(f"verify={self.verify!r}: choose 'lossless', 'consultant' or a ConsultantRule")
+        if isinstance(self.verify, str) and self.verify not in VERIFY_NAMES or not isinstance(self.verify, (str, ConsultantRule)):
+            raise ValueError(f"verify={self.verify!r}: choose {', '.join(map(repr, VERIFY_NAMES))} or a ConsultantRule")
         if self.engine is not None:
             self._check_engine()
             return
@@ -102,7 +103,9 @@ class SpeculativeConfig:
         if not (self.tree is True or self.tree == "auto" or isinstance(self.tree, TreeConfig)):
             raise ValueError(f"tree={self.tree!r}: expected None, True, 'auto' or a TreeConfig")
         if self.verify != "lossless":
-            raise ValueError("Consultant Decoding verifies chains, not trees: drop tree or use verify='lossless'")
+            rule = "token-by-token verification" if self.verify == "token" else "Consultant Decoding"
+            raise ValueError(f"{rule} verifies chains, not trees (sampled trees use recursive rejection): drop tree "
+                             "or use verify='lossless'")
         if isinstance(self.drafter, str):  # a hybrid "eagle3+ngram" draws its tree from the head
             ok = all(part.partition(":")[0] in TREE_DRAFTERS or part.partition(":")[0] == "ngram"
                      for part in self.drafter.split("+")) and any(
@@ -131,7 +134,7 @@ class SpeculativeConfig:
 
     @property
     def verify_rule(self):
-        """"lossless" or a ConsultantRule ("consultant" is one with the default eps)."""
+        """"lossless", "token" or a ConsultantRule ("consultant" is one with the default eps)."""
         return ConsultantRule(eps=DEFAULT_EPS) if self.verify == "consultant" else self.verify
 
     def replace(self, **changes) -> "SpeculativeConfig":

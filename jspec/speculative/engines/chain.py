@@ -31,11 +31,13 @@ from ...sampling import Sampling, probs, sample
 from ..drafters.base import DrafterError, drafter_loop_params
 from ..policies import resolve_policy
 from ..state import SpecState, accepted_emitted, cut_spec_at_budgets, outputs_of, record_call, result_from_device, round_features, take_row
+from ..verify.block import verify_block
 from ..verify.chain import verify_greedy, verify_sampling
 from ..verify.consultant import ConsultantRule, resolve_verify, verify_consultant
 
 
-VERIFY_RULES = ("lossless", "consultant")  # or a ConsultantRule (eps, smoothing)
+VERIFY_RULES = ("lossless", "token", "consultant")  # or a ConsultantRule (eps, smoothing)
+LOSSLESS_RULES = ("lossless", "token")  # block verification (the default), token by token
 
 
 @struct.dataclass
@@ -112,7 +114,7 @@ def spec_round(tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling
     key, k_draft, k_verify = jax.random.split(state.key, 3)
     pstate, limit = policy.start_round(state.pstate, k_max, round_features(state, tparams))
     limit = jnp.clip(limit, 1, k_max)
-    keep_probs = not sampling.greedy and not drafter.deterministic and verify == "lossless"
+    keep_probs = not sampling.greedy and not drafter.deterministic and verify in LOSSLESS_RULES
     if getattr(drafter, "block", False):  # one-forward block drafters (DiffuSpec): limit and EOS applied inside
         tokens, valid, q, dstate = drafter.draft_block(
             dparams, tparams, tcfg, state.dstate, state.last, limit, sampling, k_draft, keep_probs)
@@ -131,9 +133,11 @@ def spec_round(tparams, tcfg, drafter, dparams, policy, k_max, max_new, sampling
     vout = M.forward(tparams, tcfg, block, cache, capture=drafter.capture_layers, unroll=unroll)
     logits = M.lm_head(tparams, tcfg, vout.hidden)  # [B, K+1, V]
     running_nll = None
-    if sampling.greedy and verify == "lossless":
+    if sampling.greedy and verify in LOSSLESS_RULES:
         n, nxt = verify_greedy(logits, draft.tokens, draft.valid)
     elif verify == "lossless":
+        n, nxt = verify_block(k_verify, logits, draft.tokens, draft.valid, sampling, draft.probs)
+    elif verify == "token":
         n, nxt = verify_sampling(k_verify, logits, draft.tokens, draft.valid, sampling, draft.probs)
     else:
         n, nxt, running_nll = verify_consultant(

@@ -11,7 +11,8 @@ Rows emit n_accepted + 1 tokens per target call.
   norm(max(0, p - q)); if all valid drafts pass, emit a bonus sample of p. Drafters that pick
   tokens deterministically (n-grams, argmax drafters) pass `draft_probs=None`: q is then a point
   mass on the drafted token (q = 1), the convention EAGLE-2 uses, and the residual is p with the
-  rejected token removed. Both are exactly lossless.
+  rejected token removed. Both are exactly lossless. (Sampled chains run block verification by
+  default, `verify/block.py`: the same law, more drafts kept; this rule is `verify="token"`.)
 """
 
 from __future__ import annotations
@@ -72,3 +73,4 @@ def verify_sampling(
     dist = jnp.where(rejected[:, None], residual, p_n)
     next_token = jax.random.categorical(k_resample, jnp.log(dist), axis=-1).astype(jnp.int32)
     return n, next_token
+

@@ -107,11 +107,12 @@ def verify_consultant(
 
 
 def resolve_verify(verify) -> str | ConsultantRule:
-    """"lossless", or a ConsultantRule from "consultant" / a ConsultantRule."""
+    """"lossless" (block verification) or "token" (token by token), or a ConsultantRule from
+    "consultant" / a ConsultantRule."""
     if isinstance(verify, ConsultantRule):
         return verify
     if verify == "consultant":
         return ConsultantRule()
-    if verify == "lossless":
-        return "lossless"
-    raise ValueError(f"unknown verification rule {verify!r}; choose lossless, consultant or a ConsultantRule")
+    if verify in ("lossless", "token"):
+        return verify
+    raise ValueError(f"unknown verification rule {verify!r}; choose lossless, token, consultant or a ConsultantRule")
