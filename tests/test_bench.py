@@ -15,6 +15,7 @@ from jspec.bench.methods import JspecMethod, cut_at_eos, rows_from_generation
 from jspec.bench.protocol import MethodSpec, RowResult, parse_method_spec, parse_method_specs
 from jspec.bench.report import GENERATED_MARKER, ROW_FIELDS, group_tables, read_all_rows, write_benchmarks_md, write_rows
 from jspec.errors import UsageError
+from jspec.sampling import GREEDY, Sampling
 
 
 class FakeClock:
@@ -244,6 +245,22 @@ def test_jspec_adapter_reads_generation_result():
     m._generate_fn = lambda params, cfg, prompts, **kw: seen_prompts.append(prompts)
     m.prepare([[1] * 3, [1] * 5, [1] * 40, [1] * 9])  # buckets 32 and 64 -> one warm-up each
     assert [len(p[1]) for p in seen_prompts] == [5, 9]
+
+
+def test_rows_name_the_rule_that_kept_the_drafts():
+    """Sampled chains verify as blocks unless verify=token: rows say which rule ran, since rows
+    from before block verification carry the same method names."""
+    t1 = Sampling(temperature=1.0)
+
+    def rule(method, sampling=GREEDY):
+        return JspecMethod({}, None, parse_method_spec(method), dtype="float32", batch=1, max_new_tokens=4,
+                           sampling=sampling).verify_rule
+
+    assert rule("ar") is None and rule("spec:ngram:static") == "greedy"
+    assert rule("spec:model:static:k=3", t1) == "block"
+    assert rule("spec:model:static:k=3:verify=token", t1) == "token"
+    assert rule("spec:eagle3:static:tree", t1) == "tree"
+    assert rule("spec:eagle:static:verify=consultant", t1) == "consultant"
 
 
 def test_cut_at_eos_keeps_the_eos():

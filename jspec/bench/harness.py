@@ -226,6 +226,7 @@ def make_row(
         "policy_constants": getattr(m, "policy_constants", None),  # calibrated policies: "calibrated" | "paper"
         "auto_plan": getattr(m, "auto_plan", None),  # `auto`: what the plan ran (AutoPlan.describe)
         "tree": bool(m.tree),
+        "verify": getattr(m, "verify_rule", None),  # sampled chains: "block" (since 2026-12-05) or "token"
         "dtype": m.dtype,
         "batch": m.batch,
         "queue": bool(getattr(m, "queue", False)),  # batch = rows in flight over every prompt (continuous batching)

@@ -112,6 +112,22 @@ class JspecMethod:
                 self._kwargs["drafter_params"] = replicate(self._kwargs["drafter_params"], mesh)
             self._kwargs["mesh"] = mesh
 
+    @property
+    def verify_rule(self) -> str | None:
+        """The rule that kept the drafts, for the rows: "greedy"; for sampled chains "block" (the
+        default) or "token"; "tree" for sampled trees; "consultant" (lossy); a parallel engine's
+        name; None for plain decoding."""
+        if self.method == "ar":
+            return None
+        if self.method in PARALLEL_METHODS:
+            return self.method
+        verify = self._kwargs.get("verify", "lossless")
+        if verify not in ("lossless", "token"):
+            return "consultant"
+        if self.sampling.greedy:
+            return "greedy"
+        return "tree" if self.tree else ("token" if verify == "token" else "block")
+
     def _generate(self) -> Callable[..., Any]:
         if self._generate_fn is None:
             self._generate_fn = generate

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from ...sampling import Sampling, logprobs
+from .chain import accepted_prefix
 
 
 def block_weights(ratio_log: jax.Array) -> jax.Array:
@@ -46,8 +47,8 @@ def verify_block(
     sampling: Sampling,
     draft_probs: jax.Array | None = None,
 ):
-    """Block verification (module docstring). draft_probs [B, K, V] (processed like p) or None (q = 1).
-    valid [B, K] is a prefix mask (a row's drafts after its first invalid one are not drafted)."""
+    """Block verification (module docstring). draft_probs [B, K, V] (processed like p) or None (q = 1);
+    a row's valid drafts are those before its first invalid one [B, K]."""
     B, K = draft_tokens.shape
     p = jnp.exp(logprobs(target_logits, sampling))  # [B, K+1, V]
     p_draft = jnp.take_along_axis(p[:, :K], draft_tokens[..., None], axis=-1)[..., 0]
@@ -67,7 +68,7 @@ def verify_block(
         r = jnp.sum(jnp.maximum(w[:, :-1, None] * p[:, 1:K] - draft_probs[:, 1:], 0.0), axis=-1)
     denom = r + 1.0 - w[:, :-1]
     h_inner = jnp.where(denom > 0, r / jnp.where(denom > 0, denom, 1.0), 1.0)  # 0/0: p = q ahead, keep going
-    n_valid = jnp.sum(valid, axis=-1).astype(jnp.int32)
+    n_valid = accepted_prefix(valid)  # drafts after a row's first invalid one are not drafted
     i = jnp.arange(1, K + 1)[None]  # the accepted length each coin decides
     h = jnp.where(i < n_valid[:, None], jnp.pad(h_inner, ((0, 0), (0, 1))), jnp.where(i == n_valid[:, None], w, 0.0))
     k_accept, k_resample = jax.random.split(key)
