@@ -48,8 +48,8 @@ MUTATIONS = (
         "block verification keeps the drafts before the first failing coin, not up to the last passing one"),
     Mutation(
         "block_residual_unweighted", "jspec/speculative/verify/block.py",
-        "residual = jnp.maximum(w_n * p_n - q_n, 0.0)",
-        "residual = jnp.maximum(p_n - q_n, 0.0)",
+        "return n, token_after(k_resample, p, draft_tokens, draft_probs, n, rejected, w_n)",
+        "return n, token_after(k_resample, p, draft_tokens, draft_probs, n, rejected)",
         ("tests/test_lossless_sampling.py", "-k", "block_law"),
         "block verification's residual drops the running weight (the token rule's residual)"),
     Mutation(

@@ -174,13 +174,13 @@ MUTANTS = {
     "chain": {  # token-by-token verification (verify="token")
         # (a) the bonus token (n = K) drawn from p at position K-1 instead of K
         "bonus_position": (
-            "verify_sampling",
+            "token_after",
             "p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]",
             "p_n = jnp.take_along_axis(p, jnp.minimum(n, K - 1)[:, None, None], axis=1)[:, 0]",
         ),
         # (b) the residual max(0, p_n - q) always built with the first draft position's q
         "residual_first_q": (
-            "verify_sampling",
+            "token_after",
             "q_n = jnp.take_along_axis(draft_probs, jnp.minimum(n, K - 1)[:, None, None], axis=1)[:, 0]",
             "q_n = draft_probs[:, 0]",
         ),
@@ -188,7 +188,7 @@ MUTANTS = {
     "block": {  # block verification (verify="lossless", the default for sampled chains)
         # (a) the bonus token drawn from p at position K-1 instead of K
         "bonus_position": (
-            "verify_block",
+            "token_after",
             "p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]",
             "p_n = jnp.take_along_axis(p, jnp.minimum(n, K - 1)[:, None, None], axis=1)[:, 0]",
         ),
@@ -247,7 +247,7 @@ POINT_MASS_MUTANTS = {
     "bonus_position": MUTANTS["chain"]["bonus_position"],
     # (b) the residual (p_n without the rejected token) built with the first draft token
     "residual_first_token": (
-        "verify_sampling",
+        "token_after",
         "q_n = jax.nn.one_hot(tok_n, p.shape[-1], dtype=p.dtype)",
         "q_n = jax.nn.one_hot(draft_tokens[:, 0], p.shape[-1], dtype=p.dtype)",
     ),
@@ -257,18 +257,12 @@ POINT_MASS_MUTANTS = {
 BLOCK_RESIDUAL_MUTANT = {
     "residual_unweighted": (
         "verify_block",
-        "residual = jnp.maximum(w_n * p_n - q_n, 0.0)",
-        "residual = jnp.maximum(p_n - q_n, 0.0)",
+        "return n, token_after(k_resample, p, draft_tokens, draft_probs, n, rejected, w_n)",
+        "return n, token_after(k_resample, p, draft_tokens, draft_probs, n, rejected)",
     ),
 }
-BLOCK_POINT_MASS_MUTANTS = {
-    "bonus_position": MUTANTS["block"]["bonus_position"],
-    "residual_first_token": (
-        "verify_block",
-        "tok_n = jnp.take_along_axis(draft_tokens, jnp.minimum(n, K - 1)[:, None], axis=1)[:, 0]",
-        "tok_n = draft_tokens[:, 0]",
-    ),
-}  # (with q = 1 every ratio is p <= 1: the weights are the plain products, and the residual's weight cancels)
+# With q = 1 the block rule's point-mass mutants are the token rule's (both rules emit through
+# token_after): every ratio is p <= 1, so the weights are plain products and the residual's weight cancels.
 # The stratum offsets where each bug acts (the mutant must be rejected there too).
 BUG_OFFSETS = {"bonus_position": (K,), "residual_first_q": (1, 2), "residual_first_token": (1, 2), "root_sample": (1, 2),
                "residual_unweighted": (1, 2), "weights_uncapped": (1, 2, K),
@@ -402,14 +396,15 @@ RUNS = {  # (drafter, sampling, mutant groups, jitted engine): static K for the 
     "sampled-hybrid": (functools.partial(_hybrid_drafter, tree=TREE, noise=SAMPLED_NOISE), Sampling(temperature=1.0, top_p=0.9),
                        ("sampled-hybrid",), "tree"),  # and sampled-eagle's
 }
-PATCHED = {  # where the engines look each mutated function up, and the shipped function
-    "verify_sampling": (chain_engine, chain_verify.verify_sampling),
-    "verify_block": (chain_engine, block_verify.verify_block),
-    "block_weights": (block_verify, block_verify.block_weights),
-    "verify_tree_sampling": (tree_engine, tree_verify.verify_tree_sampling),
-    "verify_sampled_tree": (tree_engine, sampled_verify.verify_sampled_tree),
-    "sibling_acceptance": (sampled_verify, sampled_verify.sibling_acceptance),
-    "rrsw_residual": (sampled_verify, sampled_verify.rrsw_residual),
+PATCHED = {  # the modules the engines look each mutated function up in, and the shipped function
+    "verify_sampling": ((chain_engine,), chain_verify.verify_sampling),
+    "verify_block": ((chain_engine,), block_verify.verify_block),
+    "token_after": ((chain_verify, block_verify), chain_verify.token_after),  # both chain rules emit through it
+    "block_weights": ((block_verify,), block_verify.block_weights),
+    "verify_tree_sampling": ((tree_engine,), tree_verify.verify_tree_sampling),
+    "verify_sampled_tree": ((tree_engine,), sampled_verify.verify_sampled_tree),
+    "sibling_acceptance": ((sampled_verify,), sampled_verify.sibling_acceptance),
+    "rrsw_residual": ((sampled_verify,), sampled_verify.rrsw_residual),
 }
 JITTED = {"chain": chain_engine.speculative_generate_jit, "tree": tree_engine.tree_generate_jit}
 
@@ -424,9 +419,10 @@ def run(request, target):
     with pytest.MonkeyPatch.context() as mp:
         # every function a mutant changes serves row group g with mutant g's version (the shipped one elsewhere)
         for fn in {site[0] for site in sites.values()}:
-            module, shipped = PATCHED[fn]
+            modules, shipped = PATCHED[fn]
             variants = [shipped] + [mutant(shipped, *sites[m][1:]) if sites[m][0] == fn else shipped for m in names[1:]]
-            mp.setattr(module, fn, by_row_group(variants, N))
+            for module in modules:
+                mp.setattr(module, fn, by_row_group(variants, N))
         jitted.clear_cache()  # trace the patched verifiers, and leave no patched program behind
         try:
             res = generate(target, CFG, [PROMPT] * (N * len(names)), max_new_tokens=MAX_NEW, sampling=sampling,
@@ -526,7 +522,7 @@ def block_pvalue(P, tokens, positions) -> float:
 # weight w only matters where q is far from p: an unweighted residual passes 0.5 (p = 0.2) and fails
 # an independent q (p = 1e-29).
 CHAIN_RULES = {"token": (chain_verify.verify_sampling, MUTANTS["chain"], POINT_MASS_MUTANTS, 0.5),
-               "block": (block_verify.verify_block, MUTANTS["block"] | BLOCK_RESIDUAL_MUTANT, BLOCK_POINT_MASS_MUTANTS, 1.0)}
+               "block": (block_verify.verify_block, MUTANTS["block"] | BLOCK_RESIDUAL_MUTANT, POINT_MASS_MUTANTS, 1.0)}
 
 
 def with_mutant(shipped, site):
@@ -534,7 +530,7 @@ def with_mutant(shipped, site):
     fn, old, new = site
     if fn == shipped.__name__:
         return mutant(shipped, old, new)
-    module, callee = PATCHED[fn]
+    _, callee = PATCHED[fn]
     namespace = dict(shipped.__globals__, **{fn: mutant(callee, old, new)})
     return type(shipped)(shipped.__code__, namespace, shipped.__name__, shipped.__defaults__, shipped.__closure__)
 

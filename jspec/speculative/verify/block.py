@@ -26,8 +26,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ...sampling import Sampling, logprobs
-from .chain import accepted_prefix
+from ...sampling import Sampling
+from .chain import accepted_prefix, drafted_probs, token_after
 
 
 def block_weights(ratio_log: jax.Array) -> jax.Array:
@@ -39,23 +39,12 @@ def block_weights(ratio_log: jax.Array) -> jax.Array:
     return jnp.exp(c - jnp.maximum(jax.lax.cummax(c, axis=c.ndim - 1), 0.0))
 
 
-def verify_block(
-    key: jax.Array,
-    target_logits: jax.Array,
-    draft_tokens: jax.Array,
-    valid: jax.Array,
-    sampling: Sampling,
-    draft_probs: jax.Array | None = None,
-):
+def verify_block(key: jax.Array, target_logits: jax.Array, draft_tokens: jax.Array, valid: jax.Array,
+                 sampling: Sampling, draft_probs: jax.Array | None = None):  # verify_sampling's arguments
     """Block verification (module docstring). draft_probs [B, K, V] (processed like p) or None (q = 1);
     a row's valid drafts are those before its first invalid one [B, K]."""
     B, K = draft_tokens.shape
-    p = jnp.exp(logprobs(target_logits, sampling))  # [B, K+1, V]
-    p_draft = jnp.take_along_axis(p[:, :K], draft_tokens[..., None], axis=-1)[..., 0]
-    if draft_probs is None:
-        q_draft = jnp.ones_like(p_draft)
-    else:
-        q_draft = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+    p, p_draft, q_draft = drafted_probs(target_logits, draft_tokens, sampling, draft_probs)
     # Padding drafts (q may be 0 there) get ratio 1; they are never kept (h = 0 below).
     with_q = valid & (q_draft > 0)
     ratio_log = jnp.where(with_q, jnp.log(jnp.where(with_q, p_draft, 1.0)) - jnp.log(jnp.where(with_q, q_draft, 1.0)), 0.0)
@@ -76,17 +65,5 @@ def verify_block(
     n = jnp.max(jnp.where(u < h, i, 0), axis=-1).astype(jnp.int32)  # the last coin that passes
     rejected = n < n_valid  # else: bonus token from p at position n
 
-    p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B, V]
     w_n = jnp.take_along_axis(w_all, n[:, None], axis=1)  # [B, 1]
-    if draft_probs is None:
-        tok_n = jnp.take_along_axis(draft_tokens, jnp.minimum(n, K - 1)[:, None], axis=1)[:, 0]
-        q_n = jax.nn.one_hot(tok_n, p.shape[-1], dtype=p.dtype)
-    else:
-        q_n = jnp.take_along_axis(draft_probs, jnp.minimum(n, K - 1)[:, None, None], axis=1)[:, 0]
-    residual = jnp.maximum(w_n * p_n - q_n, 0.0)
-    mass = jnp.sum(residual, axis=-1, keepdims=True)
-    # Stopping before the last valid draft has positive probability only where mass > 0 (float round-off aside).
-    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
-    dist = jnp.where(rejected[:, None], residual, p_n)
-    next_token = jax.random.categorical(k_resample, jnp.log(dist), axis=-1).astype(jnp.int32)
-    return n, next_token
+    return n, token_after(k_resample, p, draft_tokens, draft_probs, n, rejected, w_n)

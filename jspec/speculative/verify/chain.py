@@ -46,31 +46,45 @@ def verify_sampling(
 ):
     """Lossless speculative sampling. draft_probs [B, K, V] (processed like p) or None (q = 1)."""
     B, K = draft_tokens.shape
-    p = jnp.exp(logprobs(target_logits, sampling))  # [B, K+1, V]
-    p_draft = jnp.take_along_axis(p[:, :K], draft_tokens[..., None], axis=-1)[..., 0]
-    if draft_probs is None:
-        q_draft = jnp.ones_like(p_draft)
-    else:
-        q_draft = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+    p, p_draft, q_draft = drafted_probs(target_logits, draft_tokens, sampling, draft_probs)
     k_accept, k_resample = jax.random.split(key)
     u = jax.random.uniform(k_accept, (B, K))
     # u < p/q written without division; q_draft > 0 for any token the drafter could produce.
     ok = (u * q_draft < p_draft) & valid
     n = accepted_prefix(ok)
-    n_valid = jnp.sum(valid, axis=-1).astype(jnp.int32)
-    rejected = n < n_valid  # else: bonus token from p at position n
+    rejected = n < accepted_prefix(valid)  # else: bonus token from p at position n
+    return n, token_after(k_resample, p, draft_tokens, draft_probs, n, rejected)
 
+
+def drafted_probs(target_logits: jax.Array, draft_tokens: jax.Array, sampling: Sampling, draft_probs: jax.Array | None):
+    """(p [B, K+1, V], p(d_i) [B, K], q(d_i) [B, K]): the target's processed laws over the block and
+    each draft's probability under the target and under the drafter (1 for point-mass drafts)."""
+    K = draft_tokens.shape[1]
+    p = jnp.exp(logprobs(target_logits, sampling))
+    p_draft = jnp.take_along_axis(p[:, :K], draft_tokens[..., None], axis=-1)[..., 0]
+    if draft_probs is None:
+        q_draft = jnp.ones_like(p_draft)
+    else:
+        q_draft = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+    return p, p_draft, q_draft
+
+
+def token_after(key: jax.Array, p: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array | None, n: jax.Array,
+                rejected: jax.Array, weight: jax.Array | float = 1.0) -> jax.Array:
+    """The token [B] a row emits after its n kept drafts: where it stopped before its last valid
+    draft, a sample of norm(max(0, weight * p_n - q_n)) (weight [B, 1]: block verification's w_n;
+    1: the token rule's residual), else a bonus sample of p_n."""
+    K = draft_tokens.shape[1]
     p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B, V]
     tok_n = jnp.take_along_axis(draft_tokens, jnp.minimum(n, K - 1)[:, None], axis=1)[:, 0]
     if draft_probs is None:
         q_n = jax.nn.one_hot(tok_n, p.shape[-1], dtype=p.dtype)
     else:
         q_n = jnp.take_along_axis(draft_probs, jnp.minimum(n, K - 1)[:, None, None], axis=1)[:, 0]
-    residual = jnp.maximum(p_n - q_n, 0.0)
+    residual = jnp.maximum(weight * p_n - q_n, 0.0)
     mass = jnp.sum(residual, axis=-1, keepdims=True)
-    # A rejection implies p(x) < q(x) somewhere, so mass > 0 except for float round-off.
+    # Stopping early has positive probability only where the residual has mass (float round-off aside).
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
     dist = jnp.where(rejected[:, None], residual, p_n)
-    next_token = jax.random.categorical(k_resample, jnp.log(dist), axis=-1).astype(jnp.int32)
-    return n, next_token
+    return jax.random.categorical(key, jnp.log(dist), axis=-1).astype(jnp.int32)
 
