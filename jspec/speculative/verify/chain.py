@@ -87,4 +87,3 @@ def token_after(key: jax.Array, p: jax.Array, draft_tokens: jax.Array, draft_pro
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
     dist = jnp.where(rejected[:, None], residual, p_n)
     return jax.random.categorical(key, jnp.log(dist), axis=-1).astype(jnp.int32)
-
