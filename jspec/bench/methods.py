@@ -18,6 +18,7 @@ from jspec.decode import bucket
 from jspec.generate import SpeculativeConfig, generate
 from jspec.sampling import GREEDY, Sampling
 from jspec.speculative.engines.pearl import DATA_AXIS as PAIR_AXIS, parse_role_mesh
+from jspec.speculative.verify.consultant import LOSSLESS_RULES
 from jspec.sharding import mesh_label, parse_mesh, replicate, shard_params
 
 SPECULATIVE_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig))
@@ -122,7 +123,7 @@ class JspecMethod:
         if self.method in PARALLEL_METHODS:
             return self.method
         verify = self._kwargs.get("verify", "lossless")
-        if verify not in ("lossless", "token"):
+        if verify not in LOSSLESS_RULES:
             return "consultant"
         if self.sampling.greedy:
             return "greedy"

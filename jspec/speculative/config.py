@@ -25,10 +25,10 @@ from .engines.specbranch import SpecBranchConfig
 from .engines.tree import TreeConfig
 from .factory import check_drafter_name
 from .policies import POLICY_NAMES, AutoPlan, Policy
-from .verify.consultant import DEFAULT_EPS, ConsultantRule
+from .verify.consultant import DEFAULT_EPS, LOSSLESS_RULES, ConsultantRule
 
 ENGINES = ("pearl", "ppsd", "specbranch")
-VERIFY_NAMES = ("lossless", "token", "consultant")
+VERIFY_NAMES = LOSSLESS_RULES + ("consultant",)
 TREE_DRAFTERS = ("eagle", "eagle1", "eagle3")
 
 

@@ -33,11 +33,7 @@ from ..policies import resolve_policy
 from ..state import SpecState, accepted_emitted, cut_spec_at_budgets, outputs_of, record_call, result_from_device, round_features, take_row
 from ..verify.block import verify_block
 from ..verify.chain import verify_greedy, verify_sampling
-from ..verify.consultant import ConsultantRule, resolve_verify, verify_consultant
-
-
-VERIFY_RULES = ("lossless", "token", "consultant")  # or a ConsultantRule (eps, smoothing)
-LOSSLESS_RULES = ("lossless", "token")  # block verification (the default), token by token
+from ..verify.consultant import LOSSLESS_RULES, ConsultantRule, resolve_verify, verify_consultant
 
 
 @struct.dataclass

@@ -106,6 +106,10 @@ def verify_consultant(
     return n, next_token, rule.smoothing * r_prefix + (1.0 - rule.smoothing) * nll_next
 
 
+# The lossless rules by name: "lossless" (sampled chains: block verification) and "token" (token by token)
+LOSSLESS_RULES = ("lossless", "token")
+
+
 def resolve_verify(verify) -> str | ConsultantRule:
     """"lossless" (block verification) or "token" (token by token), or a ConsultantRule from
     "consultant" / a ConsultantRule."""
@@ -113,6 +117,6 @@ def resolve_verify(verify) -> str | ConsultantRule:
         return verify
     if verify == "consultant":
         return ConsultantRule()
-    if verify in ("lossless", "token"):
+    if verify in LOSSLESS_RULES:
         return verify
     raise ValueError(f"unknown verification rule {verify!r}; choose lossless, token, consultant or a ConsultantRule")
