@@ -35,9 +35,9 @@ from .speculative.engines.chain import speculative_stream
 from .speculative.engines.pearl import parse_role_mesh
 from .speculative.engines.specbranch import SpecBranchConfig
 from .speculative.engines.tree import TreeConfig, tree_config
-from .speculative.factory import build_drafter, check_drafter_spec, find_ldlp_weights, resolve_policy_spec, shipped_head_path
+from .speculative.factory import auto_plan, build_drafter, check_drafter_spec, find_ldlp_weights, resolve_policy_spec, shipped_head_path
 from .speculative.policies import POLICY_NAMES, is_auto, make_policy
-from .speculative.policies.auto import AutoPlan, auto_budget, load_costs, mean_context, plan_for, tail_rows
+from .speculative.policies.auto import AutoPlan, auto_budget, load_costs, mean_context, tail_rows
 from .speculative.policies.ldlp import load_ldlp
 from .speculative.verify.consultant import DEFAULT_EPS, ConsultantRule
 from .tasks import TaskDataError
@@ -440,14 +440,15 @@ def cmd_generate(a) -> int:
     sampling = Sampling(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
     spec = a.speculative
     if spec is not None:
-        drafter, dparams = build_drafter(spec.drafter, cfg, params, model_name=a.model, k_max=spec.k_max)
+        drafter_spec = spec.drafter
+        drafter, dparams = build_drafter(drafter_spec, cfg, params, model_name=a.model, k_max=spec.k_max)
         spec = spec.replace(drafter=drafter, drafter_params=dparams)
         if is_auto(spec.policy):  # planned on the preset's committed cost table for this card, as `jspec bench` plans
             costs = load_costs(a.model if a.model in list_presets() else None, models_dir=str(models_dir()))
             rows = min(a.batch_size or len(prompts), len(prompts)) if a.no_stream else 1  # rows in flight
-            plan = plan_for(drafter, costs, batch=rows, k_cap=spec.k_max, tree=spec.tree,
-                            context=mean_context([len(p) for p in prompts], a.max_new_tokens), prompts=prompts,
-                            sampling=sampling)
+            plan = auto_plan(drafter, drafter_spec, a.model, costs, batch=rows, k_cap=spec.k_max, tree=spec.tree,
+                             context=mean_context([len(p) for p in prompts], a.max_new_tokens), prompts=prompts,
+                             sampling=sampling)
             tail = a.tail_rows
             if tail is None and default_tail_runs(cfg, prompts, a.batch_size, a.mesh, a.max_new_tokens, drafter,
                                                   spec.tree, spec.k_max):

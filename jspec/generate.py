@@ -60,9 +60,9 @@ from .speculative.engines.specbranch import SpecBranchConfig, specbranch_generat
 from .speculative.config import SpeculativeConfig
 from .speculative.engines.tree import autotuned_tree, tree_config, tree_for, tree_generate, tree_generate_jit
 from .presets import models_dir
-from .speculative.factory import build_drafter, policy_for_drafter
+from .speculative.factory import auto_plan, build_drafter, policy_for_drafter
 from .speculative.policies import is_auto, resolve_policy
-from .speculative.policies.auto import auto_budget, load_costs, mean_context, tail_rows as auto_tail_rows
+from .speculative.policies.auto import AutoPlan, auto_budget, load_costs, mean_context, tail_rows as auto_tail_rows
 from .speculative.state import result_from_device
 from .speculative.verify.consultant import resolve_verify
 
@@ -240,6 +240,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
     mesh = parse_mesh(mesh)
     autotune = tree == "auto"
     tree = tree_config(tree)  # autotune: EAGLE's largest candidate (59 nodes) sizes the cache
+    drafter_spec = drafter if isinstance(drafter, str) else None
     if isinstance(drafter, str):  # read as `jspec generate` reads it: what cfg's preset ships, if any
         policy, policy_params = policy_for_drafter(policy, policy_params, drafter, cfg.preset,
                                                    tree.depth if tree is not None else k_max)
@@ -259,8 +260,11 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
         if tail_rows is None and rows and default_tail_runs(cfg, prompts, rows[0], mesh, max_new_tokens, drafter, tree, k_max):
             tail = auto_tail_rows(drafter, costs, rows=rows[0], k_cap=k_max, tree=tree, context=context,
                                   prompts=prompts, sampling=sampling)
-        drafter, policy, k_max, tree = auto_budget(policy, drafter, rows[0] if rows else len(prompts), k_max, tree,
-                                                   costs=costs, context=context, prompts=prompts, sampling=sampling)
+        batch = rows[0] if rows else len(prompts)
+        if not isinstance(policy, AutoPlan):
+            policy = auto_plan(drafter, drafter_spec, cfg.preset, costs, batch=batch, k_cap=k_max, tree=tree,
+                               context=context, prompts=prompts, sampling=sampling)
+        drafter, policy, k_max, tree = auto_budget(policy, drafter, batch, k_max, tree)
         if getattr(drafter, "block", False) and drafter.k_max != k_max:  # a block drafter drafts the planned k
             drafter = dataclasses.replace(drafter, k_max=k_max)
         autotune = False

@@ -81,6 +81,10 @@ SHAPES = {
     "qwen2.5-1.5b": ModelConfig(arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                                 num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, rope_theta=1000000.0,
                                 rms_norm_eps=1e-6, attention_bias=True),
+    # its draft model, Qwen2.5-Coder-0.5B-Instruct (qwen2.5-coder-0.5b-instruct: an LM head of its own)
+    "qwen2.5-0.5b": ModelConfig(arch="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                                num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1000000.0,
+                                rms_norm_eps=1e-6, attention_bias=True),
     "llama-3.1-8b": ModelConfig(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                                 num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0),
     "llama-3.1-70b": ModelConfig(arch="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,

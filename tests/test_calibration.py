@@ -359,3 +359,49 @@ def test_timed_round_cost_takes_the_draft_step_from_the_timed_chains():
     with pytest.raises(ValueError, match="draft step"):
         RoundCost.timed(table, 8, {2: 1100.0, 8: 1090.0}, ar_us=990.0)
 
+
+
+def test_auto_runs_the_calibrated_stop_rule_in_batch_one_greedy_chains(setup, tmp_path):
+    """`auto`'s batch-1 greedy chain runs the drafter's best calibrated stop rule where the replay on
+    this card puts it STOP_RULE_MARGIN above the best static K; trees, several rows, sampling, a
+    fit at another batch or a rule that replays too close to static K keep the plan. The plan runs
+    exactly what the rule runs by name."""
+    from jspec.cards import card_key
+    from jspec.sampling import Sampling
+    from jspec.speculative.factory import with_calibrated_stop_rule
+    from jspec.speculative.policies.auto import AutoPlan
+    from jspec.speculative.policies.calibration import STOP_RULE_MARGIN, save_calibration
+
+    target, drafter, dparams, _, prompts, rec = setup
+    head = tmp_path / "eagle3"
+    save_eagle_head(str(head), drafter.head, dparams)
+    spec = f"eagle3:{head}"
+    fits = fit_all(["confidence", "svip"], rec, K, RoundCost.from_table(REFERENCE_COSTS, 1, K))["policies"]
+
+    def entry(confidence_gain, batch=1):
+        policies = {name: {**fit, "calibrated": {**fit["calibrated"], "speedup_vs_ar": gain}}
+                    for (name, fit), gain in ((("confidence", fits["confidence"]), confidence_gain), (("svip", fits["svip"]), 1.0))}
+        return {"k_max": K, "batch": batch, "rounds": 40, "policies": policies,
+                "static": {"1": {"speedup_vs_ar": 1.0}, "2": {"speedup_vs_ar": 1.2}}}
+
+    chain = AutoPlan(mode="chain", k_max=2, num_nodes=0, gain=1.2, policy=make_policy("auto", k_max=K))
+    plan = lambda p=chain, **kw: with_calibrated_stop_rule(p, spec, None, **{"batch": 1, "k_cap": K, **kw})
+    assert plan() is chain  # no fit on this card
+    save_calibration(calibration_path(head), card_key(), entry(1.2 * (STOP_RULE_MARGIN + 0.05)))
+    ruled = plan()
+    expected = resolve_policy_spec("confidence", spec, None, K)[0]
+    assert ruled.stop_rule == expected and ruled.k_max == K and ruled.describe().startswith(f"chain K <= {K}, confidence stop rule")
+    tree = dataclasses.replace(chain, mode="tree", num_nodes=15)
+    assert plan(batch=4) is chain and plan(sampling=Sampling(temperature=1.0)) is chain and plan(tree) is tree
+    assert plan(sampling=Sampling()) == ruled  # greedy Sampling: as None
+    assert with_calibrated_stop_rule(chain, f"{spec}+ngram", None, batch=1, k_cap=K) is chain  # hybrids keep their plan
+    save_calibration(calibration_path(head), card_key(), entry(1.2 * (STOP_RULE_MARGIN - 0.02)))
+    assert plan() is chain
+    save_calibration(calibration_path(head), card_key(), entry(2.0, batch=16))
+    assert plan() is chain
+    # the plan runs what the rule runs by name, lossless
+    run = lambda policy: generate(target, CFG, prompts[:2], max_new_tokens=16, speculative=SpeculativeConfig(
+        drafter=drafter, drafter_params=dparams, policy=policy, k_max=K))
+    by_plan, by_name, ar = run(ruled), run(expected), generate(target, CFG, prompts[:2], max_new_tokens=16)
+    assert np.array_equal(by_plan.draft_lengths, by_name.draft_lengths)
+    assert all(by_plan.row(b) == ar.row(b) for b in range(2))

@@ -65,8 +65,8 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="prompts to record rounds on (default: 128 chitchat training prompts, or all of --prompt-file)")
     p.add_argument("--prompt-file", default=None, metavar="JSONL",
                    help="calibrate on your own workload instead of chitchat's training split: questions in the "
-                        "format `jspec bench --questions` takes (one JSON object a line with `turns`; the first "
-                        "turn is the prompt). Never an evaluation set you report on")
+                        "format `jspec bench --questions` takes (one JSON object a line with `question_id` and `turns`; "
+                        "the first turn is the prompt). Never an evaluation set you report on")
     p.add_argument("--round-cost", choices=ROUND_COSTS, default="timed",
                    help="timed (default): time plain decoding and static chains drafting 2 and --k-max tokens on "
                         "these prompts, and replay on the draft step and round cost they show; table: the card's "

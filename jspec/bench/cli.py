@@ -22,7 +22,7 @@ from jspec.heads.hrad import load_hrad
 from jspec.kernels.decode_attention import split_attention
 from jspec.model import cast_params
 from jspec.sharding import axis_size, check_tensor_parallel, parse_mesh
-from jspec.speculative.factory import build_drafter, find_ldlp_weights, resolve_policy_spec
+from jspec.speculative.factory import auto_plan, build_drafter, find_ldlp_weights, resolve_policy_spec
 from jspec.speculative.policies import POLICY_NAMES, is_auto
 from jspec.speculative.policies.calibration import CALIBRATED_POLICIES
 from jspec.speculative.policies.ldlp import load_ldlp
@@ -30,7 +30,7 @@ from jspec.speculative.drafters.eagle import EagleDrafter
 from jspec.speculative.drafters.hybrid import HybridDrafter
 from jspec.generate import default_tail_runs
 from jspec.speculative.engines.tree import TreeConfig
-from jspec.speculative.policies.auto import AutoPlan, mean_context, plan_for, tail_rows
+from jspec.speculative.policies.auto import AutoPlan, mean_context, tail_rows
 from jspec.bench.round_cost import VERIFY_TS, attach_profile, ensure_costs, plot_round_cost, profile_method
 from jspec.errors import UsageError
 from jspec.sampling import GREEDY, Sampling
@@ -355,7 +355,8 @@ class MethodFactory:
                              models_dir=self.args.models_dir, tree=isinstance(head, EagleDrafter))
         kw = dict(k_cap=self.args.k_max or 8, tree=TreeConfig() if spec.tree else None, context=context, prompts=prompts,
                   sampling=sampling)
-        return plan_for(drafter, costs, batch=batch, **kw), (tail_rows(drafter, costs, rows=batch, **kw) if queue else 0)
+        plan = auto_plan(drafter, spec.drafter, self.args.model, costs, batch=batch, **kw)
+        return plan, (tail_rows(drafter, costs, rows=batch, **kw) if queue else 0)
 
     def law_method(self, spec: MethodSpec, dtype: str, sampling: Sampling, tokens: int):
         """The method as --law-check runs it: the configuration it runs at batch 1 (an `auto` plan

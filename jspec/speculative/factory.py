@@ -28,6 +28,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,9 @@ from .drafters.early_exit import EarlyExitDrafter
 from .drafters.model import ModelDrafter, step_fraction
 from .drafters.ngram import NgramDrafter
 from .policies import POLICY_NAMES, make_policy
-from .policies.calibration import CALIBRATED_POLICIES, calibrated_acceptance, calibrated_constants, policy_from_constants
+from .policies.auto import plan_for
+from .policies.calibration import (CALIBRATED_POLICIES, best_stop_rule, calibrated_acceptance, calibrated_constants,
+                                   policy_from_constants)
 from .policies.ldlp import WEIGHTS_FILE as LDLP_WEIGHTS_FILE, load_ldlp
 
 DRAFTER_NAMES = ("ngram", "early-exit", "model", "eagle", "eagle3", "dlm")
@@ -235,6 +238,38 @@ def calibration_home(spec: str, model_name: str | None) -> tuple[Path | None, st
     draft = str(draft)
     home = models_dir() / draft if draft in list_presets() else Path(draft)
     return home, str(model_name) if model_name else "target"
+
+
+def auto_plan(drafter, drafter_spec: str | None, model_name: str | None, costs: dict, *, batch: int, k_cap: int, tree,
+              context: float | None = None, prompts=None, sampling=None):
+    """`auto`'s plan for a generate call (policies.auto.plan_for), with the drafter's calibrated
+    stop rule in a batch-1 chain where one pays (`with_calibrated_stop_rule`). `drafter_spec` and
+    `model_name` say where the drafter's fits live (None: no fits are looked for). The one place
+    `generate`, `jspec generate` and `jspec bench` plan `auto`."""
+    plan = plan_for(drafter, costs, batch=batch, k_cap=k_cap, tree=tree, context=context, prompts=prompts,
+                    sampling=sampling)
+    return with_calibrated_stop_rule(plan, drafter_spec, model_name, batch=batch, sampling=sampling, k_cap=k_cap)
+
+
+def with_calibrated_stop_rule(plan, drafter_spec: str | None, model_name: str | None, *, batch: int, sampling=None,
+                              k_cap: int):
+    """`auto`'s plan (policies.auto.AutoPlan), its batch-1 greedy chain running the drafter's best
+    calibrated stop rule on this card, up to `k_cap` drafts a round, where `jspec calibrate`'s
+    replay puts that rule STOP_RULE_MARGIN above the best static K (calibration.best_stop_rule).
+    A stop rule reads each draft's own confidence, which the plan's geometric acceptance model
+    cannot: on code most rounds accept every draft and the rule drafts on, on chat it stops before
+    drafts that will be rejected. Trees, hybrids, batches of several rows (the longest row's draft
+    sets every row's verify) and sampled calls (the fits replay greedy rounds) keep the plan."""
+    if (plan.mode != "chain" or plan.drafter or batch != 1 or not drafter_spec or split_hybrid(drafter_spec)
+            or not (sampling is None or sampling.greedy)):
+        return plan
+    home, target = calibration_home(drafter_spec, model_name)
+    best = None if home is None else best_stop_rule(home, card_key(), target)
+    if best is None:
+        return plan
+    name, fit, gain = best
+    return dataclasses.replace(plan, k_max=k_cap, stop_rule=policy_from_constants(name, fit.constants, k_cap),
+                               stop_rule_name=f"{name} stop rule ({fit.describe()}; replayed {gain:.2f}x the best static K)")
 
 
 def find_ldlp_weights(drafter_spec: str | None, model_name: str | None, explicit: str | None = None) -> Path:

@@ -78,6 +78,7 @@ import dataclasses
 import json
 from pathlib import Path
 from statistics import NormalDist
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -463,11 +464,17 @@ class AutoPlan:
     ngram: int = 0  # hybrid trees: nodes of the n-gram branch
     drafter: str = ""  # a hybrid drafter run as a chain of one half: "ngram" (lookup alone) or "head"
     lookup_first: int = 0  # hybrid trees: engines.tree.TreeConfig.lookup_first (0: every round drafts the head's tree)
+    # a chain that runs the drafter's calibrated stop rule (a Policy) instead of `policy`'s per-round
+    # lengths, up to k_max drafts (factory.with_calibrated_stop_rule); `stop_rule_name` says which
+    stop_rule: Any = None
+    stop_rule_name: str = ""
 
     def describe(self) -> str:
         """What the plan runs, in one line (`jspec generate`'s report, bench rows' `auto_plan`)."""
         if self.mode == "ar":
             return "plain decoding"
+        if self.mode == "chain" and self.stop_rule is not None:
+            return f"chain K <= {self.k_max}, {self.stop_rule_name}"
         if self.mode == "chain":
             alone = {"ngram": ", the n-gram half alone", "head": ", the head alone"}.get(self.drafter, "")
             return f"chain K = {self.k_max}{alone}"
@@ -726,8 +733,8 @@ def plan_for(drafter, costs: dict, *, batch: int, k_cap: int, tree, context: flo
     defaults). `context`: the call's mean attended context (`mean_context`). `prompts`: the call's
     prompts (token ids), from which n-gram lookup's acceptance (the n-gram drafter's, a hybrid's
     branch's) is estimated by `ngram_acceptance` with `ngram_estimate`; None for either: its
-    prior. `sampling`: the call's Sampling (None: greedy). The one place `generate`, `jspec
-    generate` and `jspec bench` turn a drafter into a plan."""
+    prior. `sampling`: the call's Sampling (None: greedy). `generate`, `jspec generate` and `jspec
+    bench` plan through factory.auto_plan, which adds a drafter's calibrated stop rule to this plan."""
     hybrid = drafter.name == "hybrid"
     lookup = drafter.ngram if hybrid else (drafter if drafter.name == "ngram" else None)  # the n-gram drafter
     estimated = None
@@ -807,4 +814,4 @@ def auto_budget(policy, drafter, batch: int, k_max: int, tree, costs: dict | Non
         return drafter, p.policy, k_max, dataclasses.replace(tree, depth=p.k_max, num_nodes=p.num_nodes, ngram=p.ngram,
                                                              lookup_first=p.lookup_first)
     half = {"ngram": "ngram", "head": "eagle"}.get(p.drafter)  # a hybrid's half that runs alone
-    return (getattr(drafter, half) if half else drafter), p.policy, p.k_max, None
+    return (getattr(drafter, half) if half else drafter), p.stop_rule or p.policy, p.k_max, None
