@@ -405,3 +405,16 @@ def test_auto_runs_the_calibrated_stop_rule_in_batch_one_greedy_chains(setup, tm
     by_plan, by_name, ar = run(ruled), run(expected), generate(target, CFG, prompts[:2], max_new_tokens=16)
     assert np.array_equal(by_plan.draft_lengths, by_name.draft_lengths)
     assert all(by_plan.row(b) == ar.row(b) for b in range(2))
+
+
+def test_shipped_fits_make_auto_run_the_confidence_rule_where_it_was_timed_ahead():
+    """The fits shipped with the presets pick, on the cards they were made for, the rule whose
+    same-process rows ran ahead of `auto`'s own chain lengths (BENCHMARKS.md): confidence."""
+    from jspec.presets import models_dir
+    from jspec.speculative.policies.calibration import STOP_RULE_MARGIN, best_stop_rule
+
+    pair = best_stop_rule(models_dir() / "qwen2.5-coder-0.5b-instruct", "NVIDIA_H100_80GB_HBM3", "qwen2.5-coder-1.5b-instruct")
+    head = best_stop_rule(models_dir() / "smollm2-135m-instruct" / "heads" / "eagle3", "NVIDIA_H200")
+    for name, fit, gain in (pair, head):
+        assert name == "confidence" and gain >= STOP_RULE_MARGIN and "threshold" in fit.constants
+    assert best_stop_rule(models_dir() / "qwen2.5-coder-0.5b-instruct", "cpu", "qwen2.5-coder-1.5b-instruct") is None
