@@ -552,7 +552,7 @@ def planned_chain(spec: SpeculativeConfig | None) -> SpeculativeConfig | None:
     and K; None when plain decoding is faster), as generate() runs a plan; else `spec` itself."""
     if spec is None or not isinstance(spec.policy, AutoPlan):
         return spec
-    drafter, policy, k_max, _ = auto_budget(spec.policy, spec.drafter, 1, spec.k_max, None)
+    drafter, policy, k_max, _ = auto_budget(spec.policy, spec.drafter, spec.k_max, None)
     if drafter is None:
         return None
     if getattr(drafter, "block", False) and drafter.k_max != k_max:  # a block drafter drafts the planned k

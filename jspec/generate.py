@@ -264,7 +264,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
         if not isinstance(policy, AutoPlan):
             policy = auto_plan(drafter, drafter_spec, cfg.preset, costs, batch=batch, k_cap=k_max, tree=tree,
                                context=context, prompts=prompts, sampling=sampling)
-        drafter, policy, k_max, tree = auto_budget(policy, drafter, batch, k_max, tree)
+        drafter, policy, k_max, tree = auto_budget(policy, drafter, k_max, tree)
         if getattr(drafter, "block", False) and drafter.k_max != k_max:  # a block drafter drafts the planned k
             drafter = dataclasses.replace(drafter, k_max=k_max)
         autotune = False

@@ -289,11 +289,15 @@ def test_a_heads_measured_acceptance_sets_the_budget(target):
     """auto's static budget reads the head's own acceptance (EagleDrafter.acceptance) when it has one."""
     import dataclasses
 
-    from jspec.speculative.policies.auto import auto_budget
+    from jspec.speculative.policies.auto import auto_budget, plan_for
 
     drafter, _ = _drafters(target)["eagle3"]
-    poor = auto_budget("auto", dataclasses.replace(drafter, acceptance=0.02), 1, 8, None, costs=REFERENCE_COSTS)
-    good = auto_budget("auto", dataclasses.replace(drafter, acceptance=0.9), 1, 8, None, costs=REFERENCE_COSTS)
+
+    def budget(d):
+        return auto_budget(plan_for(d, REFERENCE_COSTS, batch=1, k_cap=8, tree=None), d, 8, None)
+
+    poor = budget(dataclasses.replace(drafter, acceptance=0.02))
+    good = budget(dataclasses.replace(drafter, acceptance=0.9))
     assert poor[0] is None  # plain decoding is expected to be faster
     assert good[0] is not None and good[2] >= 4
 

@@ -545,8 +545,8 @@ def test_auto_plans_on_every_api_path(monkeypatch):
 
     planned = []
 
-    def budget(policy, drafter, batch, k_max, tree, **kw):
-        planned.append(policy)
+    def budget(plan, drafter, k_max, tree):
+        planned.append(plan)
         return None, None, k_max, None  # plain decoding: the call stays cheap
 
     monkeypatch.setattr(G, "auto_budget", budget)
@@ -556,7 +556,7 @@ def test_auto_plans_on_every_api_path(monkeypatch):
         assert is_auto(policy) == (policy in ("auto",) or policy is made or type(policy).__name__ == "AutoPolicy")
         G.generate(params, CFG, [[5, 6, 7]], max_new_tokens=2,
                    speculative=cli.SpeculativeConfig(drafter="ngram", policy=policy, k_max=4))
-    assert len(planned) == 3 and planned[2] is made
+    assert len(planned) == 3 and planned[2] is made and all(isinstance(p, type(made)) for p in planned)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -797,17 +797,10 @@ def mean_context(prompt_lens, max_new: int) -> float:
     return float(np.mean(np.asarray(prompt_lens, np.float64))) + max_new / 2.0
 
 
-def auto_budget(policy, drafter, batch: int, k_max: int, tree, costs: dict | None = None, context: float | None = None,
-                prompts=None, sampling=None):
-    """(drafter, policy, k_max, tree) for a generate call whose policy is "auto" or an AutoPlan:
-    the drafter is None when plain decoding is expected to be faster. `tree` is None (chains) or
-    the caller's tree config, whose depth and num_nodes the plan replaces; `context` the call's
-    mean attended context (`mean_context`), `prompts` its prompts (token ids; `plan_for`)."""
-    if isinstance(policy, AutoPlan):
-        p = policy
-    else:
-        p = plan_for(drafter, costs if costs is not None else load_costs(), batch=batch, k_cap=k_max, tree=tree,
-                     context=context, prompts=prompts, sampling=sampling)
+def auto_budget(p: AutoPlan, drafter, k_max: int, tree):
+    """(drafter, policy, k_max, tree) that run the plan `p` (factory.auto_plan makes it): the
+    drafter is None when plain decoding is expected to be faster. `tree` is None (chains) or the
+    caller's tree config, whose depth and num_nodes the plan replaces."""
     if p.mode == "ar":
         return None, None, k_max, None
     if p.mode == "tree":
