@@ -35,7 +35,8 @@ from .speculative.engines.chain import speculative_stream
 from .speculative.engines.pearl import parse_role_mesh
 from .speculative.engines.specbranch import SpecBranchConfig
 from .speculative.engines.tree import TreeConfig, tree_config
-from .speculative.factory import auto_plan, build_drafter, check_drafter_spec, find_ldlp_weights, resolve_policy_spec, shipped_head_path
+from .speculative.factory import (auto_plan, build_drafter, check_drafter_spec, find_ldlp_weights, resolve_policy_spec,
+                                  shipped_head_path)
 from .speculative.policies import POLICY_NAMES, is_auto, make_policy
 from .speculative.policies.auto import AutoPlan, auto_budget, load_costs, mean_context, tail_rows
 from .speculative.policies.ldlp import load_ldlp

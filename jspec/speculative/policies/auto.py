@@ -807,4 +807,4 @@ def auto_budget(p: AutoPlan, drafter, k_max: int, tree):
         return drafter, p.policy, k_max, dataclasses.replace(tree, depth=p.k_max, num_nodes=p.num_nodes, ngram=p.ngram,
                                                              lookup_first=p.lookup_first)
     half = {"ngram": "ngram", "head": "eagle"}.get(p.drafter)  # a hybrid's half that runs alone
-    return (getattr(drafter, half) if half else drafter), p.stop_rule or p.policy, p.k_max, None
+    return (getattr(drafter, half) if half else drafter), p.policy if p.stop_rule is None else p.stop_rule, p.k_max, None
