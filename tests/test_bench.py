@@ -354,6 +354,32 @@ def test_cli_end_to_end_with_jspec_ar(tmp_path, monkeypatch, capsys):
     assert "--commit-rows b" in table
 
 
+def test_rows_name_the_drafters_weights(tmp_path, monkeypatch):
+    import jax
+
+    from jspec.bench import cli
+    from jspec.checkpoint.eagle_format import save_eagle_head
+    from jspec.config import ModelConfig
+    from jspec.heads import eagle as H
+    from jspec.model import init_params
+    from jspec.speculative.policies.calibration import head_fingerprint
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
+                      num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128, eos_token_ids=(3,))
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    hcfg = H.default_head_config("eagle3", cfg)
+    head = tmp_path / "head"
+    save_eagle_head(str(head), hcfg, H.init_head(hcfg, jax.random.PRNGKey(1)))
+    monkeypatch.setattr(cli, "resolve_model", lambda name: (cfg, params, CharTokenizer()))
+    monkeypatch.chdir(tmp_path)
+    args = ["--model", "tiny", "--tasks", "mt_bench", "--n-prompts", "2", "--max-new-tokens", "4", "--batch", "1",
+            "--methods", f"ar,spec:ngram:static,spec:eagle3:{head}:static:k=2", "--no-plots", "--min-timed-s", "0"]
+    rows = cli.run_bench(cli.add_bench_args(argparse.ArgumentParser()).parse_args(args))
+    fingerprint = head_fingerprint(head)
+    assert fingerprint and len(fingerprint) == 16
+    assert [r["drafter_weights"] for r in rows] == [None, None, fingerprint]
+
+
 def test_cli_queue_runs_ar_and_spec_with_rows_in_flight(tmp_path, monkeypatch):
     import jax
 

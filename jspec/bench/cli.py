@@ -22,9 +22,9 @@ from jspec.heads.hrad import load_hrad
 from jspec.kernels.decode_attention import split_attention
 from jspec.model import cast_params
 from jspec.sharding import axis_size, check_tensor_parallel, parse_mesh
-from jspec.speculative.factory import auto_plan, build_drafter, find_ldlp_weights, resolve_policy_spec
+from jspec.speculative.factory import auto_plan, build_drafter, calibration_home, find_ldlp_weights, resolve_policy_spec
 from jspec.speculative.policies import POLICY_NAMES, is_auto
-from jspec.speculative.policies.calibration import CALIBRATED_POLICIES
+from jspec.speculative.policies.calibration import CALIBRATED_POLICIES, head_fingerprint
 from jspec.speculative.policies.ldlp import load_ldlp
 from jspec.speculative.drafters.eagle import EagleDrafter
 from jspec.speculative.drafters.hybrid import HybridDrafter
@@ -407,6 +407,9 @@ class MethodFactory:
                              max_new_tokens=max_new_tokens or a.max_new_tokens, generate_kwargs=extra,
                              queue=getattr(a, "queue", False),
                              refill=getattr(a, "refill", None), sampling=sampling, seed=getattr(a, "seed", 0))
+        if spec.drafter and spec.method != "hf":  # which weights drafted: a head's folder under one path changes as it trains
+            home, _ = calibration_home(spec.drafter, self.args.model)
+            method.drafter_weights = head_fingerprint(home) if home is not None else None
         if spec.method == "spec" and spec.policy in CALIBRATED_POLICIES:
             method.policy_constants = constants[1] if constants is not None else spec.option_dict.get("constants", "paper")
         if isinstance(extra.get("policy"), AutoPlan):

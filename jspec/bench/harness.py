@@ -222,6 +222,9 @@ def make_row(
         "method": m.method,
         "name": m.name,
         "drafter": m.drafter,
+        # the first 16 hex digits of the SHA-256 of the drafter's weights (an EAGLE head's files, a draft
+        # model's; calibration.head_fingerprint), so rows of a head trained on under one path tell its versions apart
+        "drafter_weights": getattr(m, "drafter_weights", None),
         "policy": m.policy,
         "policy_constants": getattr(m, "policy_constants", None),  # calibrated policies: "calibrated" | "paper"
         "auto_plan": getattr(m, "auto_plan", None),  # `auto`: what the plan ran (AutoPlan.describe)
