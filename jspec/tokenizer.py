@@ -61,7 +61,7 @@ def _gguf_tokenizer(path: Path):
     try:  # written whole, then renamed: a reader never sees half a directory
         tokenizer.save_pretrained(str(staging))
         os.replace(staging, cached)
-    except OSError:  # a read-only cache, or another process renamed its copy first: nothing lost
+    except (OSError, ValueError):  # a read-only cache, or another process renamed its copy first: nothing lost
         shutil.rmtree(staging, ignore_errors=True)
     return tokenizer
 
