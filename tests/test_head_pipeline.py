@@ -86,6 +86,8 @@ def test_distilled_rows_are_the_targets_answers(pipeline):
     chitchat = C.SOURCES.index("chitchat")
     n_chitchat = sum(int((S.load_rows(data, s["file"])["source"] == chitchat).sum()) for s in S.shard_files(meta, "all"))
     assert n_chitchat == 3  # source_caps: 3 of the 7 chit-chat prompts
+    for wave in pipeline["summary"]["waves"].values():  # where the wall time went, decode chunks apart
+        assert min(wave["decode_s"], wave["refill_s"]) >= 0 and wave["decode_s"] + wave["refill_s"] <= wave["seconds"] + 0.1
     corpus = pipeline["corpus"]
     by_item = {item: seq for seq, _, _, item in rows}
     conts = [(seq, p, item) for seq, p, _, item in rows if item < len(corpus) and corpus.parent[item] >= 0]

@@ -355,14 +355,18 @@ class EngineStats:
     chunks: int = 0
     loop_stopped: int = 0  # rows stopped inside a loop (DistillConfig.stop_loops_after)
     occupancy_sum: float = 0.0
-    chunk_seconds: float = 0.0  # EMA of one chunk's wall time
+    chunk_seconds: float = 0.0  # EMA of one decode chunk's wall time
+    decode_seconds: float = 0.0  # where the wall time went: decode chunks, refills (prefill + insert), the host
+    refill_seconds: float = 0.0
 
     def line(self, n_devices: int) -> str:
         tps = self.tokens / max(self.seconds, 1e-9)
         occ = self.occupancy_sum / max(self.chunks, 1)
         looped = f", {self.loop_stopped:,} rows stopped in a loop" if self.loop_stopped else ""
+        host = max(self.seconds - self.decode_seconds - self.refill_seconds, 0.0)
         return (f"{self.rows:,} rows, {self.tokens:,} tokens in {self.seconds:.1f}s: {tps:,.0f} tokens/s, "
-                f"{tps / n_devices:,.0f} tokens/s per device ({n_devices} devices), slot occupancy {occ:.0%}{looped}")
+                f"{tps / n_devices:,.0f} tokens/s per device ({n_devices} devices), slot occupancy {occ:.0%}{looped}; "
+                f"decode {self.decode_seconds:.1f}s, refill {self.refill_seconds:.1f}s, host {host:.1f}s")
 
 
 class SlotEngine:
@@ -424,7 +428,7 @@ class SlotEngine:
         try:
             while True:
                 # 1. refill free slots, R per device per prefill
-                now = time.perf_counter()
+                now = tr = time.perf_counter()
                 refilling = pending is not None and now < stop_refill_at and now < deadline - self.drain_seconds()
                 while refilling:
                     free = [[b for b in range(B) if held[d * B + b] is None][:R] for d in range(n_dev)]
@@ -441,10 +445,15 @@ class SlotEngine:
                     refilling = pending is not None
                 if all(h is None for h in held):
                     break
+                # one sync per chunk more, so that the chunk time (drain_seconds) and the split of the
+                # wall time below do not count the prefills queued ahead of the decode
+                slots = jax.block_until_ready(slots)
                 # 2. decode a chunk, 3. harvest
                 tc = time.perf_counter()
+                stats.refill_seconds += tc - tr
                 slots = self._fn("decode")(self.params, self.key, slots)
                 done, n_out = (np.asarray(x) for x in jax.device_get((slots.done, slots.n_out)))
+                stats.decode_seconds += time.perf_counter() - tc
                 finished = [b for b, h in enumerate(held) if h is not None and done[b]]
                 out = None
                 if stop_loops is not None:
@@ -656,6 +665,7 @@ def distill(params, cfg: ModelConfig, tokenizer, corpus: C.Corpus, out_dir: str,
         writer.flush()
         summary["waves"][name] = {"jobs": len(jobs), "rows": stats.rows, "tokens": stats.tokens,
                                   "loop_stopped": stats.loop_stopped, "seconds": round(stats.seconds, 1),
+                                  "decode_s": round(stats.decode_seconds, 1), "refill_s": round(stats.refill_seconds, 1),
                                   "tokens_per_s_per_device": round(stats.tokens / max(stats.seconds, 1e-9) / n_dev)}
         log(f"{name}: {stats.line(n_dev)}")
 
