@@ -95,6 +95,9 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--k-max", type=int, default=None,
                    help=f"maximum draft tokens per round (needs --drafter; default {DEFAULT_K_MAX}); at most what "
                         "the model's context leaves after the prompt and --max-new-tokens")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="--drafter model: its LM head scores only the target's N most frequent answer tokens "
+                        "(FR-Spec; the preset's token_counts.npz), a cheaper draft step; lossless; chains only")
     p.add_argument("--tree", action="store_true",
                    help="EAGLE-2 dynamic trees instead of chains (--drafter eagle / eagle3; top_k 10, depth 6, "
                         "59 nodes); implies --no-stream")
@@ -170,7 +173,7 @@ def check_generate_args(a) -> None:
             raise UsageError(str(e)) from None
     speculative = {"--policy": a.policy, "--k-max": a.k_max, "--verify": a.verify, "--ldlp-weights": a.ldlp_weights,
                    "--consultant-eps": a.consultant_eps, "--consultant-smoothing": a.consultant_smoothing,
-                   "--tree": a.tree or None, "--tree-nodes": a.tree_nodes}
+                   "--tree": a.tree or None, "--tree-nodes": a.tree_nodes, "--draft-vocab": a.draft_vocab}
     if a.drafter is None:
         given = [flag for flag, value in speculative.items() if value is not None]
         if given:
@@ -184,7 +187,7 @@ def check_generate_args(a) -> None:
     a.verify = a.verify or "lossless"
     if a.k_max < 1:
         raise UsageError(f"--k-max must be >= 1, got {a.k_max}")
-    drafter_cls = check_drafter_spec(a.drafter, model_name=a.model, k_max=a.k_max)
+    drafter_cls = check_drafter_spec(a.drafter, model_name=a.model, k_max=a.k_max, draft_vocab=a.draft_vocab or 0)
     if issubclass(drafter_cls, HybridDrafter) and not a.tree:
         raise UsageError(f"--drafter {a.drafter} drafts trees (the head's tree plus an n-gram branch): add --tree")
     tree = _tree_arg(a)
@@ -222,7 +225,8 @@ def check_generate_args(a) -> None:
     if tree is not None:
         a.no_stream = True  # trees run through generate(); streaming drafts chains
     try:
-        a.speculative = SpeculativeConfig(drafter=a.drafter, policy=policy_obj, k_max=a.k_max, tree=tree, verify=verify)
+        a.speculative = SpeculativeConfig(drafter=a.drafter, policy=policy_obj, k_max=a.k_max, tree=tree, verify=verify,
+                                          draft_vocab=a.draft_vocab or 0)
     except ValueError as e:
         raise UsageError(f"--drafter {a.drafter}: {e}") from None
 
@@ -250,7 +254,8 @@ def _check_engine_args(a) -> None:
     """--engine: its drafter, its mesh (device pairs) and its own options; chain options don't apply."""
     given = [f for f, v in (("--policy", a.policy), ("--k-max", a.k_max), ("--verify", a.verify),
                             ("--ldlp-weights", a.ldlp_weights), ("--consultant-eps", a.consultant_eps),
-                            ("--tree", a.tree or None), ("--tree-nodes", a.tree_nodes)) if v is not None]
+                            ("--tree", a.tree or None), ("--tree-nodes", a.tree_nodes),
+                            ("--draft-vocab", a.draft_vocab)) if v is not None]
     if given:
         raise UsageError(f"--engine {a.engine} has its own schedule: drop {', '.join(given)}")
     if a.engine != "specbranch" and (a.branches is not None or a.hrad is not None):
@@ -398,7 +403,7 @@ def load_checked(a):
     cfg = resolve_config(a.model)
     check_mesh_fits(a.mesh, cfg)
     if a.drafter is not None:
-        check_drafter_spec(a.drafter, model_name=a.model, k_max=a.k_max, cfg=cfg)
+        check_drafter_spec(a.drafter, model_name=a.model, k_max=a.k_max, cfg=cfg, draft_vocab=a.draft_vocab or 0)
     tok = resolve_tokenizer(a.model)
     if tok is None:
         raise UsageError(no_tokenizer_message(a.model))
@@ -442,7 +447,8 @@ def cmd_generate(a) -> int:
     spec = a.speculative
     if spec is not None:
         drafter_spec = spec.drafter
-        drafter, dparams = build_drafter(drafter_spec, cfg, params, model_name=a.model, k_max=spec.k_max)
+        drafter, dparams = build_drafter(drafter_spec, cfg, params, model_name=a.model, k_max=spec.k_max,
+                                         draft_vocab=spec.draft_vocab)
         spec = spec.replace(drafter=drafter, drafter_params=dparams)
         if is_auto(spec.policy):  # planned on the preset's committed cost table for this card, as `jspec bench` plans
             costs = load_costs(a.model if a.model in list_presets() else None, models_dir=str(models_dir()))

@@ -244,7 +244,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
     if isinstance(drafter, str):  # read as `jspec generate` reads it: what cfg's preset ships, if any
         policy, policy_params = policy_for_drafter(policy, policy_params, drafter, cfg.preset,
                                                    tree.depth if tree is not None else k_max)
-        drafter, drafter_params = build_drafter(drafter, cfg, params, k_max=k_max)
+        drafter, drafter_params = build_drafter(drafter, cfg, params, k_max=k_max, draft_vocab=spec.draft_vocab)
     if tree is not None:
         tree = tree_for(drafter, tree)  # a hybrid drafter's n-gram branch
     tail = tail_rows or 0

@@ -98,6 +98,10 @@ def run(capsys, *argv):
                                                                   "depth 6) has at most 510 candidate nodes"),
     (["--chat"], "--chat: smollm2-135m-instruct has no chat template (a base model?): drop --chat"),
     (["--drafter", "eagle3+ngram"], "--drafter eagle3+ngram drafts trees (the head's tree plus an n-gram branch): add --tree"),
+    (["--draft-vocab", "8"], "--draft-vocab applies only to speculative decoding"),
+    (["--drafter", "ngram", "--draft-vocab", "8"], "a draft vocabulary is for draft models (--drafter model); 'ngram' is not one"),
+    (["--drafter", "model", "--draft-vocab", "-3"], "draft_vocab must be an integer >= 1"),
+    (["--drafter", "model", "--draft-vocab", "8", "--engine", "pearl"], "--engine pearl has its own schedule: drop --draft-vocab"),
 ])
 def test_user_errors_are_one_line_before_the_model_loads(no_model, capsys, tmp_path, argv, message):
     rc, err = run(capsys, "generate", *[a.format(tmp=tmp_path) for a in argv], "hello")
@@ -330,7 +334,7 @@ def test_prompts_are_checked_before_the_weights_load(no_model, capsys, prompt, m
     (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1, got -1"),
     (["--out", "x", "--commit-rows", "y"], "exclude each other"),
     (["--mesh", "model=4"], "--mesh: model=4 must divide num_kv_heads=2, num_heads=4 and intermediate_size=64"),
-    (["--methods", "ar,spec:ngram:static:kk=1"], "valid options: k, verify, eps, smoothing, constants, nodes"),  # k once
+    (["--methods", "ar,spec:ngram:static:kk=1"], "valid options: k, verify, eps, smoothing, constants, vocab, nodes"),  # k once
 ])
 def test_bench_argument_errors_are_one_line_before_loading(no_model, capsys, argv, message):
     rc, err = run(capsys, "bench", "--model", "tiny", *argv)

@@ -74,7 +74,7 @@ from jspec.heads import eagle as H
 from jspec.sampling import Sampling, probs
 from jspec.speculative.drafters.eagle import EagleDrafter
 from jspec.speculative.drafters.hybrid import HybridDrafter
-from jspec.speculative.drafters.model import ModelDrafter
+from jspec.speculative.drafters.model import ModelDrafter, restrict_vocab
 from jspec.speculative.drafters.ngram import NgramDrafter
 from jspec.speculative.engines import chain as chain_engine
 from jspec.speculative.engines import tree as tree_engine
@@ -361,6 +361,13 @@ def _model_drafter(tparams, **fields) -> SpeculativeConfig:
                              k_max=K, **fields)
 
 
+def _model_drafter_vocab(tparams, **fields) -> SpeculativeConfig:
+    """The draft model with a draft vocabulary (FR-Spec): every id outside it has q = 0."""
+    ids = np.setdiff1d(np.arange(CFG.vocab_size), np.arange(5, CFG.vocab_size, 6))  # 40 of 48 ids
+    dparams = restrict_vocab(noised(tparams, jax.random.PRNGKey(2), NOISE), CFG, ids)
+    return SpeculativeConfig(drafter=ModelDrafter(CFG, draft_vocab=len(ids)), drafter_params=dparams, k_max=K, **fields)
+
+
 def _eagle_drafter(tparams, noise=NOISE, **fields) -> SpeculativeConfig:
     hc, hp = eagle_copy_head(tparams)
     return SpeculativeConfig(drafter=EagleDrafter(hc), drafter_params=noised(hp, jax.random.PRNGKey(3), noise), **fields)
@@ -387,6 +394,7 @@ RUNS = {  # (drafter, sampling, mutant groups, jitted engine): static K for the 
     "chain-eagle": (functools.partial(_eagle_drafter, k_max=K, policy="confidence", verify="token"),
                     Sampling(temperature=1.0), ("chain",), "chain"),
     "block-model": (_model_drafter, Sampling(temperature=0.9, top_p=0.95), ("block",), "chain"),
+    "block-model-vocab": (_model_drafter_vocab, Sampling(temperature=0.9, top_p=0.95), (), "chain"),
     "block-eagle": (functools.partial(_eagle_drafter, k_max=K, policy="confidence"), Sampling(temperature=1.0),
                     (), "chain"),  # a draft length the head's confidence sets; its mutants are block-model's
     "tree-eagle": (functools.partial(_eagle_drafter, tree=TOP_K_TREE), Sampling(temperature=1.0), ("tree",), "tree"),

@@ -67,6 +67,9 @@ def _draft_argmax(dcfg: ModelConfig, dparams: dict, tokens: jax.Array) -> jax.Ar
     """The draft model's argmax after every position of `tokens` [B, T] (teacher-forced)."""
     B, T = tokens.shape
     out = forward(dparams, dcfg, tokens, init_cache(dcfg, B, T, dparams["embed"].dtype))
+    if "d2t" in dparams:  # a draft vocabulary (drafters.model.restrict_vocab): the argmax over its ids
+        idx = jnp.argmax(jnp.dot(out.hidden, dparams["draft_lm_head"], preferred_element_type=jnp.float32), axis=-1)
+        return dparams["d2t"][idx]  # d2t is sorted: ties go to the lower id, as over the full logits
     return chunked_argmax_logits(dparams, dcfg, out.hidden, 64)
 
 

@@ -328,7 +328,8 @@ class MethodFactory:
                 if "hrad" in spec.option_dict:
                     load_hrad(spec.option_dict["hrad"], self.cfg)
             if spec.method == "spec":
-                build_drafter(spec.drafter, self.cfg, self.params, model_name=self.args.model, k_max=self.spec_k_max(spec))
+                build_drafter(spec.drafter, self.cfg, self.params, model_name=self.args.model, k_max=self.spec_k_max(spec),
+                              draft_vocab=spec.draft_vocab)
                 if spec.policy == "ldlp":
                     find_ldlp_weights(spec.drafter, self.args.model)
                 constants = self.calibrated_policy(spec)  # :calibrated without a fit fails here, before any method runs
@@ -388,7 +389,8 @@ class MethodFactory:
         if spec.method == "spec":
             params = self.jax_params(dtype)
             extra["drafter"], extra["drafter_params"] = build_drafter(spec.drafter, self.cfg, params, model_name=self.args.model,
-                                                                      k_max=self.spec_k_max(spec))
+                                                                      k_max=self.spec_k_max(spec),
+                                                                      draft_vocab=spec.draft_vocab)
             if spec.policy == "ldlp":  # the predictor shipped in the EAGLE head's jspec/ folder
                 extra["policy_params"] = load_ldlp(str(find_ldlp_weights(spec.drafter, self.args.model)))[0]
             if is_auto(spec.policy):  # the budget from this card's measured round costs (cached per card)

@@ -86,6 +86,7 @@ Methods (--methods, comma-separated; all are checked before any runs):
              k=N             chain: most draft tokens per round (k_max; default --k-max, else 8)
              verify=token    sampled chains verified token by token (same law; default: block verification)
              verify=consultant   Consultant Decoding's LOSSY rule; eps=X and smoothing=B set it
+             vocab=N         a draft model's chains score only the target's N most frequent answer tokens
              FIELD=VALUE     any field of the policy, e.g. threshold=0.4, lambda_rule=B,
                              arms=svip+adaedl (tuple fields: values joined by +)
   The positional fields come first: two of them are DRAFTER:POLICY, three DRAFTER:ARG:POLICY.
@@ -109,7 +110,7 @@ PARALLEL_KEYS = {"pearl": ("pairs", "gamma"), "specbranch": ("pairs", "gamma", "
 
 TREE_KEYS = ("nodes", "topk", "depth", "ngram", "siblings")
 # constants=paper|calibrated: which constants a calibrated policy runs with (written POLICY:paper)
-ENGINE_KEYS = ("k", "verify", "eps", "smoothing", "constants") + TREE_KEYS
+ENGINE_KEYS = ("k", "verify", "eps", "smoothing", "constants", "vocab") + TREE_KEYS
 POLICY_CONSTANTS = ("paper", "calibrated")
 
 
@@ -142,6 +143,11 @@ class MethodSpec:
     @property
     def option_dict(self) -> dict[str, str]:
         return dict(self.options)
+
+    @property
+    def draft_vocab(self) -> int:
+        """A draft model's draft vocabulary (vocab=N; 0: the whole vocabulary)."""
+        return int(self.option_dict.get("vocab", 0))
 
     def generate_kwargs(self, default_k_max: int = 8) -> dict[str, Any]:
         """Keyword arguments of jspec.generate.generate for this method (checked by
@@ -345,6 +351,11 @@ def check_method_spec(spec: MethodSpec) -> None:
         raise MethodSpecError(f"method {text!r}: {spec.drafter} drafts trees (a head tree plus an n-gram branch): add :tree")
     if "ngram" in opts and not issubclass(drafter_cls, HybridDrafter):
         raise MethodSpecError(f"method {text!r}: ngram=N sets a hybrid tree's n-gram branch: use eagle3+ngram")
+    if "vocab" in opts:
+        _positive_int("vocab", opts["vocab"], text)
+        if not issubclass(drafter_cls, ModelDrafter) or spec.tree:
+            raise MethodSpecError(f"method {text!r}: vocab=N gives a draft model's chains a draft vocabulary: use "
+                                  f"spec:model[:PATH]:POLICY without tree")
     if "siblings" in opts and opts["siblings"] not in ("auto", "top_k", "sampled"):
         raise MethodSpecError(f"method {text!r}: siblings={opts['siblings']}: choose auto, top_k or sampled")
     if "nodes" in opts and opts["nodes"] != "auto":

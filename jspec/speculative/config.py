@@ -54,6 +54,8 @@ class SpeculativeConfig:
     engine          None (chains / trees), "pearl", "ppsd", "specbranch" or a SpecBranchConfig:
                     draft while the target verifies; policies, trees and verify rules do not apply
     gamma           PEARL's window (None: measured once per process); SpecBranch's is its config's
+    draft_vocab     a draft model ("model:...") scores only the target's N most frequent answer
+                    tokens (FR-Spec; the preset's token_counts.npz); 0: the whole vocabulary. Chains only
     """
 
     drafter: Any
@@ -65,6 +67,7 @@ class SpeculativeConfig:
     verify: Any = "lossless"
     engine: Any = None
     gamma: int | None = None
+    draft_vocab: int = 0
 
     def __post_init__(self):
         if self.drafter is None:
@@ -72,6 +75,7 @@ class SpeculativeConfig:
                              "for autoregressive decoding pass speculative=None")
         if isinstance(self.drafter, str):
             check_drafter_name(self.drafter)  # what a path holds is checked where the drafter is built
+        self._check_draft_vocab()
         self._check_policy()
         if isinstance(self.verify, str) and self.verify not in VERIFY_NAMES or not isinstance(self.verify, (str, ConsultantRule)):
             raise ValueError(f"verify={self.verify!r}: choose {', '.join(map(repr, VERIFY_NAMES))} or a ConsultantRule")
@@ -87,6 +91,20 @@ class SpeculativeConfig:
         elif self._is_hybrid():
             raise ValueError(f"drafter {getattr(self.drafter, 'name', self.drafter)!r} drafts trees (the head's tree "
                              "plus an n-gram branch): add tree=True or a TreeConfig")
+
+    def _check_draft_vocab(self) -> None:
+        if not self.draft_vocab:
+            return
+        if isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) or self.draft_vocab < 1:
+            raise ValueError(f"draft_vocab must be an integer >= 1 (0: the whole vocabulary), got {self.draft_vocab!r}")
+        if not isinstance(self.drafter, str):  # a drafter object carries its own draft vocabulary
+            if getattr(self.drafter, "draft_vocab", None) != self.draft_vocab:
+                raise ValueError("draft_vocab is built into a drafter object (ModelDrafter.draft_vocab with "
+                                 "jspec.speculative.drafters.model.restrict_vocab): pass 0 here, or a spec string")
+        elif self.drafter.partition(":")[0] != "model":
+            raise ValueError(f"draft_vocab restricts a draft model's LM head: use drafter='model[:PATH]', not {self.drafter!r}")
+        if self.engine is not None or self.tree is not None:
+            raise ValueError("draft_vocab restricts a draft model's chains: drop tree / engine")
 
     def _check_policy(self) -> None:
         if self.policy is None or isinstance(self.policy, (Policy, AutoPlan)):

@@ -33,6 +33,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..cards import card_key
 from ..checkpoint.draft_format import check_draft_model, exit_layer_of, is_draft_model_dir, load_draft_model
 from ..checkpoint.eagle_format import (CONFIG_FILE as HEAD_CONFIG, EXTRAS_DIR, WEIGHTS_FILE as HEAD_WEIGHTS, check_head_files,
@@ -46,7 +48,7 @@ from .drafters.diffusion import PROXY_FILE, DiffuSpecDrafter, load_proxy
 from .drafters.eagle import EagleDrafter
 from .drafters.hybrid import HybridDrafter
 from .drafters.early_exit import EarlyExitDrafter
-from .drafters.model import ModelDrafter, step_fraction
+from .drafters.model import ModelDrafter, frequent_tokens, restrict_vocab, step_fraction
 from .drafters.ngram import NgramDrafter
 from .policies import POLICY_NAMES, make_policy
 from .policies.auto import plan_for
@@ -91,13 +93,14 @@ def check_drafter_name(spec: str) -> None:
 
 
 def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | None = None,
-                       cfg: ModelConfig | None = None) -> type:
+                       cfg: ModelConfig | None = None, draft_vocab: int = 0) -> type:
     """Validate a drafter spec without loading any weights (so a CLI can reject it before the
     model loads): the name, the argument's form, and that a path given exists and holds what the
     drafter reads (an EAGLE head's config.json and weights, a draft model's checkpoint);
     for ``dlm`` also, when given, that ``model_name``'s preset ships one (no PATH) and that
     ``k_max`` fits its block (read from the file's header). With the target's ``cfg`` (read from
-    its header, jspec.presets.resolve_config): an early-exit layer lies inside the target.
+    its header, jspec.presets.resolve_config): an early-exit layer lies inside the target, and a
+    ``draft_vocab`` fits its vocabulary and has the preset's token counts to rank by.
     Returns the drafter's class (its class attributes, e.g. `parallel`, say what policies it can
     serve)."""
     hybrid = split_hybrid(spec)
@@ -135,6 +138,13 @@ def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | No
         draft = arg or shipped_head_path(model_name, "model")
         if draft is not None:
             _check_draft_model(spec, str(draft), cfg)
+    if draft_vocab and name != "model":
+        raise DrafterError(f"draft_vocab {draft_vocab}: a draft vocabulary is for draft models (--drafter model); "
+                           f"{spec!r} is not one (an EAGLE-3 head has its own)")
+    if draft_vocab and cfg is not None:
+        if not 1 <= draft_vocab <= cfg.vocab_size:
+            raise DrafterError(f"draft_vocab {draft_vocab}: choose 1 to {cfg.vocab_size} (the target's vocabulary)")
+        token_counts(model_name, cfg)
     if name == "early-exit" and cfg is not None:
         layer = (int(arg) if arg.isdigit() else exit_layer_of(arg)) if arg is not None else None
         if layer is not None and not 0 < layer < cfg.num_layers:
@@ -300,6 +310,23 @@ def find_ldlp_weights(drafter_spec: str | None, model_name: str | None, explicit
     )
 
 
+TOKEN_COUNTS_FILE = "token_counts.npz"  # in a target preset's folder: scripts/token_counts.py writes it
+
+
+def token_counts(model_name: str | None, cfg: ModelConfig) -> np.ndarray:
+    """How often each token id occurs in the target's own answers to training prompts ([V]), which
+    a draft vocabulary ranks by: the preset's TOKEN_COUNTS_FILE. Raises DrafterError, one line."""
+    path = models_dir() / str(model_name) / TOKEN_COUNTS_FILE if model_name in list_presets() else None
+    if path is None or not path.is_file():
+        raise DrafterError(f"a draft vocabulary ranks the target's answer tokens, and model {model_name!r} ships no "
+                           f"{TOKEN_COUNTS_FILE}: count them with scripts/token_counts.py --data DISTILLED_DIR")
+    with np.load(path) as blob:
+        counts = blob["counts"]
+    if counts.shape != (cfg.vocab_size,):
+        raise DrafterError(f"{path}: {counts.shape[0]} token counts for a vocabulary of {cfg.vocab_size}")
+    return counts
+
+
 def shipped_head_path(model_name: str | None, kind: str):
     """The head a preset ships for `kind` ("eagle", "eagle3", "model", "dlm", ...: preset.json
     "drafters"), or None. A draft model ("model") may be another preset, named as one (the
@@ -350,12 +377,16 @@ def head_acceptance_by_temperature(head_dir) -> tuple[tuple[float, float], ...] 
 
 
 def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str | None = None, dtype=None,
-                  k_max: int | None = None) -> tuple[Any, Any]:
+                  k_max: int | None = None, draft_vocab: int = 0) -> tuple[Any, Any]:
     """(drafter, drafter_params) for a spec string; raises DrafterError with the fix in the message.
     ``k_max``: the engine's k_max, which a block drafter (``dlm``) drafts every round (default
     ``DEFAULT_DLM_K_MAX``); other drafters take it per call. Without a PATH a drafter is the one
-    ``model_name``'s preset ships, by default the preset ``cfg`` was loaded from (``cfg.preset``)."""
+    ``model_name``'s preset ships, by default the preset ``cfg`` was loaded from (``cfg.preset``).
+    ``draft_vocab``: a draft model scores only the target's N most frequent answer tokens
+    (``token_counts``; ModelDrafter.draft_vocab); 0: the whole vocabulary."""
     model_name = cfg.preset if model_name is None else model_name
+    if draft_vocab:
+        check_drafter_spec(spec, model_name, cfg=cfg, draft_vocab=draft_vocab)
     hybrid = split_hybrid(spec)
     if hybrid is not None:
         head, head_params = build_drafter(hybrid[0], cfg, params, model_name=model_name, dtype=dtype)
@@ -404,9 +435,11 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
         else:
             dcfg, dparams, _ = resolve_model(arg, dtype=dtype or params["embed"].dtype, tokenizer=False)
         alpha, sampled = planned_acceptance(*calibration_home(spec, model_name))
-        drafter = ModelDrafter(dcfg, step_fraction=round(step_fraction(dcfg, cfg), 3), acceptance=alpha,
-                               acceptance_by_temperature=sampled)
+        drafter = ModelDrafter(dcfg, step_fraction=round(step_fraction(dcfg, cfg, draft_vocab=draft_vocab), 3),
+                               acceptance=alpha, acceptance_by_temperature=sampled, draft_vocab=draft_vocab)
         drafter.check(cfg)
+        if draft_vocab:
+            dparams = restrict_vocab(dparams, dcfg, frequent_tokens(token_counts(model_name, cfg), draft_vocab))
         return drafter, dparams
     if name in ("eagle", "eagle1", "eagle3"):
         kind = "eagle3" if name == "eagle3" else "eagle"

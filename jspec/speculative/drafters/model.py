@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from ... import model as M
@@ -20,10 +21,12 @@ class ModelDraftState:
     prev_token: jax.Array  # [B] the token before the pending one
 
 
-def approx_params(cfg: ModelConfig) -> int:
-    """Weights a decode step reads: every layer's attention and MLP, and the LM head."""
+def approx_params(cfg: ModelConfig, draft_vocab: int = 0) -> int:
+    """Weights a decode step reads: every layer's attention and MLP, and the LM head (its
+    `draft_vocab` columns when the draft scores only those)."""
     attention = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
-    return cfg.num_layers * (attention + 3 * cfg.hidden_size * cfg.intermediate_size) + cfg.vocab_size * cfg.hidden_size
+    vocab = draft_vocab or cfg.vocab_size
+    return cfg.num_layers * (attention + 3 * cfg.hidden_size * cfg.intermediate_size) + vocab * cfg.hidden_size
 
 
 # [I] A decode step at batch 1 as a fixed latency per layer plus the bytes of its weights, in
@@ -33,15 +36,37 @@ def approx_params(cfg: ModelConfig) -> int:
 LAYER_LATENCY_BYTES = 48e6
 
 
-def step_fraction(dcfg: ModelConfig, tcfg: ModelConfig, bytes_per_weight: int = 2) -> float:
+def step_fraction(dcfg: ModelConfig, tcfg: ModelConfig, bytes_per_weight: int = 2, draft_vocab: int = 0) -> float:
     """[I] A draft model's step as a fraction of its target's, before anything is timed: each
     model's layers times LAYER_LATENCY_BYTES (a small model's step is bound by per-layer launch
     and latency cost) plus its weights' bytes (a large one's by reading them). Qwen2.5-Coder 0.5B
     for the 1.5B: 0.49, as measured on an H100. `auto` plans with it until a cost table holds the
     pair's measured draft step (policies.auto.CostModel)."""
-    def cost(c: ModelConfig) -> float:
-        return c.num_layers * LAYER_LATENCY_BYTES + bytes_per_weight * approx_params(c)
-    return cost(dcfg) / cost(tcfg)
+    def cost(c: ModelConfig, vocab: int = 0) -> float:
+        return c.num_layers * LAYER_LATENCY_BYTES + bytes_per_weight * approx_params(c, vocab)
+    return cost(dcfg, draft_vocab) / cost(tcfg)
+
+
+def restrict_vocab(dparams: dict, cfg: ModelConfig, token_ids) -> dict:
+    """dparams with a draft vocabulary: `d2t` [Vd] (the target ids the draft scores, sorted) and
+    `draft_lm_head` [D, Vd] (those columns of its LM head, or rows of its tied embedding). The
+    full LM head stays, unread by the drafter's steps."""
+    ids = np.unique(np.asarray(token_ids, np.int64))
+    if not len(ids) or ids[0] < 0 or ids[-1] >= cfg.vocab_size:
+        raise ValueError(f"draft vocabulary: token ids must lie in [0, {cfg.vocab_size}) and not be empty")
+    d2t = jnp.asarray(ids, jnp.int32)
+    tied = cfg.tie_word_embeddings or "lm_head" not in dparams
+    weight = dparams["embed"][d2t].T if tied else dparams["lm_head"][:, d2t]  # [D, Vd] either way
+    return {**dparams, "d2t": d2t, "draft_lm_head": weight}
+
+
+def frequent_tokens(counts, n: int) -> np.ndarray:
+    """The n most frequent token ids of `counts` [V] (ties: the lower id), sorted."""
+    counts = np.asarray(counts)
+    if not 1 <= n <= len(counts):
+        raise ValueError(f"draft vocabulary of {n} tokens: choose 1..{len(counts)} (the target's vocabulary)")
+    order = np.lexsort((np.arange(len(counts)), -counts.astype(np.int64)))
+    return np.sort(order[:n])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +84,11 @@ class ModelDrafter:
     # ((temperature, acceptance), ...) `jspec calibrate --temperatures` recorded, which `auto` plans
     # sampled calls with; None: policies.auto.TEMPERATURE_RATIO of `acceptance`
     acceptance_by_temperature: tuple[tuple[float, float], ...] | None = None
+    # [I] FR-Spec's frequency-ranked draft vocabulary: the draft's LM head scores only these many
+    # target ids (dparams from `restrict_vocab`), the rest get NEG_INF; 0: the whole vocabulary.
+    # A small model's LM head is a large share of its step (Qwen2.5-Coder 0.5B: 136M of its 494M
+    # weights); drafts outside the set are never proposed, which verification keeps lossless.
+    draft_vocab: int = 0
     name = "model"
     parallel = False
     deterministic = False
@@ -69,7 +99,8 @@ class ModelDrafter:
         """Where a cost table keeps this drafter's own draft-step costs (policies.auto.CostModel):
         a draft model's step is a forward of its own shape, not an EAGLE head's."""
         c = self.cfg
-        return f"model:{c.num_layers}x{c.hidden_size}x{c.intermediate_size}:{c.vocab_size}"
+        vocab = f"{c.vocab_size}" + (f"/{self.draft_vocab}" if self.draft_vocab else "")
+        return f"model:{c.num_layers}x{c.hidden_size}x{c.intermediate_size}:{vocab}"
 
     def check(self, tcfg: ModelConfig):
         if self.cfg.vocab_size != tcfg.vocab_size:
@@ -77,6 +108,8 @@ class ModelDrafter:
                 f"draft model vocabulary ({self.cfg.vocab_size} tokens) does not match the target's "
                 f"({tcfg.vocab_size} tokens); speculative decoding needs a shared tokenizer"
             )
+        if not 0 <= self.draft_vocab <= tcfg.vocab_size:
+            raise DrafterError(f"draft_vocab {self.draft_vocab}: choose 0 (the whole vocabulary) to {tcfg.vocab_size}")
 
     def loop_params(self, dparams):
         return M.loop_params(dparams, self.cfg)  # per-layer buffers, as the target's in the round loop
@@ -94,13 +127,24 @@ class ModelDrafter:
         base = dstate.cache.lengths
         block = jnp.stack([dstate.prev_token, last_token], axis=1)
         out = M.forward(dparams, self.cfg, block, dstate.cache)
-        logits = M.lm_head(dparams, self.cfg, out.hidden[:, 1])
+        logits = self.logits(dparams, out.hidden[:, 1])
         return logits, M.advance(out.cache, jnp.full_like(base, 2)), (dstate, tcache)
 
     def step(self, dparams, tparams, tcfg, consts, cache, token):
         out = M.forward(dparams, self.cfg, token[:, None], cache)
-        logits = M.lm_head(dparams, self.cfg, out.hidden[:, 0])
+        logits = self.logits(dparams, out.hidden[:, 0])
         return logits, M.advance(out.cache, jnp.ones_like(cache.lengths))
+
+    def logits(self, dparams, hidden):
+        """float32 logits over the target's vocabulary [B, V]; with a draft vocabulary, only its
+        columns are computed and every other id gets NEG_INF (probability 0 when sampled)."""
+        if not self.draft_vocab:
+            return M.lm_head(dparams, self.cfg, hidden)
+        small = M.matmul(hidden, dparams["draft_lm_head"], out_dtype=jnp.float32)
+        if self.cfg.final_logit_softcap:
+            small = jnp.tanh(small / self.cfg.final_logit_softcap) * self.cfg.final_logit_softcap
+        full = jnp.full(small.shape[:-1] + (self.cfg.vocab_size,), M.NEG_INF, small.dtype)
+        return full.at[..., dparams["d2t"]].set(small)
 
     def finish(self, consts, cache):
         dstate, tcache = consts
