@@ -100,8 +100,9 @@ def test_counts_come_from_the_target_preset(pair, tmp_path, monkeypatch):
     check_drafter_spec("model", "tiny", cfg=CFG, draft_vocab=VOCAB)
     with pytest.raises(DrafterError, match="choose 1 to 48"):
         check_drafter_spec("model", "tiny", cfg=CFG, draft_vocab=49)
-    with pytest.raises(DrafterError, match="a draft vocabulary is for draft models"):
-        build_drafter("ngram", CFG, {}, model_name="tiny", draft_vocab=VOCAB)
+    for spec in ("ngram", "eagle3+ngram"):
+        with pytest.raises(DrafterError, match="a draft vocabulary is for draft models"):
+            build_drafter(spec, CFG, {}, model_name="tiny", draft_vocab=VOCAB)
 
 
 def test_config_and_method_grammar_reject_what_cannot_run(pair):

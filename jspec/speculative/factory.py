@@ -103,6 +103,9 @@ def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | No
     ``draft_vocab`` fits its vocabulary and has the preset's token counts to rank by.
     Returns the drafter's class (its class attributes, e.g. `parallel`, say what policies it can
     serve)."""
+    if draft_vocab and _split(spec)[0] != "model":
+        raise DrafterError(f"draft_vocab {draft_vocab}: a draft vocabulary is for draft models (--drafter model); "
+                           f"{spec!r} is not one (an EAGLE-3 head has its own)")
     hybrid = split_hybrid(spec)
     if hybrid is not None:
         n_gram_arg = _split(hybrid[1])[1]
@@ -138,9 +141,6 @@ def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | No
         draft = arg or shipped_head_path(model_name, "model")
         if draft is not None:
             _check_draft_model(spec, str(draft), cfg)
-    if draft_vocab and name != "model":
-        raise DrafterError(f"draft_vocab {draft_vocab}: a draft vocabulary is for draft models (--drafter model); "
-                           f"{spec!r} is not one (an EAGLE-3 head has its own)")
     if draft_vocab and cfg is not None:
         if not 1 <= draft_vocab <= cfg.vocab_size:
             raise DrafterError(f"draft_vocab {draft_vocab}: choose 1 to {cfg.vocab_size} (the target's vocabulary)")
