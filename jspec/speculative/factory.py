@@ -92,6 +92,12 @@ def check_drafter_name(spec: str) -> None:
                                "model:PATH)")
 
 
+def _check_draft_vocab_drafter(spec: str, draft_vocab: int) -> None:
+    if draft_vocab and _split(spec)[0] != "model":
+        raise DrafterError(f"draft_vocab {draft_vocab}: a draft vocabulary is for draft models (--drafter model); "
+                           f"{spec!r} is not one (an EAGLE-3 head has its own)")
+
+
 def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | None = None,
                        cfg: ModelConfig | None = None, draft_vocab: int = 0) -> type:
     """Validate a drafter spec without loading any weights (so a CLI can reject it before the
@@ -103,9 +109,7 @@ def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | No
     ``draft_vocab`` fits its vocabulary and has the preset's token counts to rank by.
     Returns the drafter's class (its class attributes, e.g. `parallel`, say what policies it can
     serve)."""
-    if draft_vocab and _split(spec)[0] != "model":
-        raise DrafterError(f"draft_vocab {draft_vocab}: a draft vocabulary is for draft models (--drafter model); "
-                           f"{spec!r} is not one (an EAGLE-3 head has its own)")
+    _check_draft_vocab_drafter(spec, draft_vocab)
     hybrid = split_hybrid(spec)
     if hybrid is not None:
         n_gram_arg = _split(hybrid[1])[1]
@@ -385,8 +389,7 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
     ``draft_vocab``: a draft model scores only the target's N most frequent answer tokens
     (``token_counts``; ModelDrafter.draft_vocab); 0: the whole vocabulary."""
     model_name = cfg.preset if model_name is None else model_name
-    if draft_vocab:
-        check_drafter_spec(spec, model_name, cfg=cfg, draft_vocab=draft_vocab)
+    _check_draft_vocab_drafter(spec, draft_vocab)  # its size is the drafter's check, its counts token_counts'
     hybrid = split_hybrid(spec)
     if hybrid is not None:
         head, head_params = build_drafter(hybrid[0], cfg, params, model_name=model_name, dtype=dtype)
