@@ -26,10 +26,11 @@ SIZES = (8192, 16384, 32768, 49152, 65536)
 
 def coverage(counts: np.ndarray, holdout: np.ndarray, sizes=SIZES) -> dict[int, float]:
     """Share of the hold-out tokens inside the `n` most frequent ids of `counts`, per n."""
-    from jspec.speculative.drafters.model import frequent_tokens
+    from jspec.heads.eagle import draft_vocab_from_counts
 
     total = max(int(holdout.sum()), 1)
-    return {n: round(float(holdout[frequent_tokens(counts, n)].sum()) / total, 4) for n in sizes if n <= len(counts)}
+    return {n: round(float(holdout[np.asarray(draft_vocab_from_counts(counts, n)[0])].sum()) / total, 4)
+            for n in sizes if n <= len(counts)}
 
 
 def main(argv=None) -> int:

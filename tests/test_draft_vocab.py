@@ -16,7 +16,8 @@ from jspec.bench.acceptance import draft_model_chain_calls
 from jspec.bench.protocol import MethodSpecError, check_method_spec, parse_method_spec
 from jspec.generate import SpeculativeConfig, generate
 from jspec.speculative.drafters.base import DrafterError
-from jspec.speculative.drafters.model import ModelDrafter, frequent_tokens, restrict_vocab, step_fraction
+from jspec.heads.eagle import draft_vocab_from_counts
+from jspec.speculative.drafters.model import ModelDrafter, restrict_vocab, step_fraction
 from jspec.speculative.factory import TOKEN_COUNTS_FILE, build_drafter, check_drafter_spec, token_counts
 
 from spec_tiny import CFG, _prompts, make_target
@@ -34,7 +35,11 @@ def pair():
     return tparams, dcfg, dparams, counts
 
 
-def test_frequent_tokens_rank_by_count_then_id():
+def frequent_tokens(counts, n):
+    return np.asarray(draft_vocab_from_counts(counts, n)[0])
+
+
+def test_frequent_tokens_rank_by_count_then_id():  # the one ranking, EAGLE-3 heads' and draft models'
     counts = np.array([5, 9, 9, 0, 7, 9])
     assert frequent_tokens(counts, 3).tolist() == [1, 2, 5]
     assert frequent_tokens(counts, 4).tolist() == [1, 2, 4, 5]

@@ -253,6 +253,8 @@ def draft_vocab_maps(draft_ids, target_vocab: int) -> tuple[jax.Array, jax.Array
 def draft_vocab_from_counts(counts, draft_vocab_size: int) -> tuple[jax.Array, jax.Array]:
     """The `draft_vocab_size` most frequent target tokens (ties -> lower id), as (d2t, t2d)."""
     counts = np.asarray(counts)
+    if not 1 <= draft_vocab_size <= len(counts):
+        raise ValueError(f"draft vocabulary of {draft_vocab_size} tokens: choose 1..{len(counts)} (the target's vocabulary)")
     order = np.lexsort((np.arange(len(counts)), -counts))  # by count desc, then id asc
     return draft_vocab_maps(order[:draft_vocab_size], len(counts))
 

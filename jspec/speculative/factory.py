@@ -42,13 +42,14 @@ from ..checkpoint.eagle_format import (CONFIG_FILE as HEAD_CONFIG, EXTRAS_DIR, W
 from ..checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from ..config import ModelConfig, UnsupportedModelError
 from ..heads import dlm as D
+from ..heads.eagle import draft_vocab_from_counts
 from ..presets import list_presets, load_preset, models_dir, resolve_config, resolve_model
 from .drafters.base import DrafterError
 from .drafters.diffusion import PROXY_FILE, DiffuSpecDrafter, load_proxy
 from .drafters.eagle import EagleDrafter
 from .drafters.hybrid import HybridDrafter
 from .drafters.early_exit import EarlyExitDrafter
-from .drafters.model import ModelDrafter, frequent_tokens, restrict_vocab, step_fraction
+from .drafters.model import ModelDrafter, restrict_vocab, step_fraction
 from .drafters.ngram import NgramDrafter
 from .policies import POLICY_NAMES, make_policy
 from .policies.auto import plan_for
@@ -442,7 +443,7 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
                                acceptance=alpha, acceptance_by_temperature=sampled, draft_vocab=draft_vocab)
         drafter.check(cfg)
         if draft_vocab:
-            dparams = restrict_vocab(dparams, dcfg, frequent_tokens(token_counts(model_name, cfg), draft_vocab))
+            dparams = restrict_vocab(dparams, dcfg, draft_vocab_from_counts(token_counts(model_name, cfg), draft_vocab)[0])
         return drafter, dparams
     if name in ("eagle", "eagle1", "eagle3"):
         kind = "eagle3" if name == "eagle3" else "eagle"

@@ -48,7 +48,7 @@ def step_fraction(dcfg: ModelConfig, tcfg: ModelConfig, bytes_per_weight: int = 
 
 
 def restrict_vocab(dparams: dict, cfg: ModelConfig, token_ids) -> dict:
-    """dparams with a draft vocabulary: `d2t` [Vd] (the target ids the draft scores, sorted) and
+    """dparams with a draft vocabulary (token_ids: e.g. heads.eagle.draft_vocab_from_counts' d2t): `d2t` [Vd] (the target ids the draft scores, sorted) and
     `draft_lm_head` [D, Vd] (those columns of its LM head, or rows of its tied embedding). The
     full LM head stays, unread by the drafter's steps."""
     ids = np.unique(np.asarray(token_ids, np.int64))
@@ -58,15 +58,6 @@ def restrict_vocab(dparams: dict, cfg: ModelConfig, token_ids) -> dict:
     tied = cfg.tie_word_embeddings or "lm_head" not in dparams
     weight = dparams["embed"][d2t].T if tied else dparams["lm_head"][:, d2t]  # [D, Vd] either way
     return {**dparams, "d2t": d2t, "draft_lm_head": weight}
-
-
-def frequent_tokens(counts, n: int) -> np.ndarray:
-    """The n most frequent token ids of `counts` [V] (ties: the lower id), sorted."""
-    counts = np.asarray(counts)
-    if not 1 <= n <= len(counts):
-        raise ValueError(f"draft vocabulary of {n} tokens: choose 1..{len(counts)} (the target's vocabulary)")
-    order = np.lexsort((np.arange(len(counts)), -counts.astype(np.int64)))
-    return np.sort(order[:n])
 
 
 @dataclasses.dataclass(frozen=True)
