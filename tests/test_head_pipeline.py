@@ -254,3 +254,12 @@ def test_training_refuses_to_keep_more_loop_than_the_data_holds():
     merged = {"merged_from": [{"distill": {"stop_loops_after": 0}}, {"distill": {"stop_loops_after": 48}}]}
     with pytest.raises(ValueError, match="stop 48 tokens"):
         S.check_loop_cut(merged, S.LoopCut(keep=64))
+
+
+def test_wave_zero_keeps_a_reserve_too_short_for_the_continuations():
+    # a share of the time left goes to the continuations only where it can pay for their engine;
+    # otherwise wave 0 refills until the deadline instead of leaving the reserve idle
+    assert D.wave_zero_end(0.0, 1000.0, 0.2, True) == pytest.approx(800.0)
+    assert D.wave_zero_end(0.0, 190.0, 0.2, True) == 190.0
+    assert D.wave_zero_end(0.0, 1000.0, 0.2, False) == 1000.0
+    assert D.wave_zero_end(0.0, float("inf"), 0.2, True) == float("inf")

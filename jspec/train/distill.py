@@ -29,7 +29,9 @@ Work, in order, each part resumable:
        longer prompts get their own cache length
 A share `sample_share` of the rows (chosen by prompt id) is sampled at `temperature`, the rest is
 greedy. `--time-budget-s` bounds the whole process: refilling stops early enough for the rows in
-flight to finish (measured chunk time x max_new / chunk_steps), then the partial shard is written.
+flight to finish (measured chunk time x max_new / chunk_steps), then the partial shard is written;
+wave 0 leaves `continuation_share` of the time to the continuations only where that share is at
+least MIN_CONTINUATION_S.
 A killed run loses at most the rows of the shard being filled; a resumed run skips every prompt
 already in a shard. Progress: a tqdm bar over prompts and a throughput line per wave
 (tokens/s in total and per device, slot occupancy).
@@ -65,6 +67,9 @@ from .shards import LoopCut, RowWriter, load_rows, read_meta, row_tokens, shard_
 SELF_SOURCE = "self_instruct"
 DATA_SOURCES = tuple(C.SOURCES) + (SELF_SOURCE,) + tuple(f"eval_{t}" for t in C.EVAL_TASKS)
 SELF_ITEM_BASE = 1 << 24  # item ids of self-written prompts start here (corpus ids are below)
+# [I] The least time worth giving the continuations: their engine's compile (a cache of its own)
+# and one drain. A shorter share of the budget goes to wave 0 instead of being left idle.
+MIN_CONTINUATION_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -537,6 +542,17 @@ def cache_len_for(max_prompt: int, max_new: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+def wave_zero_end(now: float, deadline: float, continuation_share: float, has_continuations: bool) -> float:
+    """When wave 0 stops refilling: `continuation_share` of the time left goes to the continuations,
+    unless that share is under MIN_CONTINUATION_S (too short to compile their engine and drain it,
+    so they would not run): then wave 0 keeps the whole budget. A v3 Qwen run with 190 s left
+    reserved 38 s this way, then skipped the continuations, and left a quarter of its budget idle."""
+    if not has_continuations or not math.isfinite(deadline):
+        return deadline
+    reserve = (deadline - now) * continuation_share
+    return deadline if reserve < MIN_CONTINUATION_S else deadline - reserve
+
+
 def _temperatures(n: int, dc: DistillConfig, stream: int) -> np.ndarray:
     u = np.random.default_rng([dc.seed, stream]).random(n)
     return np.where(u < dc.sample_share, dc.temperature, 0.0).astype(np.float32)
@@ -722,15 +738,13 @@ def distill(params, cfg: ModelConfig, tokenizer, corpus: C.Corpus, out_dir: str,
                 merged.append(self_jobs.pop(0))
         jobs = merged + self_jobs
     jobs = _window_sort(jobs, 8 * n_dev * dc.rows_per_device)
-    now = time.perf_counter()
     has_conts = bool((corpus.parent >= 0).any()) and dc.continuation_share > 0
-    wave0_end = now + (deadline - now) * (1 - dc.continuation_share) if has_conts and math.isfinite(deadline) else deadline
-    run_wave("wave-0", jobs, main_engine, wave0_end)
+    run_wave("wave-0", jobs, main_engine, wave_zero_end(time.perf_counter(), deadline, dc.continuation_share, has_conts))
 
     # 4. continuations, depth by depth, while parents are answered
     skipped = {"parent_unanswered": 0, "parent_cut": 0, "too_long": 0}
     for depth in range(1, int(corpus.depth.max(initial=0)) + 1):
-        if not has_conts or time.perf_counter() > deadline - 60.0:
+        if not has_conts or time.perf_counter() > deadline - MIN_CONTINUATION_S:
             break
         done = writer.done_items()
         candidates = [int(i) for i in np.flatnonzero((corpus.depth == depth) & in_part) if int(i) not in done]
