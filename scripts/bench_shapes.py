@@ -23,7 +23,8 @@ keeps what it measured; the committed rows live in benchmarks/shapes/):
   ar      whole jitted generations (jspec.decode.generate_ar_jit: prompt 64 + 256 new tokens) at
           --batches, per --variants: "auto" (the default kernels), "xla" (JSPEC_MATMUL=xla: XLA's
           dots everywhere, the previous default), "cublas" (xla + cuBLAS GEMMs);
-  verify  one target forward + LM head over T = 1, 8, 64 tokens and a 60-node tree (cursor fixed);
+  verify  one target forward + LM head over --verify-sizes (default T = 1, 8, 64 tokens and a 60-node
+          tree, cursor fixed), per --variants (auto, xla: XLA's dots, portable: no Pallas kernel);
   draft   an EAGLE-3 head at the target's shape (draft vocab 32k): a chain step and a 10-node tree
           level;
   published  a synthetic EAGLE-3 head in the published sharded format at this shape: written,
@@ -426,7 +427,7 @@ def ar_part(shape, cfg, params, rows_out: Rows, batches, variants):
     sampling = Sampling()
     for variant in variants:
         jax.clear_caches()  # JSPEC_MATMUL is read when tracing: each variant must trace anew
-        with_matmul("xla" if variant in ("xla", "cublas") else "auto")
+        with_kernels(variant)
         opts = {"xla_gpu_enable_triton_gemm": False} if variant == "cublas" else None
         gen = jax.jit(D.generate_ar_jit.__wrapped__,
                       static_argnames=("cfg", "max_new", "cache_len", "sampling", "unroll"),
@@ -448,7 +449,7 @@ def ar_part(shape, cfg, params, rows_out: Rows, batches, variants):
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 rows_out.add(shape=shape, card=card_name(), method="ar", variant=variant, batch=b, error=repr(e)[:300])
-    with_matmul("auto")
+    with_kernels("auto")
 
 
 def tp_part(shape, cfg, params, rows_out: Rows, batches, mesh_spec: str):
@@ -519,30 +520,61 @@ def tree_mask(T, batch, seed=0):
     return jnp.asarray(np.broadcast_to(anc, (batch, T, T))), jnp.asarray(anc.sum(1) - 1, jnp.int32)
 
 
-def verify_part(shape, cfg, params, rows_out: Rows, batch=1, n=20):
+VERIFY_SIZES = "1,8,64,tree60"
+
+
+def parse_verify_sizes(text: str) -> list[tuple[int, bool]]:
+    """--verify-sizes: comma-separated token counts, `treeN` for an N-node tree; (T, is_tree) each."""
+    sizes = []
+    for item in text.split(","):
+        item = item.strip()
+        tree = item.startswith("tree")
+        digits = item[4:] if tree else item
+        if not digits.isdigit() or not 1 <= int(digits) <= 64:
+            raise ValueError(f"--verify-sizes: {item!r} is not a token count or treeN with 1 <= N <= 64")
+        sizes.append((int(digits), tree))
+    return sizes
+
+
+def with_kernels(variant: str):
+    """The kernels a verify or AR variant traces with: "auto" (every fast path), "xla" / "cublas"
+    (XLA's dots, the fused attention kept), "portable" (no Pallas kernel at all: $JSPEC_KERNELS=xla)."""
+    with_matmul("xla" if variant in ("xla", "cublas") else "auto")
+    if variant == "portable":
+        os.environ["JSPEC_KERNELS"] = "xla"
+    else:
+        os.environ.pop("JSPEC_KERNELS", None)
+
+
+def verify_part(shape, cfg, params, rows_out: Rows, batch=1, n=20, sizes=None, variants=("auto",)):
+    """One target forward + LM head per call at each size, per variant: where a tree's verify cost
+    steps up with its size, and which kernel it comes from."""
     wbytes = weight_bytes(params)
     cache = filled_cache(params, cfg, batch)
-    base = None
-    for T in (1, 8, 64, "tree60"):
-        tree = tree_mask(60, batch) if T == "tree60" else None
-        TT = 60 if tree is not None else T
-        mask, depth = (None, None) if tree is None else tree
-        pos = cache.lengths[:, None] + (jnp.arange(TT, dtype=jnp.int32)[None] if depth is None else depth[None])
+    for variant in variants:
+        jax.clear_caches()  # the kernel choices are read when tracing
+        with_kernels(variant)
+        base = None
+        for T, is_tree in sizes or parse_verify_sizes(VERIFY_SIZES):
+            mask, depth = tree_mask(T, batch) if is_tree else (None, None)
+            pos = cache.lengths[:, None] + (jnp.arange(T, dtype=jnp.int32)[None] if depth is None else depth[None])
 
-        def run(params, cache, toks, mask=mask, pos=pos):
-            def body(i, c):
-                cache, toks = c
-                out = M.forward(params, cfg, toks, cache, positions=pos, new_mask=mask)
-                return out.cache, jnp.argmax(M.lm_head(params, cfg, out.hidden), -1).astype(jnp.int32)
-            return jax.lax.fori_loop(0, n, body, (cache, toks))
+            def run(params, cache, toks, mask=mask, pos=pos):
+                def body(i, c):
+                    cache, toks = c
+                    out = M.forward(params, cfg, toks, cache, positions=pos, new_mask=mask)
+                    return out.cache, jnp.argmax(M.lm_head(params, cfg, out.hidden), -1).astype(jnp.int32)
+                return jax.lax.fori_loop(0, n, body, (cache, toks))
 
-        toks = jnp.zeros((batch, TT), jnp.int32)
-        t, spread = median_time(jax.jit(run), params, cache, toks)
-        t /= n
-        base = base or t
-        rows_out.add(**base_row(shape, cfg, wbytes, "verify", batch, T if tree is None else 60, t, batch,
-                                tree=tree is not None, vs_T1=round(t / base, 3), spread_ms=round(1000 * spread / n, 3),
-                                note="one target forward + LM head on all T tokens; tokens_per_s counts one token a call"))
+            toks = jnp.zeros((batch, T), jnp.int32)
+            t, spread = median_time(jax.jit(run), params, cache, toks)
+            t /= n
+            base = base or t
+            rows_out.add(**base_row(shape, cfg, wbytes, "verify", batch, T, t, batch, tree=is_tree, variant=variant,
+                                    vs_first=round(t / base, 3), spread_ms=round(1000 * spread / n, 3),
+                                    note="one target forward + LM head on all T tokens; tokens_per_s counts one token "
+                                         "a call; vs_first: against this variant's first size"))
+    with_kernels("auto")
 
 
 def draft_part(shape, cfg, params, rows_out: Rows, batch=1, n=50, head_and_config=None, variant="jspec"):
@@ -660,7 +692,9 @@ def main(argv=None):
     ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b,smollm2-135m")
     ap.add_argument("--parts", default="ar,verify,draft")
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--variants", default="auto,xla", help="ar variants: auto, xla, cublas")
+    ap.add_argument("--variants", default="auto,xla", help="ar and verify variants: auto, xla, cublas, portable")
+    ap.add_argument("--verify-sizes", default=VERIFY_SIZES,
+                    help="the verify part's sizes: token counts and treeN (an N-node tree), each at most 64")
     ap.add_argument("--peer", default=None, help="path of the PyTorch peer script (torch_fast_peer.py); its rows "
                                                  "join every shape's, whatever --parts says")
     ap.add_argument("--out", default=os.environ.get("OUT", "shape-results"))
@@ -686,9 +720,13 @@ def main(argv=None):
         ap.error("--parts peer needs --peer PATH (the PyTorch peer script, torch_fast_peer.py)")
     if "peer" in parts:  # the peer runs beside this process on the same GPU: JAX takes memory as it needs it
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    unknown = set(args.variants.split(",")) - {"auto", "xla", "cublas"}
+    unknown = set(args.variants.split(",")) - {"auto", "xla", "cublas", "portable"}
     if unknown:
-        ap.error(f"--variants: unknown {', '.join(sorted(unknown))}; expected some of auto, xla, cublas")
+        ap.error(f"--variants: unknown {', '.join(sorted(unknown))}; expected some of auto, xla, cublas, portable")
+    try:
+        verify_sizes = parse_verify_sizes(args.verify_sizes)
+    except ValueError as e:
+        ap.error(str(e))
     tune_rows = tuple(int(r) for r in args.tune_rows.split(",") if r.strip().isdigit())
     if not tune_rows or set(tune_rows) - {1, *MV.TUNED_ROW_BUCKETS}:
         ap.error(f"--tune-rows {args.tune_rows!r}: expected a comma-separated subset of 1, 16, 32, 64")
@@ -736,7 +774,8 @@ def main(argv=None):
             for part, fn in (("memory", lambda: memory_part(shape, cfg, params, rows)),
                              ("ar", lambda: ar_part(shape, cfg, params, rows, batches, args.variants.split(","))),
                              ("tp", lambda: tp_part(shape, cfg, params, rows, batches, args.mesh)),
-                             ("verify", lambda: verify_part(shape, cfg, params, rows)),
+                             ("verify", lambda: verify_part(shape, cfg, params, rows, sizes=verify_sizes,
+                                                                 variants=args.variants.split(","))),
                              ("draft", lambda: draft_part(shape, cfg, params, rows)),
                              ("published", lambda: published_part(shape, cfg, params, rows, Path(tempfile.gettempdir())))):
                 if part in parts:

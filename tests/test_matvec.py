@@ -1,6 +1,8 @@
 """The matvec kernel (jspec/kernels/matvec.py) against XLA's dot, in Pallas interpret mode on CPU,
 and its block choice (tuning table, in-place weights, JSPEC_MATMUL)."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,16 +93,20 @@ def test_unsplit_blocks_store_the_output_dtype():
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=1e-2, atol=1e-2)
 
 
-def test_wide_block_search_stays_small_and_in_budget():
-    """bench_shapes --parts tune --wide: a staged search over BN 16-256, BK 64-512, splits, 2/4/8
-    warps and 2-6 stages that times at most ~60 candidates a product (about a minute on a GPU),
-    each within shared memory; it ends at the fastest (here: a made-up time model)."""
+def _bench_shapes():
     import importlib.util
-    import os
     path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_shapes.py")
     spec = importlib.util.spec_from_file_location("bench_shapes", path)
     B = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(B)
+    return B
+
+
+def test_wide_block_search_stays_small_and_in_budget():
+    """bench_shapes --parts tune --wide: a staged search over BN 16-256, BK 64-512, splits, 2/4/8
+    warps and 2-6 stages that times at most ~60 candidates a product (about a minute on a GPU),
+    each within shared memory; it ends at the fastest (here: a made-up time model)."""
+    B = _bench_shapes()
     fake = lambda b: abs(b[0] - 64) + abs(b[1] - 256) + 3 * abs(b[2] - 4) + abs(b[3] - 8) + abs(b[4] - 5)  # noqa: E731
     for cfg in (B.SHAPES["llama-3.2-1b"], B.SHAPES["llama-3.1-8b"]):
         for name, K, N, tr in B.layer_products(cfg):
@@ -111,6 +117,29 @@ def test_wide_block_search_stays_small_and_in_budget():
                 assert {b[3] for b in results} == {2, 4, 8} and len({b[4] for b in results}) >= 3
                 t, best, n = B.search_blocks(m, K, N, tr, fake, wide=True, log=lambda *a, **k: None)
                 assert t == min(results.values()) and n == len(results)
+
+
+def test_verify_part_times_each_size_per_kernel_variant(tmp_path, monkeypatch):
+    """bench_shapes --parts verify --verify-sizes 16,24,tree24 --variants auto,portable: a row per
+    size and variant, tree sizes as trees, the kernel choice restored after (where a tree's verify
+    cost steps up, and whether the matvec or the attention kernel makes the step)."""
+    from jspec.train.testing import tiny_target_config
+
+    B = _bench_shapes()
+    assert B.parse_verify_sizes("1,8,tree60") == [(1, False), (8, False), (60, True)]
+    for bad in ("0", "65", "tree", "tree70", "x"):
+        with pytest.raises(ValueError, match="--verify-sizes"):
+            B.parse_verify_sizes(bad)
+    monkeypatch.delenv("JSPEC_KERNELS", raising=False)
+    monkeypatch.delenv("JSPEC_MATMUL", raising=False)
+    cfg = tiny_target_config()
+    params = B.M.init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
+    rows = B.Rows(tmp_path / "rows.json")
+    B.verify_part("tiny", cfg, params, rows, n=2, sizes=[(1, False), (5, True)], variants=("auto", "portable"))
+    got = [(r["variant"], r["T"], r["tree"]) for r in rows.rows]
+    assert got == [("auto", 1, False), ("auto", 5, True), ("portable", 1, False), ("portable", 5, True)]
+    assert all(r["ms_per_step"] > 0 for r in rows.rows)
+    assert "JSPEC_KERNELS" not in os.environ and os.environ.get("JSPEC_MATMUL") == "auto"
 
 
 @pytest.mark.parametrize("layout", ["kn", "nk", "stacked"])
