@@ -263,3 +263,23 @@ def test_wave_zero_keeps_a_reserve_too_short_for_the_continuations():
     assert D.wave_zero_end(0.0, 190.0, 0.2, True) == 190.0
     assert D.wave_zero_end(0.0, 1000.0, 0.2, False) == 1000.0
     assert D.wave_zero_end(0.0, float("inf"), 0.2, True) == float("inf")
+
+
+def test_head_lineage_curve_adds_gpu_minutes_over_rounds(tmp_path):
+    """scripts/plot_lineage.py on the Qwen head's committed lineage: one series per timed
+    measurement, sequences and GPU-minutes growing round by round, and a PNG written."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot_lineage", os.path.join(ROOT, "scripts", "plot_lineage.py"))
+    P = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(P)
+    path = os.path.join(ROOT, "models", "qwen2.5-coder-1.5b-instruct", "head_lineage.json")
+    with open(path) as fh:
+        lineage = json.load(fh)
+    chain = P.series(lineage["points"])["h100: humaneval_chain_k6"]
+    assert [p["version"] for p in lineage["points"]][:3] == ["v1", "v2", "v3"]
+    assert len(chain) == len(lineage["points"])
+    assert all(a[0] < b[0] and a[1] < b[1] for a, b in zip(chain, chain[1:]))
+    assert chain[0][1] == pytest.approx(13.0)
+    out = tmp_path / "curve.png"
+    assert P.main([path, "--out", str(out)]) == 0 and out.stat().st_size > 10_000
