@@ -497,3 +497,33 @@ def test_a_missing_or_broken_recipe_is_one_line(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(UsageError, match="is not JSON"):
         load_recipe(str(tmp_path / "bad.json"))
+
+
+def test_eagle31_norms_train_export_and_must_match_a_warm_start(data_dir, tmp_path):
+    """head.fc_norm / head.norm_output (EAGLE-3.1) as recipe switches: the head trains with its
+    fc_norm weights learning, exports both flags and the weights, reloads computing the same
+    features, and a warm start from a head without them is a one-line error."""
+    from jspec.checkpoint.eagle_format import save_eagle_head
+    from jspec.model import forward, init_cache
+    from jspec.train.cli import _head_config, _warm_start
+    from jspec.train.config import recipe_from_dict
+
+    recipe = recipe_from_dict({"head": {"kind": "eagle3", "draft_vocab_size": 48, "fc_norm": True, "norm_output": True}})
+    hcfg = _head_config(recipe, TARGET)
+    assert hcfg.fc_norm and hcfg.norm_output
+    with pytest.raises(ValueError, match="EAGLE-3.1"):
+        recipe_from_dict({"head": {"kind": "eagle1", "fc_norm": True}})
+    head = _head(hcfg)
+    res = train(hcfg, TC3, _target(), data_dir, str(tmp_path / "run"), run=RUN, mesh=_mesh1(), head_params=head,
+                stop_at=3, progress=False)
+    assert np.all(np.isfinite([res.losses[s] for s in (1, 2, 3)]))
+    assert not np.allclose(np.asarray(res.head_params["fc_norm"]), np.asarray(head["fc_norm"]))
+    save_eagle_head(str(tmp_path / "eagle"), hcfg, res.head_params, dtype="float32")
+    loaded_cfg, loaded = _warm_start(str(tmp_path / "eagle"), hcfg, TARGET)
+    assert loaded_cfg.fc_norm and loaded_cfg.norm_output
+    rows = ShardedLoader(data_dir, BATCH, TC3.seed, 0, 1, seq_len_override=SEQ).batch(0)
+    out = forward(_target(), TARGET, rows["tokens"][:2], init_cache(TARGET, 2, SEQ), capture=hcfg.capture_layers)
+    np.testing.assert_allclose(np.asarray(H.fuse_captured(loaded_cfg, loaded, out.captured)),
+                               np.asarray(H.fuse_captured(hcfg, res.head_params, out.captured)), rtol=1e-6, atol=1e-6)
+    with pytest.raises(UsageError, match="fc_norm, norm_output"):
+        _warm_start(str(tmp_path / "eagle"), HCFG3, TARGET)

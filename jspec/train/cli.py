@@ -103,7 +103,8 @@ def _head_config(recipe, target_cfg):
     capture = ()
     if h.kind == "eagle3":
         capture = tuple(h.capture_layers) if h.capture_layers else default_capture_layers(target_cfg.num_layers)
-    return HeadConfig(h.kind, target_cfg, capture, h.draft_vocab_size if h.kind == "eagle3" else 0, h.intermediate_size)
+    return HeadConfig(h.kind, target_cfg, capture, h.draft_vocab_size if h.kind == "eagle3" else 0, h.intermediate_size,
+                      fc_norm=h.fc_norm, norm_output=h.norm_output)
 
 
 def _has_checkpoint(out: str) -> bool:
@@ -120,11 +121,11 @@ def _warm_start(head_dir: str, recipe_hcfg, target_cfg):
     import jax.numpy as jnp
 
     hcfg, params = load_eagle_head(head_dir, target_cfg, dtype=jnp.float32)
-    want = (recipe_hcfg.kind, recipe_hcfg.capture_layers, recipe_hcfg.draft_vocab, recipe_hcfg.mlp_size)
-    got = (hcfg.kind, hcfg.capture_layers, hcfg.draft_vocab, hcfg.mlp_size)
+    fields = ("kind", "capture_layers", "draft_vocab", "mlp_size", "fc_norm", "norm_output")
+    want, got = (tuple(getattr(c, f) for f in fields) for c in (recipe_hcfg, hcfg))
     if got != want:
-        raise UsageError(f"--init-head {head_dir}: (kind, capture layers, draft vocab, MLP width) {got} differ from "
-                         f"the recipe's {want}")
+        raise UsageError(f"--init-head {head_dir}: (kind, capture layers, draft vocab, MLP width, fc_norm, norm_output) "
+                         f"{got} differ from the recipe's {want}")
     return hcfg, params
 
 

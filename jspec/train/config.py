@@ -133,8 +133,15 @@ class HeadSpec:
     # hundreds: unscaled, the fused feature dwarfs what the head's layer adds to it, and Adam's
     # per-weight steps move the fc's output ~40x faster than on SmolLM2.
     input_scale: str = "none"
+    # EAGLE-3.1 (SpecForge / vLLM): a learned RMSNorm on each captured layer before the fc
+    # (`fc_norm`), and the post-final-norm hidden fed back at later draft steps (`norm_output`).
+    # Off: the published EAGLE-3 head SGLang also serves.
+    fc_norm: bool = False
+    norm_output: bool = False
 
     def __post_init__(self):
+        if (self.fc_norm or self.norm_output) and self.kind != "eagle3":
+            raise ValueError("head.fc_norm / head.norm_output are EAGLE-3.1 options of eagle3 heads")
         if self.lm_head_init not in ("random", "target"):
             raise ValueError(f"head.lm_head_init must be 'random' or 'target', got {self.lm_head_init!r}")
         if self.input_scale not in ("none", "rms"):
