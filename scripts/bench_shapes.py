@@ -22,7 +22,8 @@ keeps what it measured; the committed rows live in benchmarks/shapes/):
           parts that run next use it;
   ar      whole jitted generations (jspec.decode.generate_ar_jit: prompt 64 + 256 new tokens) at
           --batches, per --variants: "auto" (the default kernels), "xla" (JSPEC_MATMUL=xla: XLA's
-          dots everywhere, the previous default), "cublas" (xla + cuBLAS GEMMs);
+          dots everywhere, the previous default), "cublas" (xla + cuBLAS GEMMs), "portable"
+          ($JSPEC_KERNELS=xla: no Pallas kernel, the fused attention included);
   verify  one target forward + LM head over --verify-sizes (default T = 1, 8, 64 tokens and a 60-node
           tree, cursor fixed), per --variants (auto, xla: XLA's dots, portable: no Pallas kernel);
   draft   an EAGLE-3 head at the target's shape (draft vocab 32k): a chain step and a 10-node tree
@@ -554,7 +555,7 @@ def verify_part(shape, cfg, params, rows_out: Rows, batch=1, n=20, sizes=None, v
     for variant in variants:
         jax.clear_caches()  # the kernel choices are read when tracing
         with_kernels(variant)
-        base = None
+        one_token = None  # this variant's T = 1 time, where the sizes start with it
         for T, is_tree in sizes or parse_verify_sizes(VERIFY_SIZES):
             mask, depth = tree_mask(T, batch) if is_tree else (None, None)
             pos = cache.lengths[:, None] + (jnp.arange(T, dtype=jnp.int32)[None] if depth is None else depth[None])
@@ -569,11 +570,12 @@ def verify_part(shape, cfg, params, rows_out: Rows, batch=1, n=20, sizes=None, v
             toks = jnp.zeros((batch, T), jnp.int32)
             t, spread = median_time(jax.jit(run), params, cache, toks)
             t /= n
-            base = base or t
+            if (T, is_tree) == (1, False):
+                one_token = t
             rows_out.add(**base_row(shape, cfg, wbytes, "verify", batch, T, t, batch, tree=is_tree, variant=variant,
-                                    vs_first=round(t / base, 3), spread_ms=round(1000 * spread / n, 3),
-                                    note="one target forward + LM head on all T tokens; tokens_per_s counts one token "
-                                         "a call; vs_first: against this variant's first size"))
+                                    vs_T1=round(t / one_token, 3) if one_token else None,
+                                    spread_ms=round(1000 * spread / n, 3),
+                                    note="one target forward + LM head on all T tokens; tokens_per_s counts one token a call"))
     with_kernels("auto")
 
 
