@@ -56,8 +56,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="lineage.png")
     p.add_argument("--title", default="")
     args = p.parse_args(argv)
-    with open(args.lineage) as fh:
-        lineage = json.load(fh)
+    try:
+        with open(args.lineage) as fh:
+            lineage = json.load(fh)
+    except (OSError, ValueError) as e:
+        p.error(f"{args.lineage}: not a readable lineage JSON file ({type(e).__name__})")
+    if not isinstance(lineage, dict) or not lineage.get("points"):
+        p.error(f"{args.lineage}: no 'points' (a lineage file holds {{'points': [...]}}, one per round)")
     plot(lineage, args.out, args.title)
     print(args.out)
     return 0

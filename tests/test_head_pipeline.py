@@ -283,3 +283,8 @@ def test_head_lineage_curve_adds_gpu_minutes_over_rounds(tmp_path):
     assert chain[0][1] == pytest.approx(13.0)
     out = tmp_path / "curve.png"
     assert P.main([path, "--out", str(out)]) == 0 and out.stat().st_size > 10_000
+    (tmp_path / "empty.json").write_text("{}")
+    for bad in (str(tmp_path / "missing.json"), str(tmp_path / "empty.json")):
+        with pytest.raises(SystemExit) as e:
+            P.main([bad])
+        assert e.value.code == 2
