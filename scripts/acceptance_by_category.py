@@ -35,9 +35,8 @@ from jspec.bench.prompts import encode_questions  # noqa: E402
 from jspec.generate import SpeculativeConfig, generate  # noqa: E402
 from jspec.presets import list_presets, load_preset, resolve_model  # noqa: E402
 from jspec.errors import UsageError  # noqa: E402
-from jspec.heads.eagle import draft_vocab_from_counts  # noqa: E402
-from jspec.speculative.drafters.model import ModelDrafter, restrict_vocab  # noqa: E402
-from jspec.speculative.factory import build_drafter, token_counts  # noqa: E402
+from jspec.speculative.drafters.model import ModelDrafter  # noqa: E402
+from jspec.speculative.factory import build_drafter, with_draft_vocab  # noqa: E402
 from jspec.tasks import load_task  # noqa: E402
 
 
@@ -64,8 +63,7 @@ def main(argv=None) -> int:
     if vocabs != [0] and not isinstance(drafter, ModelDrafter):
         raise UsageError("--draft-vocab walks a draft model's chains (--drafter model:...)")
     first = dataclasses.replace(drafter, draft_vocab=vocabs[0]) if isinstance(drafter, ModelDrafter) else drafter
-    variants = {v: (restrict_vocab(dparams, drafter.cfg, draft_vocab_from_counts(token_counts(a.model, cfg), v)[0]) if v else dparams)
-                for v in vocabs}
+    variants = {v: with_draft_vocab(dparams, drafter.cfg, a.model, cfg, v) if v else dparams for v in vocabs}
     chat = load_preset(a.model).chat if a.model in list_presets() else None
     k_max = max(ks)
     report = {"model": a.model, "drafter": a.drafter, "draft_vocab": vocabs[0], "dtype": a.dtype, "max_new_tokens": a.max_new_tokens,

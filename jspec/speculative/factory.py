@@ -332,6 +332,12 @@ def token_counts(model_name: str | None, cfg: ModelConfig) -> np.ndarray:
     return counts
 
 
+def with_draft_vocab(dparams: dict, dcfg: ModelConfig, model_name: str | None, cfg: ModelConfig, draft_vocab: int) -> dict:
+    """A draft model's params scoring only the target's `draft_vocab` most frequent answer tokens
+    (`token_counts`, ranked by heads.eagle.draft_vocab_from_counts; drafters.model.restrict_vocab)."""
+    return restrict_vocab(dparams, dcfg, draft_vocab_from_counts(token_counts(model_name, cfg), draft_vocab)[0])
+
+
 def shipped_head_path(model_name: str | None, kind: str):
     """The head a preset ships for `kind` ("eagle", "eagle3", "model", "dlm", ...: preset.json
     "drafters"), or None. A draft model ("model") may be another preset, named as one (the
@@ -443,7 +449,7 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
                                acceptance=alpha, acceptance_by_temperature=sampled, draft_vocab=draft_vocab)
         drafter.check(cfg)
         if draft_vocab:
-            dparams = restrict_vocab(dparams, dcfg, draft_vocab_from_counts(token_counts(model_name, cfg), draft_vocab)[0])
+            dparams = with_draft_vocab(dparams, dcfg, model_name, cfg, draft_vocab)
         return drafter, dparams
     if name in ("eagle", "eagle1", "eagle3"):
         kind = "eagle3" if name == "eagle3" else "eagle"
