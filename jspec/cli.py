@@ -23,7 +23,8 @@ from .compile_cache import add_compile_cache_arg, use_compile_cache
 from .config import UnsupportedModelError, config_from_hf
 from .decode import PromptError, pack_prompts
 from .errors import UsageError
-from .generate import SpeculativeConfig, default_tail_runs, generate, generate_stream, pack_stream_prompt
+from .generate import (INVARIANT_BLOCK, SpeculativeConfig, check_fixed_block, default_tail_runs, generate, generate_stream,
+                       pack_stream_prompt)
 from .presets import (TOKENIZER_FILES, list_presets, load_preset, models_dir, resolve_checkpoint, resolve_config,
                       resolve_model, resolve_tokenizer)
 from .sampling import Sampling
@@ -113,6 +114,10 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--consultant-smoothing", type=float, default=None, metavar="BETA",
                    help="--verify consultant: compare the running mean r = BETA*r + (1-BETA)*NLL instead (0 = off; 0.2 in the paper)")
     p.add_argument("--no-stream", action="store_true", help="run all prompts as one batch; print when it finishes")
+    p.add_argument("--invariant", action="store_true",
+                   help=f"every decode step and chain verify block runs as a block of {INVARIANT_BLOCK} tokens on the "
+                        "portable kernels: greedy output equals AR's bit for bit in bf16 too (AR and chains with "
+                        f"--k-max <= {INVARIANT_BLOCK - 1}, one device; slower); implies --no-stream")
     p.add_argument("--batch-size", type=int, default=None, metavar="N",
                    help="at most N rows in flight: a finished row takes the next prompt (continuous batching; "
                         "with --mesh, N over the data shards); implies --no-stream")
@@ -136,6 +141,16 @@ def add_generate_args(p: argparse.ArgumentParser):
 
 
 def check_generate_args(a) -> None:
+    """`_check_generate_args`, then what --invariant covers (generate.check_fixed_block)."""
+    _check_generate_args(a)
+    if getattr(a, "invariant", False):
+        a.no_stream = True  # generate() runs it; the streaming loops keep their own shapes
+        if getattr(a, "engine", None):
+            raise UsageError(f"--invariant covers AR and speculative chains, not --engine {a.engine}: drop one")
+        check_fixed_block(INVARIANT_BLOCK, a.speculative, a.mesh, a.tail_rows)
+
+
+def _check_generate_args(a) -> None:
     """Every check that needs no model, run before anything loads (a bad flag costs no loading
     time). Fills in the defaults of the speculative options and builds `a.speculative` (a
     SpeculativeConfig with the drafter still a spec string, or None) and `a.policy_params` (the
@@ -472,7 +487,8 @@ def cmd_generate(a) -> int:
                 print(f"--- [{i}]", flush=True)
             _stream(a, cfg, params, tok, prompt, sampling, spec)
         return 0
-    kw = dict(max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed, mesh=a.mesh, speculative=spec)
+    kw = dict(max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed, mesh=a.mesh, speculative=spec,
+              invariant=a.invariant)
     if spec is not None and spec.engine is not None:
         if a.hrad:
             kw["speculative"] = spec.replace(policy_params=load_hrad(a.hrad, cfg))

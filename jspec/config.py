@@ -59,6 +59,12 @@ class ModelConfig:
     # (wo, w_down) over the mesh's model axis. A static field, so such a trace is never reused
     # for a whole model of the same shape.
     tensor_parallel_shards: int = 1
+    # > 0 (generate(invariant=True)): every forward of 1..fixed_block new tokens with a causal mask
+    # (AR decode steps, chain verify blocks) and every LM head over them runs padded to fixed_block
+    # tokens on the portable kernels. Decoding and verification then multiply the same shapes, so
+    # their logits round alike, bit for bit, and greedy speculative output equals AR's in bf16 too
+    # (model.forward). A run-time choice like the field above: not saved by to_dict.
+    fixed_block: int = 0
     # The preset this config was loaded from (jspec.presets.resolve_model / resolve_config), so
     # generate() finds the drafters, calibrated constants and cost tables it ships, as the CLI
     # does; None for a checkpoint path. Not compared or hashed (two loads of one model share their
@@ -102,6 +108,7 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         if self.tensor_parallel_shards == 1:  # a run-time split, not part of a saved model's config
             del d["tensor_parallel_shards"]
+        del d["fixed_block"]  # how a run multiplies, not the model
         del d["preset"]
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
 

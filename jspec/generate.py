@@ -86,6 +86,7 @@ def generate(
     batch_size: int | None = None,
     refill: int | None = None,
     tail_rows: int | None = None,
+    invariant: bool | int = False,
     **legacy,
 ) -> GenerationResult:
     """Generate up to max_new_tokens per prompt (token-id lists), batched.
@@ -116,10 +117,20 @@ def generate(
     `auto`'s choice with continuous batching (policies.auto.tail_rows), none otherwise; 0: never.
     One device only. Outputs are the same law (greedy: the same tokens up to rounding), and each
     row's statistics count its tail's calls, the tail's prefill among them.
+    `invariant`: every decode step and chain verify block runs as a block of the same shape
+    (INVARIANT_BLOCK tokens, or this many; ModelConfig.fixed_block), so AR and speculative chains
+    round alike and greedy outputs are equal bit for bit in bf16 too, at the cost of padded
+    forwards on the portable kernels. AR and chains at one device without a tail (`check_fixed_block`);
+    compare runs at the same batch size and dtype. Also taken from `cfg.fixed_block`.
     The SpeculativeConfig fields as keywords (drafter=, policy=, k_max=, ...) still work, with a
     DeprecationWarning; they build the same config.
     """
     speculative = _speculative_from_keywords(speculative, legacy)
+    if invariant:
+        cfg = cfg.replace(fixed_block=INVARIANT_BLOCK if invariant is True else int(invariant))
+    if cfg.fixed_block:
+        check_fixed_block(cfg.fixed_block, speculative, mesh, tail_rows)
+        tail_rows = 0
     enable_default_compile_cache()
     # Every program below runs whole on each device (tensor parallelism too: it runs under a
     # shard_map), so the GPU kernels may run on a host with several GPUs (model.default_kernels).
@@ -138,6 +149,31 @@ def tail_fits(cfg: ModelConfig, prompts, max_new_tokens: int, extra: int) -> boo
     plus the tail's new-token width (another row's budget, at most max_new_tokens) and the
     speculation's `extra` cache slots."""
     return max(len(p) for p in prompts) + 2 * max_new_tokens + extra <= cfg.max_position_embeddings
+
+
+INVARIANT_BLOCK = 16  # generate(invariant=True): the block every decode and verify forward pads to (K <= 15)
+
+
+def check_fixed_block(block: int, spec: SpeculativeConfig | None, mesh, tail_rows) -> None:
+    """What fixed-block (invariant) generation covers, checked before anything is built: AR and
+    speculative chains of at most fixed_block - 1 drafts, on one device, without a tail batch. A
+    tree's drafts sit at node slots, so their scores sum over the cache in another order than AR's;
+    a tail moves rows to another batch size. Raises UsageError, one line."""
+    if block < 1:
+        raise UsageError(f"invariant block {block}: expected at least 1 token")
+    if spec is not None:
+        if spec.engine is not None or spec.tree not in (None, False):
+            what = f"engine={spec.engine!r}" if spec.engine is not None else "trees"
+            raise UsageError(f"invariant generation covers AR and speculative chains, not {what}: "
+                             "drop the tree or the engine, or invariant")
+        if spec.k_max + 1 > block:
+            raise UsageError(f"invariant block of {block} tokens holds at most k_max {block - 1} drafts, "
+                             f"got k_max {spec.k_max}: lower k_max or pass invariant={spec.k_max + 1}")
+    if mesh is not None:
+        raise UsageError("invariant generation runs on one device: drop mesh")
+    if tail_rows:
+        raise UsageError(f"tail_rows {tail_rows}: a tail moves rows to another batch size, whose products round "
+                         "otherwise; invariant generation runs none (pass tail_rows=0 or None)")
 
 
 def drafted_slots(drafter, tree, k_max: int) -> int:
@@ -268,7 +304,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, sampling, spec, policy_st
         if getattr(drafter, "block", False) and drafter.k_max != k_max:  # a block drafter drafts the planned k
             drafter = dataclasses.replace(drafter, k_max=k_max)
         autotune = False
-    extra = drafted_slots(drafter, tree, k_max)
+    extra = max(drafted_slots(drafter, tree, k_max), cfg.fixed_block)  # AR and chains: one cache length
     if cache_len is None and rows is None and mesh is None and _attention_reads_committed_slots(cfg, extra, drafter):
         cache_len = shared_cache_len(bucket(max(max(len(p) for p in prompts), min_prompt_width)), max_new_tokens, extra)
     tokens, lens, cache_len = pack_prompts(cfg, prompts, max_new_tokens, extra, cache_len, min_prompt_width)

@@ -306,6 +306,9 @@ def forward(
         B, T = hidden_in.shape[:2]
     else:
         B, T = tokens.shape
+    if cfg.fixed_block and hidden_in is None and new_mask is None and T <= cfg.fixed_block:
+        return _forward_fixed_block(params, cfg, tokens, cache, positions=positions, capture=capture,
+                                    layer_range=layer_range, final_norm=final_norm, layer_sliding=layer_sliding)
     dtype = params["embed"].dtype
     if positions is None:
         positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
@@ -490,6 +493,28 @@ def forward(
     return ForwardOut(hidden, captured, cache.replace(k=k_all, v=v_all))
 
 
+def _forward_fixed_block(params, cfg: ModelConfig, tokens, cache: KVCache, *, positions, capture, layer_range,
+                         final_norm, layer_sliding) -> ForwardOut:
+    """`forward` of T <= cfg.fixed_block causal tokens as a block of exactly fixed_block (cfg's
+    comment). Why the same shape gives the same bits: a matrix product's per-row arithmetic (its
+    blocking, its order of summation) is chosen by the product's shape, never by the other rows'
+    values, and the portable attention writes the new keys first and then reduces over the whole
+    cache, each key at its own slot, so a token's scores sum in one order whether it came alone (a
+    decode step) or behind the round's last token (a verify block). The padding tokens sit after
+    the real ones (causal: no real token sees them); their keys land in slots past the block,
+    which no query reads before a real token overwrites them, or past the cache, where the write
+    is dropped."""
+    B, T = tokens.shape
+    pad = cfg.fixed_block - T
+    if pad:
+        tokens = jnp.pad(tokens, ((0, 0), (0, pad)), constant_values=cfg.pad_token_id)
+        if positions is not None:
+            positions = jnp.concatenate([positions, positions[:, -1:] + 1 + jnp.arange(pad, dtype=positions.dtype)[None]], 1)
+    out = forward(params, cfg.replace(fixed_block=0), tokens, cache, positions=positions, capture=capture,
+                  layer_range=layer_range, kernels="xla", final_norm=final_norm, layer_sliding=layer_sliding)
+    return ForwardOut(out.hidden[:, :T], tuple(c[:, :T] for c in out.captured), out.cache)
+
+
 # Weights of at most this many bytes get per-layer copies in loop_params [I]: the copies double
 # the layers' memory for the whole generation, which matters little for the launch-bound small
 # models that the unrolled path serves and too much for large ones.
@@ -512,7 +537,7 @@ def loop_params(params: dict, cfg: ModelConfig, *, unroll=None, kernels: str | N
     unroll, large weights) get `params` unchanged; `forward` restacks the tuple if a call ever
     needs the scan (a prompt, a block over 64 tokens).
     """
-    impl = kernels or default_kernels()
+    impl = "xla" if cfg.fixed_block else kernels or default_kernels()  # fixed blocks run the portable scan
     layers = params["layers"]
     if impl != "pallas" or unroll is not None or isinstance(layers, (tuple, list)):
         return params
@@ -525,7 +550,14 @@ def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array, *, kernels: str |
     """Logits in float32 from final-normed hidden states [..., D] (`kernels` as in `forward`).
     Under tensor parallelism (inside sharding.tensor_parallel_map) an untied LM head holds one
     device's slice of the vocabulary; the slices' logits are gathered. Elsewhere a weight of
-    other columns (a reduced draft vocabulary's) gives logits over just those."""
+    other columns (a reduced draft vocabulary's) gives logits over just those. With
+    cfg.fixed_block, hidden states [B, D] (a decode step's) or [B, T <= fixed_block, D] (a
+    verify block's) are padded to [B, fixed_block, D] first, so both multiply the same shape."""
+    if cfg.fixed_block and hidden.ndim in (2, 3) and (hidden.ndim == 2 or hidden.shape[1] <= cfg.fixed_block):
+        block = hidden[:, None] if hidden.ndim == 2 else hidden
+        block = jnp.pad(block, ((0, 0), (0, cfg.fixed_block - block.shape[1]), (0, 0)))
+        logits = lm_head(params, cfg.replace(fixed_block=0), block, kernels="xla")
+        return logits[:, 0] if hidden.ndim == 2 else logits[:, : hidden.shape[1]]
     tied = cfg.tie_word_embeddings or "lm_head" not in params
     w = params["embed"] if tied else params["lm_head"]  # [V, D] read transposed, or [D, V]
     logits = matmul(hidden, w, transposed=tied, out_dtype=jnp.float32, kernels=kernels)

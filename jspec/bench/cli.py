@@ -18,6 +18,7 @@ from jspec.bench.protocol import ENGINE_KEYS, METHOD_GRAMMAR, PARALLEL_METHODS, 
 from jspec.bench.law import law_row, law_samples
 from jspec.bench.report import bench_dir, group_tables, write_benchmarks_md, write_rows
 from jspec.compile_cache import add_compile_cache_arg, use_compile_cache
+from jspec.generate import INVARIANT_BLOCK
 from jspec.heads.hrad import load_hrad
 from jspec.kernels.decode_attention import split_attention
 from jspec.model import cast_params
@@ -113,6 +114,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="jspec AR and spec methods: layers per step of the layer scan (generate's unroll): "
                              "auto (every layer unrolled on the GPU kernels' decode/verify path, scanned "
                              "elsewhere) or a number; recorded in each row")
+    parser.add_argument("--invariant", action="store_true",
+                        help="jspec AR and chain methods: every decode step and verify block runs as one block shape "
+                             "(generate's invariant), so greedy rows equal AR's bit for bit in bf16 too (`greedy =` "
+                             "1.00); slower. Recorded in each row as fixed_block")
     add_compile_cache_arg(parser)
     return parser
 
@@ -273,6 +278,7 @@ def reproduce_command(args: argparse.Namespace, dtypes: list[str]) -> str:
               "--methods", args.methods]
     parts += ["--commit-rows", args.commit_rows] if args.commit_rows else []
     parts += ["--queue"] if getattr(args, "queue", False) else []
+    parts += ["--invariant"] if getattr(args, "invariant", False) else []
     parts += ["--refill", str(args.refill)] if getattr(args, "refill", None) is not None else []
     if args.k_max is not None:
         parts += ["--k-max", str(args.k_max)]
@@ -469,6 +475,11 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         other = [s.name for s in specs if s.method not in ("ar", "spec")]
         if other:
             raise UsageError(f"--queue (continuous batching) runs jspec's ar and spec methods, not {', '.join(other)}")
+    if getattr(args, "invariant", False):
+        other = [s.name for s in specs if s.method not in ("ar", "spec") or s.tree]
+        if other or args.mesh:
+            raise UsageError(f"--invariant runs jspec's ar and chain methods on one device, not "
+                             f"{', '.join(other) or '--mesh ' + args.mesh}")
     questions = load_questions(args)
     try:
         mesh = parse_mesh(args.mesh)  # a bad --mesh fails here, before the model loads
@@ -484,6 +495,8 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     barrier = parse_timing_barrier(args.timing_barrier)
     use_compile_cache(getattr(args, "compile_cache", None))
     cfg, params, tokenizer = resolve_model(args.model)
+    if getattr(args, "invariant", False):
+        cfg = cfg.replace(fixed_block=INVARIANT_BLOCK)
     chat = False if args.no_chat_template else None
     prompts = {task: encode_questions(tokenizer, qs, chat=chat) for task, qs in questions.items()}
     factory = MethodFactory(args, cfg, params, tokenizer)
@@ -542,6 +555,8 @@ def run_group(args, ctx, factory, specs, dtype, sampling, task, task_prompts, ba
     for row in group:
         if row["method"] in ("ar", "spec"):
             row["unroll"] = getattr(args, "unroll", "auto")
+            if getattr(args, "invariant", False):
+                row["fixed_block"] = INVARIANT_BLOCK
             row["split_attention"] = split_attention()  # $JSPEC_SPLIT_ATTENTION: long caches' keys split
     if batch in _int_list(args.round_cost):
         add_round_costs(group, methods, batch, progress)
