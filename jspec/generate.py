@@ -168,7 +168,7 @@ def check_fixed_block(block: int, spec: SpeculativeConfig | None, mesh, tail_row
                              "drop the tree or the engine, or invariant")
         if spec.k_max + 1 > block:
             raise UsageError(f"invariant block of {block} tokens holds at most k_max {block - 1} drafts, "
-                             f"got k_max {spec.k_max}: lower k_max or pass invariant={spec.k_max + 1}")
+                             f"got k_max {spec.k_max}: lower k_max (or call generate(invariant={spec.k_max + 1}))")
     if mesh is not None:
         raise UsageError("invariant generation runs on one device: drop mesh")
     if tail_rows:
