@@ -91,3 +91,30 @@ def test_fixed_block_is_not_saved_with_the_model():
                         num_heads=2, num_kv_heads=1, head_dim=8)
     assert "fixed_block" not in cfg.replace(fixed_block=16).to_dict()
     assert cfg.replace(fixed_block=16) != cfg  # a program of its own
+
+
+def test_bench_invariant_rows_and_early_refusal(tmp_path, monkeypatch):
+    """`jspec bench --invariant` on a tiny bf16 model: its rows say fixed_block and reproduce with
+    the flag, its chain equals AR; a tree method is refused before the model loads."""
+    import argparse
+
+    import jax
+
+    from jspec.bench import cli
+    from test_bench import CharTokenizer
+
+    cfg = M.ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                        num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128, eos_token_ids=(3,))
+    params = M.init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16, scale=0.35)
+    loads = []
+    monkeypatch.setattr(cli, "resolve_model", lambda name: loads.append(name) or (cfg, params, CharTokenizer()))
+    monkeypatch.chdir(tmp_path)
+    args = ["--model", "tiny", "--tasks", "mt_bench", "--n-prompts", "3", "--max-new-tokens", "8", "--batch", "1",
+            "--dtype", "bfloat16", "--no-plots", "--min-timed-s", "0", "--invariant"]
+    rows = cli.run_bench(cli.add_bench_args(argparse.ArgumentParser()).parse_args(args + ["--methods", "ar,spec:ngram:static"]))
+    assert [r["fixed_block"] for r in rows] == [INVARIANT_BLOCK] * 2
+    assert rows[1]["greedy_identical_to_ar"] == 1.0 and "--invariant" in rows[0]["reproduce"]
+    loads.clear()
+    with pytest.raises(UsageError, match="--invariant runs jspec's ar and chain methods on one device, not spec:eagle3:static:tree"):
+        cli.run_bench(cli.add_bench_args(argparse.ArgumentParser()).parse_args(args + ["--methods", "ar,spec:eagle3:static:tree"]))
+    assert not loads
