@@ -101,6 +101,7 @@ def test_bench_invariant_rows_and_early_refusal(tmp_path, monkeypatch):
     import jax
 
     from jspec.bench import cli
+    from jspec.bench.report import group_tables
     from test_bench import CharTokenizer
 
     cfg = M.ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
@@ -114,6 +115,9 @@ def test_bench_invariant_rows_and_early_refusal(tmp_path, monkeypatch):
     rows = cli.run_bench(cli.add_bench_args(argparse.ArgumentParser()).parse_args(args + ["--methods", "ar,spec:ngram:static"]))
     assert [r["fixed_block"] for r in rows] == [INVARIANT_BLOCK] * 2
     assert rows[1]["greedy_identical_to_ar"] == 1.0 and "--invariant" in rows[0]["reproduce"]
+    plain = {k: v for k, v in rows[0].items() if k != "fixed_block"} | {"timestamp": rows[0]["timestamp"] + "z"}
+    table = group_tables([rows[0], plain])  # a later plain AR row does not replace the invariant one
+    assert table.count("| `ar` (invariant) |") == 1 and table.count("| `ar` |") == 1
     loads.clear()
     with pytest.raises(UsageError, match="--invariant runs jspec's ar and chain methods on one device, not spec:eagle3:static:tree"):
         cli.run_bench(cli.add_bench_args(argparse.ArgumentParser()).parse_args(args + ["--methods", "ar,spec:eagle3:static:tree"]))

@@ -100,6 +100,8 @@ def table_line(row: dict[str, Any]) -> str:
         mesh += " (unsplit attention)"
     if sampling_label(row):
         mesh += f" ({sampling_label(row)})"
+    if row.get("fixed_block"):  # invariant generation: padded forwards, another measurement than plain ones
+        mesh += " (invariant)"
     cells = [
         row["task"], f"`{method_label(row)}`{mesh}", str(row["batch"]) + _queue_label(row),
         row["dtype"], str(row["n_prompts"]),
@@ -139,7 +141,8 @@ def _latest_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         key += (row.get("mesh") or "", method_label(row), row.get("unroll") or 1,  # rows before the field: 1
                 bool(row.get("queue")), row.get("refill"),  # continuous batching: another measurement than batches
                 row.get("split_attention"),  # rows before the field: None
-                sampling_label(row))  # sampled rows: another measurement than greedy ones
+                sampling_label(row),  # sampled rows: another measurement than greedy ones
+                row.get("fixed_block") or 0)  # invariant rows (bench --invariant): likewise
         if key not in latest or row["timestamp"] >= latest[key]["timestamp"]:
             latest[key] = row
     return list(latest.values())
