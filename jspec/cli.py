@@ -145,9 +145,7 @@ def check_generate_args(a) -> None:
     _check_generate_args(a)
     if getattr(a, "invariant", False):
         a.no_stream = True  # generate() runs it; the streaming loops keep their own shapes
-        if getattr(a, "engine", None):
-            raise UsageError(f"--invariant covers AR and speculative chains, not --engine {a.engine}: drop one")
-        check_fixed_block(INVARIANT_BLOCK, a.speculative, a.mesh, a.tail_rows)
+        check_fixed_block(INVARIANT_BLOCK, a.speculative, a.mesh, a.tail_rows)  # an --engine is in a.speculative
 
 
 def _check_generate_args(a) -> None:
