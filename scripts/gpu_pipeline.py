@@ -19,7 +19,8 @@ Every step is a `jspec` command on paths (`--dry-run` prints them instead of run
   pipeline  distill -> train -> bench, each on all N GPUs in turn
 
 The recipe is training/<recipe>.json for the target (SmolLM2: smollm2-eagle3-corpus.json; Gemma-3:
-gemma3-eagle3-corpus.json) unless --recipe says otherwise. The prompt corpus comes from
+gemma3-eagle3-corpus.json; Qwen2.5-Coder 1.5B: qwen2.5-coder-1.5b-eagle3-corpus.json) unless --recipe
+says otherwise. The prompt corpus comes from
 `jspec build-corpus --target T --out C` (training/README.md). Logs go beside the outputs
 (RUN/*.log); a step that fails stops the pipeline with its exit code.
 """
@@ -37,7 +38,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from jspec.local_gpus import gpu_ids  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPES = {"smollm2-135m-instruct": "training/smollm2-eagle3-corpus.json", "gemma3-270m": "training/gemma3-eagle3-corpus.json"}
+RECIPES = {"smollm2-135m-instruct": "training/smollm2-eagle3-corpus.json", "gemma3-270m": "training/gemma3-eagle3-corpus.json",
+           "qwen2.5-coder-1.5b-instruct": "training/qwen2.5-coder-1.5b-eagle3-corpus.json"}
 JSPEC = [sys.executable, "-m", "jspec.cli"]  # the installed jspec, run by this interpreter
 
 
