@@ -251,6 +251,23 @@ def test_dlm_spec_errors_are_one_line(no_model, tiny_dlm, capsys, argv, message)
     assert message in err, err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--drafter", "eagle3"], "no eagle3 head given and none shipped for model 'tiny'"),
+    (["--drafter", "eagle"], "no eagle head given and none shipped for model 'tiny'"),
+    (["--drafter", "eagle3+ngram", "--tree"], "no eagle3 head given and none shipped for model 'tiny'"),
+    (["--drafter", "model"], "no draft model given and none shipped for model 'tiny'"),
+])
+def test_a_drafter_the_model_does_not_ship_is_refused_before_loading(no_model, tiny_dlm, capsys, argv, message):
+    """"tiny" ships a DLM only: a drafter named without PATH that it lacks is a one-line error
+    before the weights load (no_model's loader would raise ModelLoaded), in generate and bench."""
+    rc, err = run(capsys, "generate", "--model", "tiny", *argv, "hello")
+    assert rc == 2 and err.startswith("jspec: error: ") and err.count("\n") == 1 and message in err, err
+    drafter = argv[1]
+    method = f"spec:{drafter}:static:tree" if "--tree" in argv else f"spec:{drafter}:static:k=3"
+    rc, err = run(capsys, "bench", "--model", "tiny", "--methods", f"ar,{method}")
+    assert rc == 2 and err.count("\n") == 1 and message in err, err
+
+
 def test_dlm_bench_methods_are_checked(no_model, tiny_dlm, capsys):
     from jspec.bench.protocol import parse_method_specs
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jspec import model as M
+from jspec.checkpoint.hf import hf_config_dict
 from jspec.bench.acceptance import draft_model_chain_calls
 from jspec.bench.protocol import MethodSpecError, check_method_spec, parse_method_spec
 from jspec.generate import SpeculativeConfig, generate
@@ -93,7 +94,10 @@ def test_counts_come_from_the_target_preset(pair, tmp_path, monkeypatch):
     _, _, _, counts = pair
     models = tmp_path / "models"
     (models / "tiny").mkdir(parents=True)
-    (models / "tiny" / "preset.json").write_text(json.dumps({"name": "tiny", "source": {"type": "path", "path": "x.gguf"}}))
+    (models / "tiny" / "preset.json").write_text(json.dumps({"name": "tiny", "source": {"type": "path", "path": "x.gguf"},
+                                                             "drafters": {"model": "draft"}}))
+    (models / "tiny" / "draft").mkdir()  # the shipped draft model: its header is all the checks read
+    (models / "tiny" / "draft" / "config.json").write_text(json.dumps(hf_config_dict(pair[1])))
     monkeypatch.setenv("JSPEC_MODELS_DIR", str(models))
     with pytest.raises(DrafterError, match="ships no token_counts.npz: count them with scripts/token_counts.py"):
         token_counts("tiny", CFG)

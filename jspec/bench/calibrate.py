@@ -95,7 +95,7 @@ def check_calibrate_args(a) -> list[str]:
     if a.k_max < 2:
         raise UsageError(f"--k-max {a.k_max}: a policy can only choose a draft length when k_max >= 2")
     sampling_temperatures(a.temperatures)
-    if check_drafter_spec(a.drafter) not in (EagleDrafter, ModelDrafter):
+    if check_drafter_spec(a.drafter, model_name=a.model) not in (EagleDrafter, ModelDrafter):
         raise UsageError(f"--drafter {a.drafter!r}: calibration fits policies to an EAGLE head (eagle3[:PATH], eagle[:PATH]) "
                          "or a draft model (model[:PATH])")
     if a.policy is None:

@@ -23,7 +23,8 @@ from jspec.heads.hrad import load_hrad
 from jspec.kernels.decode_attention import split_attention
 from jspec.model import cast_params
 from jspec.sharding import axis_size, check_tensor_parallel, parse_mesh
-from jspec.speculative.factory import auto_plan, build_drafter, calibration_home, find_ldlp_weights, resolve_policy_spec
+from jspec.speculative.factory import (auto_plan, build_drafter, calibration_home, check_drafter_spec, find_ldlp_weights,
+                                      resolve_policy_spec)
 from jspec.speculative.policies import POLICY_NAMES, is_auto
 from jspec.speculative.policies.calibration import CALIBRATED_POLICIES, head_fingerprint
 from jspec.speculative.policies.ldlp import load_ldlp
@@ -471,6 +472,9 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     batches, dtypes = check_bench_args(args)
     settings = samplings(args)
     specs = parse_method_specs(args.methods)  # every method checked before the model loads
+    for spec in specs:  # ... and a drafter named without PATH against what the model ships
+        if spec.drafter:
+            check_drafter_spec(spec.drafter, model_name=args.model)
     if getattr(args, "queue", False):
         other = [s.name for s in specs if s.method not in ("ar", "spec")]
         if other:

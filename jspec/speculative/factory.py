@@ -139,6 +139,12 @@ def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | No
         raise DrafterError(f"drafter {spec!r}: {what} must be a positive integer, e.g. {name}:3")
     if name.startswith("eagle") and arg is not None:
         _check_eagle_dir(spec, Path(arg), cfg)
+    if name.startswith("eagle") and arg is None and model_name is not None:
+        kind = "eagle3" if name == "eagle3" else "eagle"
+        if shipped_head_path(model_name, kind) is None:
+            raise none_shipped(kind, model_name)
+    if name == "model" and arg is None and model_name is not None and shipped_head_path(model_name, "model") is None:
+        raise none_shipped("model", model_name)
     if name == "model" and arg is not None and not Path(arg).exists() and arg not in list_presets():
         raise DrafterError(f"drafter {spec!r}: {arg} is neither a draft-model checkpoint path nor a preset "
                            f"(presets: {', '.join(list_presets()) or 'none'})")
@@ -354,6 +360,16 @@ def shipped_head_path(model_name: str | None, kind: str):
     return path if path is not None and path.exists() else None
 
 
+def none_shipped(kind: str, model_name: str | None) -> DrafterError:
+    """The one-line error for a drafter named without PATH (``kind``: "eagle", "eagle3" or
+    "model") whose model ships none."""
+    if kind == "model":
+        return DrafterError(f"no draft model given and none shipped for model {model_name!r}: "
+                            "--drafter model:PATH (train one with scripts/train_draft_model.py)")
+    return DrafterError(f"no {kind} head given and none shipped for model {model_name!r}; "
+                        f"train one with `jspec train-head` or pass --drafter {kind}:PATH")
+
+
 def planned_acceptance(home: Path | None, target: str | None) -> tuple[float | None, tuple[tuple[float, float], ...] | None]:
     """(greedy acceptance, ((temperature, acceptance), ...)) `jspec calibrate` recorded for the
     drafter at `home` (for `target`, a draft model's), which `auto` plans with before a head's own
@@ -437,8 +453,7 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
     if name == "model":
         arg = arg or shipped_head_path(model_name, "model")
         if not arg:
-            raise DrafterError(f"no draft model given and none shipped for model {model_name!r}: "
-                               "--drafter model:PATH (train one with scripts/train_draft_model.py)")
+            raise none_shipped("model", model_name)
         arg = str(arg)
         if is_draft_model_dir(arg):
             dcfg, dparams = load_draft_model(arg, cfg, params, dtype=dtype)
@@ -455,10 +470,7 @@ def build_drafter(spec: str, cfg: ModelConfig, params: dict, *, model_name: str 
         kind = "eagle3" if name == "eagle3" else "eagle"
         path = arg or shipped_head_path(model_name, kind)
         if path is None:
-            raise DrafterError(
-                f"no {kind} head given and none shipped for model {model_name!r}; "
-                f"train one with `jspec train-head` or pass --drafter {kind}:PATH"
-            )
+            raise none_shipped(kind, model_name)
         hcfg, hparams = load_eagle_head(str(path), cfg, dtype=dtype or params["embed"].dtype)
         alpha, sampled = planned_acceptance(Path(path), None)
         drafter = EagleDrafter(hcfg, acceptance=head_acceptance(path) if alpha is None else alpha,
