@@ -106,6 +106,15 @@ def check_token_lists(prompts) -> None:
         raise PromptError("no prompts given")
 
 
+def check_fits_context(cfg: ModelConfig, longest_prompt: int, max_new_tokens: int) -> None:
+    """The longest prompt plus max_new_tokens fits the model's positions. Raises PromptError, one line."""
+    if longest_prompt + max_new_tokens > cfg.max_position_embeddings:
+        raise PromptError(
+            f"prompt of {longest_prompt} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
+            f"context of {cfg.max_position_embeddings} positions"
+        )
+
+
 def pack_prompts(cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int, extra: int = 0, cache_len: int | None = None,
                  min_width: int = 0):
     """Validate prompts and right-pad them into a [B, bucket] array, the bucket of the longest
@@ -131,11 +140,7 @@ def pack_prompts(cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int
             f"prompt of {int(lens.max())} tokens + max_new_tokens {max_new_tokens} (+{extra + 1} speculative slots) "
             f"needs {need} cache slots but the cache holds {cache_len}"
         )
-    if int(lens.max()) + max_new_tokens > cfg.max_position_embeddings:
-        raise PromptError(
-            f"prompt of {int(lens.max())} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
-            f"context of {cfg.max_position_embeddings} positions"
-        )
+    check_fits_context(cfg, int(lens.max()), max_new_tokens)
     if extra and int(lens.max()) + max_new_tokens + extra > cfg.max_position_embeddings:
         # checked before anything is allocated: a huge draft block (k_max) would otherwise size the cache
         room = cfg.max_position_embeddings - int(lens.max()) - max_new_tokens

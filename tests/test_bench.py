@@ -320,6 +320,25 @@ class CharTokenizer:
         return {"input_ids": [1] + [2 + (b % 60) for b in text.encode()][:20]}
 
 
+def test_prompts_past_the_context_are_refused_before_any_method_compiles(monkeypatch, capsys):
+    import jax
+
+    from jspec import cli as jspec_cli
+    from jspec.bench import cli
+    from jspec.config import ModelConfig
+    from jspec.model import init_params
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128, eos_token_ids=(3,))
+    monkeypatch.setattr(cli, "resolve_model", lambda name: (cfg, init_params(cfg, jax.random.PRNGKey(0)), CharTokenizer()))
+    monkeypatch.setattr(cli, "run_group", lambda *a, **k: pytest.fail("a method ran"))
+    rc = jspec_cli.main(["bench", "--model", "tiny", "--tasks", "mt_bench", "--n-prompts", "2", "--max-new-tokens", "120",
+                         "--methods", "ar"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "tokens + max_new_tokens 120 exceeds the model's context of 128 positions" in err, err
+
+
 def test_cli_end_to_end_with_jspec_ar(tmp_path, monkeypatch, capsys):
     import jax
 

@@ -18,6 +18,7 @@ from jspec.bench.protocol import ENGINE_KEYS, METHOD_GRAMMAR, PARALLEL_METHODS, 
 from jspec.bench.law import law_row, law_samples
 from jspec.bench.report import bench_dir, group_tables, write_benchmarks_md, write_rows
 from jspec.compile_cache import add_compile_cache_arg, use_compile_cache
+from jspec.decode import check_fits_context
 from jspec.generate import INVARIANT_BLOCK
 from jspec.heads.hrad import load_hrad
 from jspec.kernels.decode_attention import split_attention
@@ -503,6 +504,8 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         cfg = cfg.replace(fixed_block=INVARIANT_BLOCK)
     chat = False if args.no_chat_template else None
     prompts = {task: encode_questions(tokenizer, qs, chat=chat) for task, qs in questions.items()}
+    longest = max((len(p) for task_prompts in prompts.values() for p in task_prompts), default=0)
+    check_fits_context(cfg, longest, args.max_new_tokens)  # before any method compiles
     factory = MethodFactory(args, cfg, params, tokenizer)
     factory.check(specs)  # ... and against the model, before any method runs
     ctx = RunContext(target=preset_name(args.model), max_new_tokens=args.max_new_tokens,
