@@ -36,8 +36,8 @@ from .speculative.engines.chain import speculative_stream
 from .speculative.engines.pearl import parse_role_mesh
 from .speculative.engines.specbranch import SpecBranchConfig
 from .speculative.engines.tree import TreeConfig, tree_config
-from .speculative.factory import (auto_plan, build_drafter, check_drafter_spec, find_ldlp_weights, resolve_policy_spec,
-                                  shipped_head_path)
+from .speculative.factory import (auto_plan, build_drafter, check_drafter_spec, check_shipped_drafter, find_ldlp_weights,
+                                  resolve_policy_spec, shipped_head_path)
 from .speculative.policies import POLICY_NAMES, is_auto, make_policy
 from .speculative.policies.auto import AutoPlan, auto_budget, load_costs, mean_context, tail_rows
 from .speculative.policies.ldlp import load_ldlp
@@ -417,6 +417,7 @@ def load_checked(a):
     check_mesh_fits(a.mesh, cfg)
     if a.drafter is not None:
         check_drafter_spec(a.drafter, model_name=a.model, k_max=a.k_max, cfg=cfg, draft_vocab=a.draft_vocab or 0)
+        check_shipped_drafter(a.drafter, a.model)
     tok = resolve_tokenizer(a.model)
     if tok is None:
         raise UsageError(no_tokenizer_message(a.model))

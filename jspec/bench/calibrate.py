@@ -37,7 +37,8 @@ from jspec.sampling import Sampling
 from jspec.speculative.drafters.base import DrafterError
 from jspec.speculative.drafters.eagle import EagleDrafter
 from jspec.speculative.drafters.model import ModelDrafter
-from jspec.speculative.factory import build_drafter, calibration_home, check_drafter_spec, find_ldlp_weights
+from jspec.speculative.factory import (build_drafter, calibration_home, check_drafter_spec, check_shipped_drafter,
+                                      find_ldlp_weights)
 from jspec.speculative.policies import make_policy
 from jspec.speculative.policies.calibration import (CALIBRATED_POLICIES, Records, RecordingPolicy, RoundCost, calibration_path,
                                                     fit_all, head_fingerprint, recorded_acceptance, save_calibration,
@@ -95,16 +96,16 @@ def check_calibrate_args(a) -> list[str]:
     if a.k_max < 2:
         raise UsageError(f"--k-max {a.k_max}: a policy can only choose a draft length when k_max >= 2")
     sampling_temperatures(a.temperatures)
-    if check_drafter_spec(a.drafter, model_name=a.model) not in (EagleDrafter, ModelDrafter):
+    if check_drafter_spec(a.drafter) not in (EagleDrafter, ModelDrafter):
         raise UsageError(f"--drafter {a.drafter!r}: calibration fits policies to an EAGLE head (eagle3[:PATH], eagle[:PATH]) "
                          "or a draft model (model[:PATH])")
-    if a.policy is None:
-        return default_policies(a.drafter, a.model)
-    names = [n.strip() for n in a.policy.split(",") if n.strip()]
-    bad = [n for n in names if n not in CALIBRATED_POLICIES]
-    if not names or bad:
-        raise UsageError(f"--policy {a.policy!r}: calibrate fits {', '.join(CALIBRATED_POLICIES)}")
-    return names
+    if a.policy is not None:
+        names = [n.strip() for n in a.policy.split(",") if n.strip()]
+        bad = [n for n in names if n not in CALIBRATED_POLICIES]
+        if not names or bad:
+            raise UsageError(f"--policy {a.policy!r}: calibrate fits {', '.join(CALIBRATED_POLICIES)}")
+    check_shipped_drafter(a.drafter, a.model)  # the flags passed: the drafter the model ships, if named bare
+    return default_policies(a.drafter, a.model) if a.policy is None else names
 
 
 def sampling_temperatures(text: str) -> list[float]:

@@ -24,7 +24,7 @@ from jspec.heads.hrad import load_hrad
 from jspec.kernels.decode_attention import split_attention
 from jspec.model import cast_params
 from jspec.sharding import axis_size, check_tensor_parallel, parse_mesh
-from jspec.speculative.factory import (auto_plan, build_drafter, calibration_home, check_drafter_spec, find_ldlp_weights,
+from jspec.speculative.factory import (auto_plan, build_drafter, calibration_home, check_shipped_drafter, find_ldlp_weights,
                                       resolve_policy_spec)
 from jspec.speculative.policies import POLICY_NAMES, is_auto
 from jspec.speculative.policies.calibration import CALIBRATED_POLICIES, head_fingerprint
@@ -473,9 +473,6 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     batches, dtypes = check_bench_args(args)
     settings = samplings(args)
     specs = parse_method_specs(args.methods)  # every method checked before the model loads
-    for spec in specs:  # ... and a drafter named without PATH against what the model ships
-        if spec.drafter:
-            check_drafter_spec(spec.drafter, model_name=args.model)
     if getattr(args, "queue", False):
         other = [s.name for s in specs if s.method not in ("ar", "spec")]
         if other:
@@ -485,6 +482,9 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         if other or args.mesh:
             raise UsageError(f"--invariant runs jspec's ar and chain methods on one device, not "
                              f"{', '.join(other) or '--mesh ' + args.mesh}")
+    for spec in specs:  # the flags passed: a drafter named without PATH against what the model ships
+        if spec.drafter:
+            check_shipped_drafter(spec.drafter, args.model)
     questions = load_questions(args)
     try:
         mesh = parse_mesh(args.mesh)  # a bad --mesh fails here, before the model loads

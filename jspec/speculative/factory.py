@@ -139,12 +139,6 @@ def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | No
         raise DrafterError(f"drafter {spec!r}: {what} must be a positive integer, e.g. {name}:3")
     if name.startswith("eagle") and arg is not None:
         _check_eagle_dir(spec, Path(arg), cfg)
-    if name.startswith("eagle") and arg is None and model_name is not None:
-        kind = "eagle3" if name == "eagle3" else "eagle"
-        if shipped_head_path(model_name, kind) is None:
-            raise none_shipped(kind, model_name)
-    if name == "model" and arg is None and model_name is not None and shipped_head_path(model_name, "model") is None:
-        raise none_shipped("model", model_name)
     if name == "model" and arg is not None and not Path(arg).exists() and arg not in list_presets():
         raise DrafterError(f"drafter {spec!r}: {arg} is neither a draft-model checkpoint path nor a preset "
                            f"(presets: {', '.join(list_presets()) or 'none'})")
@@ -162,6 +156,22 @@ def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | No
             raise DrafterError(f"drafter {spec!r}: exit layer {layer} is outside the target's layers: use 1 to "
                                f"{cfg.num_layers - 1} (the target has {cfg.num_layers})")
     return DRAFTER_CLASSES[name]
+
+
+def check_shipped_drafter(spec: str, model_name: str) -> None:
+    """A drafter named without PATH (eagle, eagle3, a hybrid's head, model) that `model_name`
+    does not ship is refused in one line, with the drafter's files, before the weights load
+    (after the flags: check_drafter_spec)."""
+    hybrid = split_hybrid(spec)
+    name, arg = _split(hybrid[0] if hybrid else spec)
+    if arg is not None:
+        return
+    if name.startswith("eagle"):
+        kind = "eagle3" if name == "eagle3" else "eagle"
+        if shipped_head_path(model_name, kind) is None:
+            raise none_shipped(kind, model_name)
+    if name == "model" and shipped_head_path(model_name, "model") is None:
+        raise none_shipped("model", model_name)
 
 
 def _check_eagle_dir(spec: str, path: Path, cfg: ModelConfig | None) -> None:
