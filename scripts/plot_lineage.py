@@ -5,7 +5,8 @@ it has seen and the GPU-minutes spent distilling and training, from a lineage fi
     python scripts/plot_lineage.py models/qwen2.5-coder-1.5b-instruct/head_lineage.json --out curve.png
 
 Each series is one timed measurement the points share a key for (`h100` / `h200`: e.g.
-`humaneval_chain_k6`); a point without it leaves a gap. GPU-minutes add up over the rounds.
+`humaneval_chain_k6`); a point without it leaves a gap. GPU-minutes add up over the rounds a head
+descends from: a point marked `"from": "scratch"` (a new head) starts them again.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ def series(points: list[dict]) -> dict[str, list[tuple[int, float, float]]]:
     out: dict[str, list[tuple[int, float, float]]] = {}
     minutes = 0.0
     for p in points:
+        if p.get("from") == "scratch":
+            minutes = 0.0
         minutes += sum(float(v) for v in (p.get("gpu_minutes") or {}).values())
         for card in ("h100", "h200"):
             for name, m in (p.get(card) or {}).items():

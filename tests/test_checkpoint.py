@@ -430,7 +430,8 @@ def test_a_preset_names_another_preset_as_its_draft_model():
     from jspec.speculative.factory import shipped_head_path
 
     assert shipped_head_path("qwen2.5-coder-1.5b-instruct", "model") == "qwen2.5-coder-0.5b-instruct"
-    assert shipped_head_path("qwen2.5-coder-1.5b-instruct", "eagle3") is None
+    assert shipped_head_path("qwen2.5-coder-1.5b-instruct", "eagle") is None
+    assert shipped_head_path("qwen2.5-coder-1.5b-instruct", "eagle3").name == "eagle3"
     assert shipped_head_path("qwen2.5-coder-0.5b-instruct", "model") is None
 
 

@@ -267,7 +267,8 @@ def test_wave_zero_keeps_a_reserve_too_short_for_the_continuations():
 
 def test_head_lineage_curve_adds_gpu_minutes_over_rounds(tmp_path):
     """scripts/plot_lineage.py on the Qwen head's committed lineage: one series per timed
-    measurement, sequences and GPU-minutes growing round by round, and a PNG written."""
+    measurement, sequences and GPU-minutes growing round by round (starting again at a head
+    trained from scratch), and a PNG written."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("plot_lineage", os.path.join(ROOT, "scripts", "plot_lineage.py"))
@@ -276,11 +277,15 @@ def test_head_lineage_curve_adds_gpu_minutes_over_rounds(tmp_path):
     path = os.path.join(ROOT, "models", "qwen2.5-coder-1.5b-instruct", "head_lineage.json")
     with open(path) as fh:
         lineage = json.load(fh)
-    chain = P.series(lineage["points"])["h100: humaneval_chain_k6"]
-    assert [p["version"] for p in lineage["points"]][:3] == ["v1", "v2", "v3"]
-    assert len(chain) == len(lineage["points"])
+    curves = P.series(lineage["points"])
+    chain = curves["h100: humaneval_chain_k6"]
+    assert [p["version"] for p in lineage["points"]][:4] == ["v1", "v2", "v3", "v4"]
+    assert len(chain) == sum("h100" in p for p in lineage["points"]) == 3
     assert all(a[0] < b[0] and a[1] < b[1] for a, b in zip(chain, chain[1:]))
     assert chain[0][1] == pytest.approx(13.0)
+    # v4 is a new head trained from scratch: its GPU-minutes are its own, not v1-v3's added up
+    (v4,) = curves["h200: humaneval_chain_k6"]
+    assert v4[1] == pytest.approx(15.0) and v4[2] == pytest.approx(3.293)
     out = tmp_path / "curve.png"
     assert P.main([path, "--out", str(out)]) == 0 and out.stat().st_size > 10_000
     (tmp_path / "empty.json").write_text("{}")

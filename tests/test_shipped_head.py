@@ -2,8 +2,8 @@
 greedy output identical; a bare `early-exit` loads the shipped exit head."""
 
 import pytest
+from shipped_heads import check_lossless_and_accepts
 
-from jspec.generate import SpeculativeConfig, generate
 from jspec.presets import resolve_model
 from jspec.speculative.factory import build_drafter, shipped_head_path
 from jspec.tokenizer import apply_chat
@@ -21,15 +21,9 @@ def target():
 def test_shipped_eagle_head_is_lossless_and_accepts(target, kind):
     if shipped_head_path(PRESET, kind) is None:
         pytest.skip(f"no {kind} head shipped")
-    cfg, params, tok = target
-    drafter, dparams = build_drafter(kind, cfg, params, model_name=PRESET)
+    prompts = [apply_chat(target[2], "Give me three tips for better sleep.")]
+    drafter, _ = check_lossless_and_accepts(kind, PRESET, target, prompts, max_new_tokens=24)
     assert drafter.head.kind == ("eagle3" if kind == "eagle3" else "eagle1")
-    prompts = [apply_chat(tok, "Give me three tips for better sleep.")]
-    ar = generate(params, cfg, prompts, max_new_tokens=24)
-    sp = generate(params, cfg, prompts, max_new_tokens=24,
-                  speculative=SpeculativeConfig(drafter=drafter, drafter_params=dparams, k_max=4))
-    assert sp.row(0) == ar.row(0)
-    assert sp.accepted[0] > 0 and sp.target_calls[0] < ar.target_calls[0]
 
 
 def test_bare_early_exit_loads_the_shipped_exit_head(target):
