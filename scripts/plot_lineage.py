@@ -37,17 +37,25 @@ def plot(lineage: dict, out: str, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     points = lineage["points"]
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for name, pts in sorted(series(points).items()):
-        ax[0].plot([s for s, _, _ in pts], [t for _, _, t in pts], "o-", label=name)
-        ax[1].plot([m for _, m, _ in pts], [t for _, _, t in pts], "o-", label=name)
+    curves = series(points)
+    # one colour per measurement, one marker and line style per card: the same measurement on two
+    # cards reads as one quantity, and two series never share a look
+    measurements = sorted({name.split(": ", 1)[1] for name in curves})
+    colour = {m: plt.get_cmap("tab10" if len(measurements) <= 10 else "tab20")(i) for i, m in enumerate(measurements)}
+    style = {"h100": "o-", "h200": "s--"}
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
+    for name, pts in sorted(curves.items()):
+        card, measurement = name.split(": ", 1)
+        look = dict(color=colour[measurement], label=name)
+        ax[0].plot([s for s, _, _ in pts], [t for _, _, t in pts], style[card], **look)
+        ax[1].plot([m for _, m, _ in pts], [t for _, _, t in pts], style[card], **look)
     ax[0].set_xlabel("training sequences seen")
     ax[1].set_xlabel("GPU-minutes (distilling and training, cumulative)")
     ax[0].set_ylabel("tokens per target call")
     for p in points:  # version labels along the first axis
         ax[0].axvline(p["sequences_seen"], color="0.85", lw=0.8, zorder=0)
         ax[0].text(p["sequences_seen"], ax[0].get_ylim()[0], f" {p['version']}", fontsize=8, va="bottom")
-    ax[1].legend(fontsize=8)
+    ax[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     fig.suptitle(title or "head rounds: tokens per call")
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -268,6 +268,28 @@ def test_a_drafter_the_model_does_not_ship_is_refused_before_loading(no_model, t
     assert rc == 2 and err.count("\n") == 1 and message in err, err
 
 
+def test_a_draft_model_preset_not_installed_is_refused_before_loading(no_model, tmp_path, monkeypatch, capsys):
+    """A draft model named as a preset (the one "tiny" ships, or model:NAME) whose pip parts are
+    not installed is a one-line error naming what to install, before the target's weights load:
+    only file sizes are read (the Qwen pair's bench took 23 s to say so)."""
+    models = tmp_path / "models"
+    for name, preset in (("tiny", {"name": "tiny", "source": {"type": "path", "path": "x.gguf"},
+                                   "drafters": {"model": "tinydraft"}}),
+                         ("tinydraft", {"name": "tinydraft", "source": {
+                             "type": "pip_gguf_parts", "file": "tinydraft.gguf", "sha256": "0" * 64, "install": "make models-tiny",
+                             "parts": [{"package": "jspec_absent_part1", "file": "data/part01.bin", "bytes": 10, "sha256": "0" * 64}]}})):
+        (models / name).mkdir(parents=True)
+        (models / name / "preset.json").write_text(json.dumps(preset))
+    monkeypatch.setenv("JSPEC_MODELS_DIR", str(models))
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+    for drafter in ("model", "model:tinydraft"):
+        rc, err = run(capsys, "generate", "--model", "tiny", "--drafter", drafter, "hello")
+        assert rc == 2 and err.count("\n") == 1 and f"drafter '{drafter}': tinydraft.gguf: not installed" in err, err
+        assert "install with `make models-tiny`" in err
+        rc, err = run(capsys, "bench", "--model", "tiny", "--methods", f"ar,spec:{drafter}:static:k=3")
+        assert rc == 2 and err.count("\n") == 1 and "tinydraft.gguf: not installed" in err, err
+
+
 def test_dlm_bench_methods_are_checked(no_model, tiny_dlm, capsys):
     from jspec.bench.protocol import parse_method_specs
 

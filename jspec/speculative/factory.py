@@ -160,18 +160,23 @@ def check_drafter_spec(spec: str, model_name: str | None = None, k_max: int | No
 
 def check_shipped_drafter(spec: str, model_name: str) -> None:
     """A drafter named without PATH (eagle, eagle3, a hybrid's head, model) that `model_name`
-    does not ship is refused in one line, with the drafter's files, before the weights load
-    (after the flags: check_drafter_spec)."""
+    does not ship, or a draft-model preset whose weights are not installed, is refused in one
+    line before the target's weights load (after the flags: check_drafter_spec)."""
     hybrid = split_hybrid(spec)
     name, arg = _split(hybrid[0] if hybrid else spec)
-    if arg is not None:
-        return
-    if name.startswith("eagle"):
+    if name == "model":
+        draft = arg if arg is not None else shipped_head_path(model_name, "model")
+        if draft is None:
+            raise none_shipped("model", model_name)
+        if isinstance(draft, str) and draft in list_presets():
+            try:
+                load_preset(draft).check_installed()
+            except (CheckpointError, CheckpointNotFoundError) as e:
+                raise DrafterError(f"drafter {spec!r}: {e}") from None
+    elif name.startswith("eagle") and arg is None:
         kind = "eagle3" if name == "eagle3" else "eagle"
         if shipped_head_path(model_name, kind) is None:
             raise none_shipped(kind, model_name)
-    if name == "model" and shipped_head_path(model_name, "model") is None:
-        raise none_shipped("model", model_name)
 
 
 def _check_eagle_dir(spec: str, path: Path, cfg: ModelConfig | None) -> None:
