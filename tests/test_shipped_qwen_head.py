@@ -2,7 +2,6 @@
 CI does not install it, so there it skips). Its own file: the 1.5B load takes half a minute."""
 
 import pytest
-
 from shipped_heads import check_lossless_and_accepts
 
 from jspec.checkpoint import CheckpointNotFoundError
