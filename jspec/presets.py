@@ -32,7 +32,7 @@ from typing import Any
 
 from .checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
 from .checkpoint.gguf_io import config_from_gguf, load_gguf, open_gguf
-from .checkpoint.gguf_parts import assembled_gguf, located_parts, split_gguf_from_source
+from .checkpoint.gguf_parts import assembled_gguf, check_available, split_gguf_from_source
 from .checkpoint.hf import config_from_hf_file, load_hf
 from .checkpoint.orbax_io import is_orbax_dir, read_config, restore_params
 from .user_cache import user_cache_dir
@@ -80,10 +80,7 @@ class Preset:
         if kind == "pip_gguf":
             _pip_package_file(self.source["package"], self.source["file"], self.name)
         elif kind == "pip_gguf_parts":
-            split = split_gguf_from_source(self.source, str(self.dir / PRESET_FILE))
-            cached = cache_dir() / split.name
-            if not (cached.is_file() and cached.stat().st_size == split.size):
-                located_parts(split)
+            check_available(split_gguf_from_source(self.source, str(self.dir / PRESET_FILE)), cache_dir())
 
     def checkpoint_path(self) -> Path:
         """The local checkpoint file or directory this preset names (materialised if needed)."""

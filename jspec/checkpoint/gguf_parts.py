@@ -137,6 +137,14 @@ def is_assembled(split: SplitGGUF, target: Path) -> bool:
     return target.is_file() and target.stat().st_size == split.size and file_sha256(target) == split.sha256
 
 
+def check_available(split: SplitGGUF, cache: Path) -> None:
+    """What assembled_gguf needs, by file sizes only (nothing is read or hashed): a cached copy of
+    the right size, or every part installed. Raises CheckpointNotFoundError naming what to install."""
+    target = cache / split.name
+    if not (target.is_file() and target.stat().st_size == split.size):
+        located_parts(split)
+
+
 def assembled_gguf(split: SplitGGUF, cache: Path) -> Path:
     """cache / split.name, assembled from the installed parts unless a verified copy is there."""
     target = cache / split.name
@@ -192,4 +200,4 @@ def copy_hashing(path: Path, out: BinaryIO, whole) -> str:
     return own.hexdigest()
 
 
-__all__ = ["GGUFPart", "SplitGGUF", "assembled_gguf", "located_parts", "split_gguf_from_source"]
+__all__ = ["GGUFPart", "SplitGGUF", "assembled_gguf", "check_available", "located_parts", "split_gguf_from_source"]
